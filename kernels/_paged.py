@@ -1,0 +1,27 @@
+"""Shared helpers of the torch references: gathering a sequence's paged KV."""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """cache [N, block_size, *entry], block_tables [B, >= num_blocks] -> [B, S, *entry].
+
+    S = num_blocks * block_size; entries past a sequence's length are whatever the table's
+    padding points at and must be masked by the caller.
+    """
+    table = block_tables[:, :num_blocks].long()  # [B, nb]
+    gathered = cache[table]  # [B, nb, block_size, *entry]
+    b, nb, bs = gathered.shape[:3]
+    return gathered.reshape(b, nb * bs, *cache.shape[2:])
+
+
+def check_cache(name: str, cache: torch.Tensor, ndim: int) -> None:
+    if cache.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(cache.shape)}")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Attention arithmetic runs in fp32 whatever the storage dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

@@ -1,0 +1,133 @@
+"""How one engine step's attention is described (plain tensors) and dispatched to kernels.
+
+The model runner packs a step's tokens as
+
+    | decode tokens (one per sequence) | prefill chunk of seq 0 | prefill chunk of seq 1 | ... |
+      <------- num_decode ----------->  <-------------- num_prefill_tokens --------------->
+
+and describes both parts with `AttentionMetadata`. Attention layers write their new KV into
+the paged pool first (slot_mapping), then read everything back through the block tables, so a
+prefill chunk sees its cached prefix and itself with one code path.
+
+Backends are chosen by name through `get_attention_backend`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import (
+    paged_gqa_decode_ref,
+    paged_mla_decode_ref,
+    prefill_attention_ref,
+    write_kv_ref,
+)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: pool slot of every new token, in packed order
+    num_decode: int  # decode sequences (= decode tokens) at the front of the batch
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int32
+    decode_context_lens: torch.Tensor  # [num_decode] int32, including the new token
+    decode_max_context: int
+    num_prefill_tokens: int
+    prefill_query_start_loc: torch.Tensor  # [num_prefill_seqs + 1] int64, from 0
+    prefill_context_lens: torch.Tensor  # [num_prefill_seqs] int32, cached prefix + chunk
+    prefill_block_tables: torch.Tensor  # [num_prefill_seqs, max_blocks] int32
+    prefill_max_query: int
+    prefill_max_context: int
+
+
+class TorchAttentionBackend:
+    """The torch reference kernels: correct everywhere, used on CPU."""
+
+    name = "torch"
+
+    def write_kv(self, cache: torch.Tensor, new: torch.Tensor, meta: AttentionMetadata) -> None:
+        write_kv_ref(cache, new, meta.slot_mapping)
+
+    def gqa(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+        v_cache: torch.Tensor,  # [N, bs, Hkv, Dv]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, Dv]
+        nd = meta.num_decode
+        out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+        if nd:
+            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale)
+        if meta.num_prefill_tokens:
+            out[nd:] = self.prefill(q[nd:], k_cache, v_cache, meta, scale)
+        return out
+
+    def mla(
+        self,
+        q_latent: torch.Tensor,  # [T, H, r]
+        q_pe: torch.Tensor,  # [T, H, dr]
+        latent_cache: torch.Tensor,  # [N, bs, r + dr]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, r]
+        nd = meta.num_decode
+        rank = q_latent.shape[-1]
+        out = q_latent.new_empty(q_latent.shape)
+        if nd:
+            out[:nd] = self.mla_decode(q_latent[:nd], q_pe[:nd], latent_cache, meta, scale)
+        if meta.num_prefill_tokens:
+            # Prefill in the absorbed form too: one shared KV "head" holding the latent.
+            q = torch.cat([q_latent[nd:], q_pe[nd:]], dim=-1)
+            k_cache = latent_cache.unsqueeze(2)
+            v_cache = latent_cache[..., :rank].unsqueeze(2)
+            out[nd:] = self.prefill(q, k_cache, v_cache, meta, scale)
+        return out
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_gqa_decode_ref(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            max_context_len=meta.decode_max_context,
+        )
+
+    def mla_decode(self, q_latent, q_pe, latent_cache, meta, scale: float) -> torch.Tensor:
+        return paged_mla_decode_ref(
+            q_latent,
+            q_pe,
+            latent_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            max_context_len=meta.decode_max_context,
+        )
+
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return prefill_attention_ref(
+            q,
+            k_cache,
+            v_cache,
+            meta.prefill_query_start_loc,
+            meta.prefill_context_lens,
+            meta.prefill_block_tables,
+            scale,
+            max_query_len=meta.prefill_max_query,
+            max_context_len=meta.prefill_max_context,
+        )
+
+
+ATTENTION_BACKENDS: dict[str, type[TorchAttentionBackend]] = {"torch": TorchAttentionBackend}
+
+
+def get_attention_backend(name: str) -> TorchAttentionBackend:
+    try:
+        return ATTENTION_BACKENDS[name]()
+    except KeyError:
+        valid = ", ".join(sorted(ATTENTION_BACKENDS))
+        raise ValueError(f"attention_backend: unknown {name!r}; choose one of {valid}") from None

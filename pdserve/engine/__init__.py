@@ -1,0 +1,1 @@
+"""The colocated engine: scheduler -> model runner -> sampler, one step at a time."""

@@ -1,0 +1,80 @@
+"""Engine arguments: what a user may set, resolved against the model and the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.kv.kv_cache import bytes_per_block
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_CPU_KV_BYTES = 512 * 2**20
+GPU_KV_FRACTION = 0.5  # of the memory left free after loading weights
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # wins over kv_cache_memory
+    kv_cache_memory: int | None = None  # bytes for the KV pool
+    max_model_len: int | None = None  # default: the model's max positions
+    dtype: str = "auto"  # float32 | float16 | bfloat16 | auto (fp32 on CPU, bf16 on CUDA)
+    device: str = "auto"  # cpu | cuda | cuda:N | auto
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    attention_backend: str = "torch"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r}; choose auto, {', '.join(DTYPES)}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory: must be > 0 bytes, got {self.kv_cache_memory}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"device: {self.device!r} is not a device") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: CUDA was asked for but is not available")
+        return device
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+    def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
+        max_len = self.max_model_len or model.max_position
+        if max_len > model.max_position:
+            raise ValueError(
+                f"max_model_len: {max_len} exceeds the model's {model.max_position} positions"
+            )
+        return SchedulerConfig(
+            max_model_len=max_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
+
+    def cache_config(
+        self, model: ModelConfig, dtype: torch.dtype, device: torch.device
+    ) -> CacheConfig:
+        num_blocks = self.num_kv_blocks
+        if num_blocks is None:
+            budget = self.kv_cache_memory
+            if budget is None:
+                if device.type == "cuda":
+                    free, _ = torch.cuda.mem_get_info(device)
+                    budget = int(free * GPU_KV_FRACTION)
+                else:
+                    budget = DEFAULT_CPU_KV_BYTES
+            num_blocks = budget // bytes_per_block(model, self.block_size, dtype)
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory: {budget} bytes hold no KV block")
+        return CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching)

@@ -1,0 +1,58 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from pdserve.outputs import RequestMetrics
+from pdserve.sampling_params import SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (self.FINISHED_STOPPED, self.FINISHED_LENGTH, self.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    token_ids: list[int]  # prompt, then every generated token appended
+    num_prompt_tokens: int
+    params: SamplingParams
+    metrics: RequestMetrics
+    stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
+    max_total_tokens: int  # min(prompt + max_tokens, max_model_len)
+    generator: torch.Generator | None = None  # per-request RNG when seeded
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def append_token(self, token: int) -> None:
+        self.token_ids.append(token)
+        if token in self.stop_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif self.num_tokens >= self.max_total_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH

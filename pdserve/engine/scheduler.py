@@ -1,0 +1,177 @@
+"""Continuous batching with chunked prefill under a token budget.
+
+Each step: every running request gets its next tokens (one for decoding requests, the rest of
+its prompt up to the budget for prefilling ones), in admission order; then waiting requests
+are admitted while the budget, `max_num_seqs` and free KV blocks allow. A running request that
+cannot get a block preempts the most recently admitted one (its KV is dropped and it is
+recomputed later, from its prefix-cache hits where they survive).
+
+The runner gets plain data (`ScheduledChunk`), never the scheduler's own objects.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.kv import BlockAllocator
+from pdserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledChunk:
+    token_ids: list[int]  # the tokens to compute this step
+    start: int  # position of token_ids[0] (= tokens already in the cache)
+    block_ids: list[int]  # the request's block table
+    sample: bool  # the chunk ends the known tokens: sample the next one
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request]  # parallel to chunks
+    chunks: list[ScheduledChunk]
+    copies: list[tuple[int, int]]  # copy-on-write block copies to do before running
+    preempted: list[Request]
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        batch = ScheduledBatch([], [], [], [])
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._make_room(req, n, batch):
+                batch.copies += self.allocator.append_slots(
+                    req.block_ids, req.num_computed_tokens, n
+                )
+                self._add_chunk(batch, req, n)
+                budget -= n
+                idx += 1
+            else:
+                break  # req itself was preempted; everything after it is gone too
+        while self.waiting and budget > 0 and not batch.preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            req = self.waiting[0]
+            if not self.allocator.can_allocate(req.token_ids):
+                break
+            self.waiting.popleft()
+            req.block_ids, cached = self.allocator.allocate(req.token_ids)
+            req.num_computed_tokens = cached
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.monotonic()
+                req.metrics.cached_prompt_tokens = cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            n = min(req.num_tokens - cached, budget)
+            self._add_chunk(batch, req, n)
+            budget -= n
+        return batch
+
+    def _make_room(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
+        """Preempt from the tail until `req` can grow by n tokens; False if req was the victim."""
+        while not self.allocator.can_append(req.block_ids, req.num_computed_tokens, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.allocator.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.metrics.preemptions += 1
+        self.waiting.appendleft(req)
+
+    @staticmethod
+    def _add_chunk(batch: ScheduledBatch, req: Request, n: int) -> None:
+        start = req.num_computed_tokens
+        batch.requests.append(req)
+        batch.chunks.append(
+            ScheduledChunk(
+                token_ids=req.token_ids[start : start + n],
+                start=start,
+                block_ids=req.block_ids,
+                sample=start + n == req.num_tokens,
+                params=req.params,
+                generator=req.generator,
+            )
+        )
+
+    def update(
+        self, batch: ScheduledBatch, sampled: list[int], logprobs: list[dict[int, float]] | None
+    ) -> list[Request]:
+        """Account a finished step: computed tokens, new tokens, finished requests."""
+        finished, k, now = [], 0, time.monotonic()
+        for req, chunk in zip(batch.requests, batch.chunks):
+            req.num_computed_tokens += len(chunk.token_ids)
+            self.allocator.commit(req.block_ids, req.token_ids, req.num_computed_tokens)
+            if not chunk.sample:
+                continue
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            if logprobs is not None:
+                req.logprobs.append(logprobs[k])
+            req.append_token(sampled[k])
+            k += 1
+            if req.status.finished:
+                self._finish(req, now)
+                finished.append(req)
+        return finished
+
+    def abort(self, request_id: str) -> Request | None:
+        for queue in (self.running, self.waiting):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    req.status = RequestStatus.FINISHED_ABORTED
+                    self._release(req, time.monotonic())
+                    return req
+        return None
+
+    def _finish(self, req: Request, now: float) -> None:
+        self.running.remove(req)
+        self._release(req, now)
+
+    def _release(self, req: Request, now: float) -> None:
+        if req.block_ids:
+            self.allocator.free(req.block_ids)
+            req.block_ids = []
+        req.metrics.finished_time = now
+
+    def block_owners(self) -> dict[int, int]:
+        """block -> number of running requests holding it (for check_integrity)."""
+        owners: dict[int, int] = {}
+        for req in self.running:
+            for b in req.block_ids:
+                owners[b] = owners.get(b, 0) + 1
+        return owners

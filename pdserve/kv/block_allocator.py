@@ -1,0 +1,214 @@
+"""Paged KV block allocator: reference counts, prefix caching, LRU reuse of cached blocks.
+
+Every block is in exactly one of three states:
+
+    FREE       ref 0, no hash         in `_free` (FIFO)
+    CACHED     ref 0, hashed          in `_evictable` (LRU: oldest freed first)
+    USED       ref >= 1               owned by the sequences holding it
+
+A full block's hash chains its parent's: h_i = H(h_{i-1}, tokens of block i), so equal hashes
+mean equal prefixes. A new sequence reuses the longest chain of cached full blocks of its
+prompt (never the block holding the prompt's last token, which must be computed to produce
+logits). Fresh blocks come from FREE first, then from CACHED in LRU order (dropping the
+hash). Freeing a sequence releases its blocks tail first, so its prefix stays cached longest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class NoFreeBlocks(RuntimeError):
+    """The pool cannot supply the blocks asked for; the caller should wait or preempt."""
+
+
+def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update((parent or 0).to_bytes(16, "little"))
+    digest.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return int.from_bytes(digest.digest(), "little")
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be > 0")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+
+    # -- queries --------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new allocation can take (free plus evictable cached)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _prefix_hashes(self, token_ids: Sequence[int], num_blocks: int) -> list[int]:
+        hashes, parent, bs = [], None, self.block_size
+        for i in range(num_blocks):
+            parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+        return hashes
+
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Block ids of the longest cached prefix (full blocks, last token excluded)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for h in self._prefix_hashes(token_ids, (len(token_ids) - 1) // self.block_size):
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate(self, token_ids: Sequence[int], reserve: int = 0) -> bool:
+        """Whether `allocate(token_ids)` would succeed leaving `reserve` blocks free."""
+        hits = self.match_prefix(token_ids)
+        revived = sum(1 for b in hits if self.ref_counts[b] == 0)  # leave the evictable pool
+        fresh = self.blocks_needed(len(token_ids)) - len(hits)
+        return fresh + revived + reserve <= self.num_free_blocks
+
+    # -- mutations ------------------------------------------------------------------------
+    def allocate(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+        """Blocks for a new sequence of `token_ids` -> (block ids, number of cached tokens)."""
+        if not token_ids:
+            raise ValueError("token_ids: cannot allocate an empty sequence")
+        if not self.can_allocate(token_ids):
+            raise NoFreeBlocks(f"{self.blocks_needed(len(token_ids))} blocks needed")
+        hits = self.match_prefix(token_ids)
+        for block in hits:
+            if self.ref_counts[block] == 0:
+                del self._evictable[block]
+            self.ref_counts[block] += 1
+        fresh = [self._take() for _ in range(self.blocks_needed(len(token_ids)) - len(hits))]
+        return hits + fresh, len(hits) * self.block_size
+
+    def append_slots(
+        self, block_ids: list[int], num_tokens: int, new_tokens: int
+    ) -> list[tuple[int, int]]:
+        """Grow a sequence of `num_tokens` by `new_tokens`, in place on `block_ids`.
+
+        Returns copy-on-write pairs (src, dst): a shared last block that would be written is
+        replaced by a private copy, whose contents the caller must copy from src.
+        """
+        needed = self.blocks_needed(num_tokens + new_tokens) - len(block_ids)
+        writes_last = num_tokens % self.block_size != 0
+        cow = writes_last and self.ref_counts[block_ids[-1]] > 1
+        if needed + int(cow) > self.num_free_blocks:
+            raise NoFreeBlocks(f"{needed + int(cow)} blocks needed")
+        copies = []
+        if cow:
+            src = block_ids[-1]
+            dst = self._take()
+            self.ref_counts[src] -= 1
+            block_ids[-1] = dst
+            copies.append((src, dst))
+        block_ids.extend(self._take() for _ in range(needed))
+        return copies
+
+    def can_append(self, block_ids: list[int], num_tokens: int, new_tokens: int) -> bool:
+        needed = self.blocks_needed(num_tokens + new_tokens) - len(block_ids)
+        cow = num_tokens % self.block_size != 0 and self.ref_counts[block_ids[-1]] > 1
+        return needed + int(cow) <= self.num_free_blocks
+
+    def fork(self, block_ids: list[int]) -> list[int]:
+        """Share all of a sequence's blocks with a new sequence (refcounts + 1)."""
+        for block in block_ids:
+            assert self.ref_counts[block] > 0, f"fork of unowned block {block}"
+            self.ref_counts[block] += 1
+        return list(block_ids)
+
+    def commit(self, block_ids: list[int], token_ids: Sequence[int], num_computed: int) -> None:
+        """Register the hashes of full blocks whose KV is now computed (for later reuse)."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(num_computed // self.block_size, len(block_ids))
+        parent = None
+        for i in range(full):
+            block = block_ids[i]
+            known = self.block_hash[block]
+            if known is not None:
+                parent = known
+                continue
+            parent = chain_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if parent in self.hash_to_block:
+                continue  # an identical block is already cached; keep this one private
+            self.block_hash[block] = parent
+            self.hash_to_block[parent] = block
+
+    def free(self, block_ids: list[int]) -> None:
+        """Release a sequence's blocks, tail first."""
+        for block in reversed(block_ids):
+            assert self.ref_counts[block] > 0, f"double free of block {block}"
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.block_hash[block] is None:
+                    self._free.append(block)
+                else:
+                    self._evictable[block] = None
+
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            h = self.block_hash[block]
+            assert h is not None
+            del self.hash_to_block[h]
+            self.block_hash[block] = None
+        else:
+            raise NoFreeBlocks("pool exhausted")
+        assert self.ref_counts[block] == 0
+        self.ref_counts[block] = 1
+        return block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash; cached blocks become free."""
+        for block in list(self._evictable):
+            self._free.append(block)
+        self._evictable.clear()
+        self.hash_to_block.clear()
+        for block in range(self.num_blocks):
+            self.block_hash[block] = None
+
+    # -- invariants -----------------------------------------------------------------------
+    def check_integrity(self, owners: dict[int, int] | None = None) -> None:
+        """free + cached + used == total, each block in one state, hashes consistent.
+
+        `owners` (block -> number of holders) lets a caller that knows every block table
+        check the reference counts exactly.
+        """
+        free, cached = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "duplicate in free list"
+        assert not (free & cached), "block both free and cached"
+        used = {b for b in range(self.num_blocks) if self.ref_counts[b] > 0}
+        assert not (used & (free | cached)), "used block on a free list"
+        assert len(free) + len(cached) + len(used) == self.num_blocks, "a block is in no state"
+        assert all(self.block_hash[b] is None for b in free), "free block keeps a hash"
+        assert all(self.block_hash[b] is not None for b in cached), "cached block without hash"
+        for h, b in self.hash_to_block.items():
+            assert self.block_hash[b] == h, f"hash map points at block {b} with another hash"
+        hashed = sum(1 for h in self.block_hash if h is not None)
+        assert hashed == len(self.hash_to_block), "hash map and block hashes disagree"
+        if owners is not None:
+            for b in range(self.num_blocks):
+                assert self.ref_counts[b] == owners.get(b, 0), (
+                    f"block {b}: refcount {self.ref_counts[b]} but {owners.get(b, 0)} owners"
+                )

@@ -1,0 +1,34 @@
+"""Model families, chosen by `ModelConfig.architecture`."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.config import ModelConfig
+from pdserve.models.base import CausalLM
+from pdserve.models.deepseek import DeepseekForCausalLM, MoEGate
+from pdserve.models.llama import LlamaForCausalLM
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "deepseek": DeepseekForCausalLM,
+}
+
+
+def build_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    weights=None,
+    load: bool = True,
+) -> CausalLM:
+    """Instantiate the model on `device` in `dtype` and load `weights` (name, tensor) pairs."""
+    model = MODEL_CLASSES[config.architecture](config)
+    if load:
+        model.load_weights(weights)
+    model.to(device=device, dtype=dtype)
+    for module in model.modules():
+        if isinstance(module, MoEGate):
+            module.float()  # routers score in fp32 whatever the model dtype
+    model.after_load()
+    return model.eval().requires_grad_(False)

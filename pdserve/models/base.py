@@ -1,0 +1,80 @@
+"""The decoder skeleton every model family shares: embed -> layers -> norm -> lm_head.
+
+A model works on a packed batch: `input_ids [T]` and `positions [T]` for all tokens of the
+step, `kv_caches[i]` the pool of layer i, and `AttentionMetadata` describing the sequences.
+Parameter names follow Hugging Face checkpoints, except the fusions `StackedLoader` maps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pdserve.attention import AttentionMetadata, TorchAttentionBackend
+from pdserve.config import ModelConfig
+from pdserve.models.layers import RMSNorm, StackedLoader
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    # checkpoint sub-name -> (fused sub-name, shard); see StackedLoader
+    stacked_rules: dict[str, tuple[str, int]] = {}
+
+    def __init__(self, config: ModelConfig, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, layers)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def shard_sizes(self) -> dict[str, list[int] | int]:
+        return {}
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        backend: TorchAttentionBackend,
+    ) -> torch.Tensor:  # hidden states [T, hidden]
+        h = self.model.embed_tokens(input_ids)
+        for layer, cache in zip(self.model.layers, kv_caches):
+            h = layer(h, positions, cache, meta, backend)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [N, vocab] in fp32 for sampling
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = StackedLoader(self, self.stacked_rules, self.shard_sizes())
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # shares model.embed_tokens.weight
+            if self.skip_weight(name):
+                continue
+            loader.load(name, tensor)
+        loader.check_complete()
+
+    def skip_weight(self, name: str) -> bool:
+        # rotary tables are recomputed; DeepSeek-V3's multi-token-prediction layers are unused
+        return "rotary_emb" in name or self.is_mtp_weight(name)
+
+    def is_mtp_weight(self, name: str) -> bool:
+        if not name.startswith("model.layers."):
+            return False
+        return int(name.split(".")[2]) >= self.config.num_layers
+
+    def after_load(self) -> None:
+        """Derive inference-only tensors from loaded weights (after the final dtype/device)."""
