@@ -12,9 +12,10 @@ def gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: in
     padding points at and must be masked by the caller.
     """
     table = block_tables[:, :num_blocks].long()  # [B, nb]
-    gathered = cache[table]  # [B, nb, block_size, *entry]
-    b, nb, bs = gathered.shape[:3]
-    return gathered.reshape(b, nb * bs, *cache.shape[2:])
+    batch, block_size = table.shape[0], cache.shape[1]
+    # index_select over whole blocks is several times faster than advanced indexing
+    gathered = cache.index_select(0, table.flatten())  # [B * nb, block_size, *entry]
+    return gathered.reshape(batch, num_blocks * block_size, *cache.shape[2:])
 
 
 def check_cache(name: str, cache: torch.Tensor, ndim: int) -> None:

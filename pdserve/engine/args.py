@@ -31,6 +31,10 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r}; choose auto, {', '.join(DTYPES)}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size: must be > 0, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks: must be > 0, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory: must be > 0 bytes, got {self.kv_cache_memory}")
 

@@ -15,6 +15,7 @@ from torch import nn
 from pdserve.attention import AttentionMetadata, TorchAttentionBackend
 from pdserve.config import ModelConfig
 from pdserve.models.layers import RMSNorm, StackedLoader
+from pdserve.models.rope import RotaryEmbedding
 
 
 class DecoderModel(nn.Module):
@@ -29,9 +30,12 @@ class CausalLM(nn.Module):
     # checkpoint sub-name -> (fused sub-name, shard); see StackedLoader
     stacked_rules: dict[str, tuple[str, int]] = {}
 
-    def __init__(self, config: ModelConfig, layers: list[nn.Module]) -> None:
+    def __init__(
+        self, config: ModelConfig, layers: list[nn.Module], rotary: RotaryEmbedding
+    ) -> None:
         super().__init__()
         self.config = config
+        self.rotary = rotary  # shared by every layer's attention
         self.model = DecoderModel(config, layers)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -49,8 +53,9 @@ class CausalLM(nn.Module):
         backend: TorchAttentionBackend,
     ) -> torch.Tensor:  # hidden states [T, hidden]
         h = self.model.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, h.dtype)
         for layer, cache in zip(self.model.layers, kv_caches):
-            h = layer(h, positions, cache, meta, backend)
+            h = layer(h, rope, cache, meta, backend)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from pdserve.attention import AttentionMetadata, TorchAttentionBackend
 from pdserve.config import MLAConfig, ModelConfig, MoEConfig
 from pdserve.models.base import CausalLM
 from pdserve.models.layers import GatedMLP, RMSNorm
-from pdserve.models.rope import RotaryEmbedding, yarn_mscale
+from pdserve.models.rope import RopeTable, RotaryEmbedding, yarn_mscale
 
 
 class MLAAttention(nn.Module):
@@ -58,7 +58,7 @@ class MLAAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T]
+        rope: RopeTable,  # cos/sin of the tokens' positions
         latent_cache: torch.Tensor,  # [num_blocks, block_size, r + dr]
         meta: AttentionMetadata,
         backend: TorchAttentionBackend,
@@ -73,7 +73,7 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
         c_kv = self.kv_a_layernorm(c_kv)  # [T, r]
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))  # [T, H, dr], [T, 1, dr]
+        q_pe, k_pe = self.rotary(rope, q_pe, k_pe.unsqueeze(1))  # [T, H, dr], [T, 1, dr]
         backend.write_kv(latent_cache, torch.cat([c_kv, k_pe.squeeze(1)], dim=-1), meta)
         # q_latent[t, h] = q_nope[t, h] @ W_UK[h]: [H, T, nope] @ [H, nope, r] -> [T, H, r]
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
@@ -164,8 +164,8 @@ class DeepseekLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h, positions, kv_cache, meta, backend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, meta, backend)
+    def forward(self, h, rope, kv_cache, meta, backend) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, meta, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -179,7 +179,7 @@ class DeepseekForCausalLM(CausalLM):
         assert config.mla is not None
         rotary = RotaryEmbedding(config.rope, config.mla.qk_rope_head_dim, config.max_position)
         layers = [DeepseekLayer(config, i, rotary) for i in range(config.num_layers)]
-        super().__init__(config, layers)
+        super().__init__(config, layers, rotary)
 
     def shard_sizes(self) -> dict[str, list[int] | int]:
         return {".gate_up_proj.": 2}  # dense, shared and routed MLPs: gate | up, equal halves

@@ -9,7 +9,7 @@ from pdserve.attention import AttentionMetadata, TorchAttentionBackend
 from pdserve.config import ModelConfig
 from pdserve.models.base import CausalLM
 from pdserve.models.layers import GatedMLP, RMSNorm
-from pdserve.models.rope import RotaryEmbedding
+from pdserve.models.rope import RopeTable, RotaryEmbedding
 
 
 class GQAAttention(nn.Module):
@@ -30,7 +30,7 @@ class GQAAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T]
+        rope: RopeTable,  # cos/sin of the tokens' positions
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         backend: TorchAttentionBackend,
@@ -40,7 +40,7 @@ class GQAAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(rope, q, k)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         backend.write_kv(k_cache, k, meta)
         backend.write_kv(v_cache, v, meta)
@@ -56,8 +56,8 @@ class LlamaLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h, positions, kv_cache, meta, backend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, meta, backend)
+    def forward(self, h, rope, kv_cache, meta, backend) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, meta, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -72,7 +72,8 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig) -> None:
         rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position)
-        super().__init__(config, [LlamaLayer(config, rotary) for _ in range(config.num_layers)])
+        layers = [LlamaLayer(config, rotary) for _ in range(config.num_layers)]
+        super().__init__(config, layers, rotary)
 
     def shard_sizes(self) -> dict[str, list[int] | int]:
         c = self.config

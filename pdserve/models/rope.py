@@ -16,6 +16,8 @@ from torch import nn
 
 from pdserve.config import RopeConfig
 
+RopeTable = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, dim // 2]
+
 
 def inverse_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     """-> (inv_freq [dim // 2] fp32, attention factor applied to cos and sin)."""
@@ -92,12 +94,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
 
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTable:
+        """cos and sin of a step's positions [T], looked up once and shared by all layers."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, dim // 2]
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return cos, sin
+
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, table: RopeTable, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, Hq, dim], k: [T, Hk, dim], positions: [T]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, dim // 2]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        # q: [T, Hq, dim], k: [T, Hk, dim]
+        cos, sin = table
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

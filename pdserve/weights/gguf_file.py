@@ -80,14 +80,13 @@ def _config(reader: Any, arch: str) -> ModelConfig:
     )
 
 
-def _weights(path: Path, config: ModelConfig, permuted: bool) -> Weights:
+def _weights(reader: Any, config: ModelConfig, permuted: bool) -> Weights:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
     for t in reader.tensors:
         array = gguf.quants.dequantize(t.data, t.tensor_type)
         # GGUF lists dims fastest-first; dequantize returns them slowest-first (torch order).
-        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        tensor = torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy
         name = hf_name(t.name)
         if permuted and name.endswith("q_proj.weight"):
             tensor = unpermute_rope(tensor, config.num_heads)
@@ -124,7 +123,7 @@ def load_gguf(path: Path) -> ModelSource:
     return ModelSource(
         name=str(path),
         config=config,
-        weights=lambda: _weights(path, config, permuted),
+        weights=lambda: _weights(reader, config, permuted),
         tokenizer=tokenizer,
         hf_model_type="llama" if arch == "llama" else "qwen2",
     )

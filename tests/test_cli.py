@@ -1,0 +1,71 @@
+"""The pdserve command line, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.cli import main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_generate_prints_the_completion():
+    proc = run_cli(
+        "generate",
+        "--model",
+        "smollm2-135m",
+        "--chat",
+        "--max-tokens",
+        "16",
+        "--prompt",
+        "What is the capital of France?",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_bad_model_is_one_clear_line_without_traceback():
+    proc = run_cli("generate", "--model", "nope", "--prompt", "hi")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("pdserve: error: model: 'nope' is neither a preset")
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_sampling_value_is_reported(capsys):
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "x", "--top-p", "2"]) == 2
+    assert "top_p: must be in (0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_offline_writes_json_with_both_figures(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_cli(
+        "bench",
+        "offline",
+        "--model",
+        "tiny-llama",
+        "--batch-sizes",
+        "1,4",
+        "--requests-at-batch-1",
+        "2",
+        "--json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "pdserve tok/s" in proc.stdout and "transformers tok/s" in proc.stdout
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert [r["batch_size"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["pdserve_tok_s"] > 0 and r["transformers_tok_s"] > 0
+        assert r["ratio"] == pytest.approx(r["pdserve_tok_s"] / r["transformers_tok_s"])
+    # same weights, same greedy sampling: identical tokens at batch 1
+    assert rows[0]["identical_outputs"] == rows[0]["requests"]
