@@ -1,17 +1,30 @@
-"""Attention and KV-movement kernels, each beside its torch reference.
+"""Attention and KV-movement kernels, each a Triton kernel beside its torch reference.
 
-The torch references here are the engine's `attention_backend="torch"` path (CPU and CUDA);
-Triton kernels join them one file per kernel. Nothing here imports from the rest of pdserve.
+The torch references (`*_ref`) are the engine's `attention_backend="torch"` path and the
+oracle for the Triton kernels. Nothing here imports from the rest of pdserve. On a machine
+without a GPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set before
+triton is imported).
 """
 
-from kernels.kv_write import write_kv_ref
-from kernels.paged_gqa_decode import paged_gqa_decode_ref
-from kernels.paged_mla_decode import paged_mla_decode_ref
+from kernels.block_copy import pack_blocks, pack_blocks_ref, unpack_blocks, unpack_blocks_ref
+from kernels.kv_write import write_kv, write_kv_ref
+from kernels.paged_gqa_decode import paged_gqa_decode, paged_gqa_decode_ref
+from kernels.paged_mla_decode import paged_mla_decode, paged_mla_decode_ref
 from kernels.prefill_attention import prefill_attention_ref
+from kernels.split_reduce import split_reduce, split_reduce_ref
 
 __all__ = [
+    "pack_blocks",
+    "pack_blocks_ref",
+    "paged_gqa_decode",
     "paged_gqa_decode_ref",
+    "paged_mla_decode",
     "paged_mla_decode_ref",
     "prefill_attention_ref",
+    "split_reduce",
+    "split_reduce_ref",
+    "unpack_blocks",
+    "unpack_blocks_ref",
+    "write_kv",
     "write_kv_ref",
 ]

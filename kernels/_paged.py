@@ -11,6 +11,10 @@ def gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: in
     S = num_blocks * block_size; entries past a sequence's length are whatever the table's
     padding points at and must be masked by the caller.
     """
+    if block_tables.shape[1] < num_blocks:
+        raise ValueError(
+            f"block_tables has {block_tables.shape[1]} columns; the context needs {num_blocks}"
+        )
     table = block_tables[:, :num_blocks].long()  # [B, nb]
     batch, block_size = table.shape[0], cache.shape[1]
     # index_select over whole blocks is several times faster than advanced indexing

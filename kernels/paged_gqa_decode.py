@@ -11,14 +11,238 @@ Shapes:
 
 Query head h reads KV head h // (num_q_heads // num_kv_heads). Scores are
 `scale * q.k`, optionally soft-capped as `cap * tanh(score / cap)`; softmax in fp32.
+
+Triton kernel: one program per (sequence, KV head, split); the query heads of a group are
+processed together (one KV read serves the whole group). A split walks its range of the
+block table one KV block at a time with an online softmax; with more than one split the
+partial results are merged by `split_reduce` (flash-decoding), so small batches with long
+contexts still fill the GPU. Loads are upcast to fp32 before arithmetic. Head dims need not
+be powers of two (masked). Limits: block_size >= 16 and a power of two (tl.dot tiles).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
+from kernels._launch import (
+    check_dtype,
+    check_index,
+    check_launchable,
+    choose_num_splits,
+)
 from kernels._paged import check_cache, compute_dtype, gather_paged
+from kernels.split_reduce import split_reduce
+
+
+@triton.jit
+def _gqa_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    lens_ptr,
+    part_ptr,
+    lse_ptr,
+    scale,
+    soft_cap,
+    blocks_per_split,
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_kt,
+    stride_kh,
+    stride_vn,
+    stride_vt,
+    stride_vh,
+    stride_tb,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(lens_ptr + b)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(ctx, BLOCK_SIZE))
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_t = tl.arange(0, BLOCK_SIZE)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    dv_mask = offs_dv < HEAD_DIM_V
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)  # [BLOCK_G, BLOCK_D]
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    for blk in range(first, last):
+        block_id = tl.load(table_ptr + b * stride_tb + blk).to(tl.int64)
+        t_mask = blk * BLOCK_SIZE + offs_t < ctx
+        k = tl.load(
+            k_ptr
+            + block_id * stride_kn
+            + offs_t[:, None] * stride_kt
+            + kv_head * stride_kh
+            + offs_d[None, :],
+            mask=t_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_SIZE, BLOCK_D]
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_SIZE]
+        if SOFT_CAP:
+            s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)  # cap * tanh(s / cap)
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        v = tl.load(
+            v_ptr
+            + block_id * stride_vn
+            + offs_t[:, None] * stride_vt
+            + kv_head * stride_vh
+            + offs_dv[None, :],
+            mask=t_mask[:, None] & dv_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_SIZE, BLOCK_DV]
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m = m_new
+
+    safe = tl.where(denom > 0, denom, 1.0)
+    out = acc / safe[:, None]
+    tl.store(
+        part_ptr
+        + b * stride_pb
+        + heads[:, None] * stride_ph
+        + split * stride_ps
+        + offs_dv[None, :],
+        out.to(part_ptr.dtype.element_ty),
+        mask=g_mask[:, None] & dv_mask[None, :],
+    )
+    if WRITE_LSE:
+        lse = tl.where(denom > 0, m + tl.log(safe), float("-inf"))
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+
+
+def paged_gqa_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    soft_cap: float | None = None,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton paged decode; same contract as `paged_gqa_decode_ref`.
+
+    `num_splits` overrides the split-KV choice; `out` ([B, num_q_heads, head_dim_v], q's
+    dtype) receives the result when given.
+    """
+    check_cache("k_cache", k_cache, 4)
+    check_cache("v_cache", v_cache, 4)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_dtype(name, t)
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: last dimension must be contiguous")
+    check_index("block_tables", block_tables)
+    check_index("context_lens", context_lens)
+    check_launchable(q, k_cache, v_cache, block_tables, context_lens)
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, kv_dim = k_cache.shape
+    head_dim_v = v_cache.shape[-1]
+    if kv_dim != head_dim or v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(
+            f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} vs q {tuple(q.shape)}"
+        )
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of {num_kv_heads}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size {block_size}: the Triton kernel needs a power of two >= 16")
+    if block_tables.shape[0] != batch or context_lens.shape != (batch,):
+        raise ValueError("block_tables / context_lens do not match the batch")
+    if out is None:
+        out = torch.empty(batch, num_q_heads, head_dim_v, dtype=q.dtype, device=q.device)
+    elif out.shape != (batch, num_q_heads, head_dim_v) or out.dtype != q.dtype:
+        raise ValueError(f"out: expected {(batch, num_q_heads, head_dim_v)} {q.dtype}")
+    if batch == 0:
+        return out
+    if max_context_len is None:
+        max_context_len = int(context_lens.max())
+    max_blocks = max(1, -(-max_context_len // block_size))
+    if num_splits is None:
+        num_splits = choose_num_splits(batch * num_kv_heads, max_blocks, q.device)
+    num_splits = max(1, min(num_splits, max_blocks))
+    blocks_per_split = -(-max_blocks // num_splits)
+    group = num_q_heads // num_kv_heads
+    if num_splits == 1:
+        part, lse = out.unsqueeze(2), out.new_empty(0, dtype=torch.float32)
+    else:
+        part = torch.empty(
+            batch, num_q_heads, num_splits, head_dim_v, dtype=torch.float32, device=q.device
+        )
+        lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    _gqa_decode_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        part,
+        lse,
+        scale,
+        soft_cap or 1.0,
+        blocks_per_split,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        part.stride(0),
+        part.stride(1),
+        part.stride(2),
+        lse.stride(0) if num_splits > 1 else 0,
+        lse.stride(1) if num_splits > 1 else 0,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_SIZE=block_size,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
+        SOFT_CAP=soft_cap is not None,
+        WRITE_LSE=num_splits > 1,
+    )
+    if num_splits > 1:
+        split_reduce(part, lse, out)
+    return out
 
 
 def paged_gqa_decode_ref(

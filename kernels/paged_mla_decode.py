@@ -11,14 +11,201 @@ Shapes:
     block_tables: [B, max_blocks] int32 block ids
     context_lens: [B] int32
     returns:      [B, num_heads, kv_lora_rank] (softmax(scale * (q_latent.c_kv + q_pe.k_pe)) @ c_kv)
+
+Triton kernel: one program per (sequence, group of BLOCK_H heads, split). Every KV block is
+read once per head group and serves all its heads (the latent is shared); split-KV merges
+through `split_reduce`. kv_lora_rank up to 512 and rope_dim up to 64 (powers of two or
+masked); loads upcast to fp32. Limits: block_size >= 16 and a power of two.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
+from kernels._launch import check_dtype, check_index, check_launchable, choose_num_splits
 from kernels._paged import check_cache
 from kernels.paged_gqa_decode import paged_gqa_decode_ref
+from kernels.split_reduce import split_reduce
+
+BLOCK_H = 16
+
+
+@triton.jit
+def _mla_decode_kernel(
+    ql_ptr,
+    qpe_ptr,
+    cache_ptr,
+    table_ptr,
+    lens_ptr,
+    part_ptr,
+    lse_ptr,
+    scale,
+    num_heads,
+    blocks_per_split,
+    stride_qlb,
+    stride_qlh,
+    stride_qpb,
+    stride_qph,
+    stride_cn,
+    stride_ct,
+    stride_tb,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    RANK: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head_group = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(lens_ptr + b)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(ctx, BLOCK_SIZE))
+
+    heads = head_group * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_t = tl.arange(0, BLOCK_SIZE)
+    h_mask = heads < num_heads
+    r_mask = offs_r < RANK
+    p_mask = offs_p < ROPE
+    q_lat = tl.load(
+        ql_ptr + b * stride_qlb + heads[:, None] * stride_qlh + offs_r[None, :],
+        mask=h_mask[:, None] & r_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)  # [BLOCK_H, BLOCK_R]
+    q_pe = tl.load(
+        qpe_ptr + b * stride_qpb + heads[:, None] * stride_qph + offs_p[None, :],
+        mask=h_mask[:, None] & p_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)  # [BLOCK_H, BLOCK_P]
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for blk in range(first, last):
+        block_id = tl.load(table_ptr + b * stride_tb + blk).to(tl.int64)
+        t_mask = blk * BLOCK_SIZE + offs_t < ctx
+        row = cache_ptr + block_id * stride_cn + offs_t[:, None] * stride_ct
+        c_kv = tl.load(row + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0).to(
+            tl.float32
+        )  # [BLOCK_SIZE, BLOCK_R]
+        k_pe = tl.load(
+            row + RANK + offs_p[None, :], mask=t_mask[:, None] & p_mask[None, :], other=0.0
+        ).to(tl.float32)  # [BLOCK_SIZE, BLOCK_P]
+        s = tl.dot(q_lat, tl.trans(c_kv), input_precision="ieee")
+        s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
+        s = tl.where(t_mask[None, :], s * scale, float("-inf"))  # [BLOCK_H, BLOCK_SIZE]
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, c_kv, input_precision="ieee")
+        m = m_new
+
+    safe = tl.where(denom > 0, denom, 1.0)
+    tl.store(
+        part_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_r[None, :],
+        (acc / safe[:, None]).to(part_ptr.dtype.element_ty),
+        mask=h_mask[:, None] & r_mask[None, :],
+    )
+    if WRITE_LSE:
+        lse = tl.where(denom > 0, m + tl.log(safe), float("-inf"))
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+
+
+def paged_mla_decode(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton MLA decode; same contract as `paged_mla_decode_ref` (`num_splits`, `out` as in
+    `paged_gqa_decode`)."""
+    check_cache("latent_cache", latent_cache, 3)
+    for name, t in (("q_latent", q_latent), ("q_pe", q_pe), ("latent_cache", latent_cache)):
+        check_dtype(name, t)
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: last dimension must be contiguous")
+    check_index("block_tables", block_tables)
+    check_index("context_lens", context_lens)
+    check_launchable(q_latent, q_pe, latent_cache, block_tables, context_lens)
+    batch, heads, rank = q_latent.shape
+    rope = q_pe.shape[-1]
+    block_size = latent_cache.shape[1]
+    if q_pe.shape[:2] != (batch, heads) or latent_cache.shape[-1] != rank + rope:
+        raise ValueError(
+            f"latent_cache last dim {latent_cache.shape[-1]} != kv_lora_rank {rank} + "
+            f"rope_dim {rope}, or q_pe {tuple(q_pe.shape)} does not match q_latent"
+        )
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size {block_size}: the Triton kernel needs a power of two >= 16")
+    if out is None:
+        out = torch.empty_like(q_latent)
+    elif out.shape != q_latent.shape or out.dtype != q_latent.dtype:
+        raise ValueError(f"out: expected {tuple(q_latent.shape)} {q_latent.dtype}")
+    if batch == 0:
+        return out
+    if max_context_len is None:
+        max_context_len = int(context_lens.max())
+    max_blocks = max(1, -(-max_context_len // block_size))
+    head_groups = -(-heads // BLOCK_H)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch * head_groups, max_blocks, q_latent.device)
+    num_splits = max(1, min(num_splits, max_blocks))
+    if num_splits == 1:
+        part, lse = out.unsqueeze(2), out.new_empty(0, dtype=torch.float32)
+    else:
+        part = q_latent.new_empty(batch, heads, num_splits, rank, dtype=torch.float32)
+        lse = q_latent.new_empty(batch, heads, num_splits, dtype=torch.float32)
+    _mla_decode_kernel[(batch, head_groups, num_splits)](
+        q_latent,
+        q_pe,
+        latent_cache,
+        block_tables,
+        context_lens,
+        part,
+        lse,
+        scale,
+        heads,
+        -(-max_blocks // num_splits),
+        q_latent.stride(0),
+        q_latent.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        latent_cache.stride(0),
+        latent_cache.stride(1),
+        block_tables.stride(0),
+        part.stride(0),
+        part.stride(1),
+        part.stride(2),
+        lse.stride(0) if num_splits > 1 else 0,
+        lse.stride(1) if num_splits > 1 else 0,
+        RANK=rank,
+        ROPE=rope,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=BLOCK_H,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        BLOCK_P=max(16, triton.next_power_of_2(rope)),
+        WRITE_LSE=num_splits > 1,
+    )
+    if num_splits > 1:
+        split_reduce(part, lse, out)
+    return out
 
 
 def paged_mla_decode_ref(

@@ -19,9 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from kernels import (
+    paged_gqa_decode,
     paged_gqa_decode_ref,
+    paged_mla_decode,
     paged_mla_decode_ref,
     prefill_attention_ref,
+    write_kv,
     write_kv_ref,
 )
 
@@ -122,12 +125,50 @@ class TorchAttentionBackend:
         )
 
 
-ATTENTION_BACKENDS: dict[str, type[TorchAttentionBackend]] = {"torch": TorchAttentionBackend}
+class TritonAttentionBackend(TorchAttentionBackend):
+    """Triton kernels for the decode step (paged GQA/MLA decode, KV write); prefill chunks
+    keep the torch path. On CPU they run only under the Triton interpreter."""
+
+    name = "triton"
+
+    def write_kv(self, cache: torch.Tensor, new: torch.Tensor, meta: AttentionMetadata) -> None:
+        write_kv(cache, new, meta.slot_mapping)
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_gqa_decode(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            max_context_len=meta.decode_max_context,
+        )
+
+    def mla_decode(self, q_latent, q_pe, latent_cache, meta, scale: float) -> torch.Tensor:
+        return paged_mla_decode(
+            q_latent.contiguous(),
+            q_pe.contiguous(),
+            latent_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            max_context_len=meta.decode_max_context,
+        )
 
 
-def get_attention_backend(name: str) -> TorchAttentionBackend:
+ATTENTION_BACKENDS: dict[str, type[TorchAttentionBackend]] = {
+    "torch": TorchAttentionBackend,
+    "triton": TritonAttentionBackend,
+}
+
+
+def get_attention_backend(name: str, device: torch.device) -> TorchAttentionBackend:
+    """`auto` is Triton on CUDA and torch elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
     try:
         return ATTENTION_BACKENDS[name]()
     except KeyError:
-        valid = ", ".join(sorted(ATTENTION_BACKENDS))
+        valid = ", ".join(["auto", *sorted(ATTENTION_BACKENDS)])
         raise ValueError(f"attention_backend: unknown {name!r}; choose one of {valid}") from None

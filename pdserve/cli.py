@@ -2,6 +2,7 @@
 
 pdserve generate --model M --prompt "..." [--chat] [--max-tokens N] [--temperature T]
 pdserve bench offline --model M [--batch-sizes 1,8,32] [--workload azure-conv] --json out.json
+pdserve bench kernels [--quick] --json out.json
 pdserve demo
 """
 
@@ -67,6 +68,18 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_kernels(args: argparse.Namespace) -> int:
+    from pdserve.bench.kernels import bench_kernels, format_table
+    from pdserve.bench.offline import write_json
+
+    report = bench_kernels(quick=args.quick)
+    print(format_table(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from pdserve import LLM, SamplingParams
     from pdserve.bench.offline import bench_offline, format_table, write_json
@@ -116,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--seed", type=int, default=0)
     off.add_argument("--json", default=None, help="write the report here")
     off.set_defaults(func=cmd_bench_offline)
+
+    kern = bench_sub.add_parser("kernels", help="decode/KV kernels against the memory roofline")
+    kern.add_argument("--quick", action="store_true", help="a small sweep (CPU-sized)")
+    kern.add_argument("--json", default=None, help="write the report here")
+    kern.set_defaults(func=cmd_bench_kernels)
 
     demo = sub.add_parser("demo", help="SmolLM2 answers a few questions, then the benchmark")
     demo.add_argument("--json", default="out/bench-offline.json")

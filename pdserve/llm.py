@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tqdm import tqdm
-
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.llm_engine import LLMEngine, Prompt
 from pdserve.outputs import RequestOutput
+from pdserve.progress import progress
 from pdserve.sampling_params import SamplingParams
 
 Conversation = list[dict[str, str]]
@@ -58,7 +57,7 @@ class LLM:
         for req in requests:
             self.engine.enqueue(req)
         outputs: dict[str, RequestOutput] = {}
-        with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as bar:
+        with progress(total=len(requests), disable=not use_tqdm, desc="generate") as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     outputs[out.request_id] = out

@@ -1,10 +1,16 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run under the interpreter, which must be chosen before
+# triton is first imported (pdserve imports it through `kernels`).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/hf_models.py
 

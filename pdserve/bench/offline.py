@@ -21,17 +21,17 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from pdserve import LLM, SamplingParams
+from pdserve.bench.machine import machine_info
 from pdserve.bench.traces import azure_lengths
 from pdserve.config import ModelConfig
+from pdserve.progress import progress
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ def bench_offline(
     run_pdserve(llm, warm)
     run_transformers(hf, warm)
     rows = []
-    for b in tqdm(batch_sizes, desc="bench offline", unit="batch size"):
+    for b in progress(batch_sizes, desc="bench offline", unit="batch size"):
         n = requests_at_batch_1 if b == 1 else b
         work = make_workload(n, vocab, seed + b, workload)
         if b == 1:
@@ -208,23 +208,6 @@ def bench_offline(
         "engine_args": engine_args,
         "dtype": str(llm.engine.dtype),
         "results": rows,
-    }
-
-
-def machine_info() -> dict:
-    import os
-
-    import transformers
-
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
     }
 
 

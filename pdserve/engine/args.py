@@ -25,7 +25,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # triton on CUDA, torch elsewhere
     seed: int = 0
 
     def __post_init__(self) -> None:

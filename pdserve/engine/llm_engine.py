@@ -34,7 +34,7 @@ class LLMEngine:
         self.device = args.resolve_device()
         self.dtype = args.resolve_dtype(self.device)
         self.scheduler_config = args.scheduler_config(self.model_config)
-        backend = get_attention_backend(args.attention_backend)
+        backend = get_attention_backend(args.attention_backend, self.device)
         self.model = build_model(self.model_config, self.dtype, self.device, self.source.weights())
         self.cache_config = args.cache_config(self.model_config, self.dtype, self.device)
         cc = self.cache_config
