@@ -15,7 +15,7 @@ from torch import nn
 from pdserve.attention import AttentionMetadata, TorchAttentionBackend
 from pdserve.config import MLAConfig, ModelConfig, MoEConfig
 from pdserve.models.base import CausalLM
-from pdserve.models.layers import GatedMLP, RMSNorm
+from pdserve.models.layers import GatedMLP, Linear, RMSNorm
 from pdserve.models.rope import RopeTable, RotaryEmbedding, yarn_mscale
 
 
@@ -27,19 +27,19 @@ class MLAAttention(nn.Module):
         hidden = config.hidden_size
         q_out = config.num_heads * mla.qk_head_dim
         if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+            self.q_proj = Linear(hidden, q_out, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=config.qkv_bias)
+            self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=config.qkv_bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(
+            self.q_b_proj = Linear(mla.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = Linear(
             hidden, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=config.qkv_bias
         )
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = Linear(
             mla.kv_lora_rank, config.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False
         )
-        self.o_proj = nn.Linear(config.num_heads * mla.v_head_dim, hidden, bias=config.o_bias)
+        self.o_proj = Linear(config.num_heads * mla.v_head_dim, hidden, bias=config.o_bias)
         self.rotary = rotary
         scale = mla.qk_head_dim**-0.5
         rope = config.rope
@@ -189,6 +189,7 @@ class DeepseekForCausalLM(CausalLM):
         super().load_weights(_split_fused_experts(weights))
 
     def after_load(self) -> None:
+        super().after_load()
         for layer in self.model.layers:
             layer.self_attn.absorb()
 

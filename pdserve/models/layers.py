@@ -6,6 +6,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+PAD_ROWS_BELOW = 64  # larger (prefill) batches are left alone
+
+
+class Linear(nn.Linear):
+    """nn.Linear that pads a small CPU batch to a multiple of 4 rows.
+
+    MKL's GEMM takes slow paths when the row count is not a multiple of 4: on 2 cores,
+    SmolLM2's 49152 x 576 head takes 38 ms for 3 rows, 44 ms for 7, but 19 ms for 4 or 8;
+    its 3072 x 576 projection 0.60 ms for 3 rows and 0.46 ms for 4. Decode batches are
+    small and of any size, so padding the few missing rows pays for itself.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        pad = -rows % 4
+        if pad and 1 < rows < PAD_ROWS_BELOW and x.device.type == "cpu" and x.dim() == 2:
+            return super().forward(F.pad(x, (0, 0, 0, pad)))[:rows]
+        return super().forward(x)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -27,8 +46,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)

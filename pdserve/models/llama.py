@@ -8,7 +8,7 @@ from torch import nn
 from pdserve.attention import AttentionMetadata, TorchAttentionBackend
 from pdserve.config import ModelConfig
 from pdserve.models.base import CausalLM
-from pdserve.models.layers import GatedMLP, RMSNorm
+from pdserve.models.layers import GatedMLP, Linear, RMSNorm
 from pdserve.models.rope import RopeTable, RotaryEmbedding
 
 
@@ -21,10 +21,10 @@ class GQAAttention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.rotary = rotary
 
     def forward(
