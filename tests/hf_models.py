@@ -51,6 +51,7 @@ def _configs():
             **COMMON,
         ),
         "qwen2": lambda: tf.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **COMMON),
+        "mistral": lambda: tf.MistralConfig(num_key_value_heads=2, sliding_window=512, **COMMON),
         "deepseek_v2": lambda: tf.DeepseekV2Config(
             q_lora_rank=None,
             topk_method="group_limited_greedy",
@@ -81,7 +82,7 @@ def _configs():
     }
 
 
-KINDS = ("llama", "llama3-rope", "qwen2", "deepseek_v2", "deepseek_v3")
+KINDS = ("llama", "llama3-rope", "qwen2", "mistral", "deepseek_v2", "deepseek_v3")
 
 
 def make_checkpoint(kind: str, directory: Path, seed: int = 0):

@@ -130,3 +130,9 @@ def test_unpermute_inverts_llama_cpp_permutation():
     # llama.cpp's convert script: reshape(heads, 2, head_dim // 2, ...).swapaxes(1, 2)
     permuted = w.reshape(heads, 2, head_dim // 2, hidden).swapaxes(1, 2).reshape(w.shape)
     assert torch.equal(unpermute_rope(permuted, heads), w)
+
+
+def test_mistral_sliding_window_caps_the_model_length(hf_checkpoints):
+    directory, _ = hf_checkpoints("mistral")
+    # full attention equals sliding-window attention within one window
+    assert LLM(str(directory)).engine.model_config.max_position == 512

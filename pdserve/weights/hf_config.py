@@ -65,6 +65,11 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
 
 def _build(cfg: dict[str, Any], model_type: str) -> ModelConfig:
     num_heads = cfg["num_attention_heads"]
+    max_position = cfg.get("max_position_embeddings", 2048)
+    if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
+        # pdserve attends to the whole context; within one window that equals Mistral's
+        # sliding-window attention, so the model's length is capped at the window.
+        max_position = min(max_position, cfg["sliding_window"])
     common = dict(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -72,7 +77,7 @@ def _build(cfg: dict[str, Any], model_type: str) -> ModelConfig:
         num_layers=cfg["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        max_position=cfg.get("max_position_embeddings", 2048),
+        max_position=max_position,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         mlp_bias=cfg.get("mlp_bias", False),
