@@ -80,6 +80,12 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    from pdserve.launch import run_launch
+
+    return run_launch(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from pdserve import LLM, SamplingParams
     from pdserve.bench.offline import bench_offline, format_table, write_json
@@ -134,6 +140,18 @@ def build_parser() -> argparse.ArgumentParser:
     kern.add_argument("--quick", action="store_true", help="a small sweep (CPU-sized)")
     kern.add_argument("--json", default=None, help="write the report here")
     kern.set_defaults(func=cmd_bench_kernels)
+
+    from pdserve.serving.roles import add_serve_parser
+
+    add_serve_parser(sub)
+    launch = sub.add_parser("launch", help="a local cluster of separate processes")
+    launch.add_argument("--model", required=True)
+    launch.add_argument("--prefill", type=int, default=1)
+    launch.add_argument("--decode", type=int, default=1)
+    launch.add_argument("--port", type=int, default=0)
+    launch.add_argument("--transfer", default="nixl", help="nixl | ucxx | loopback")
+    launch.add_argument("--num-kv-blocks", type=int, default=None)
+    launch.set_defaults(func=cmd_launch)
 
     demo = sub.add_parser("demo", help="SmolLM2 answers a few questions, then the benchmark")
     demo.add_argument("--json", default="out/bench-offline.json")

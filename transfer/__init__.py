@@ -1,0 +1,37 @@
+"""Everything that moves KV bytes: the NIXL-shaped agent API and its backends, and the
+wire/layout handshake. Depends on nothing else of pdserve.
+
+    agent = make_agent("nixl", name)         # or "ucxx", "loopback"
+    region = agent.register(pool_tensor)     # register memory
+    meta = agent.metadata()                  # exchange metadata (bytes, over the control plane)
+    peer = other.add_peer(meta)
+    xfer = other.write(peer, local_descs, remote_descs, notif=b"req-1")   # one-sided WRITE
+    while xfer.state() is XferState.PENDING: ...                          # poll, never blocks
+    agent.notifications()                    # on the target: {peer: [b"req-1"]}
+    xfer.release(); agent.deregister(region); agent.close()
+"""
+
+from transfer.agent import (
+    BACKENDS,
+    Desc,
+    Transfer,
+    TransferAgent,
+    TransferFailed,
+    XferState,
+    make_agent,
+)
+from transfer.wire import KV_WIRE_VERSION, HandshakeRefused, KVLayoutSpec, check_handshake
+
+__all__ = [
+    "BACKENDS",
+    "KV_WIRE_VERSION",
+    "Desc",
+    "HandshakeRefused",
+    "KVLayoutSpec",
+    "Transfer",
+    "TransferAgent",
+    "TransferFailed",
+    "XferState",
+    "check_handshake",
+    "make_agent",
+]

@@ -6,6 +6,8 @@ Block tables are padded with block 0 to the longest table of their part; padding
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -82,11 +84,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, chunks: list[ScheduledChunk]
+        self, chunks: list[ScheduledChunk], on_layer_done: Callable[[int], None] | None = None
     ) -> tuple[list[int], list[dict[int, float]] | None]:
         """-> (sampled token per sampling chunk in chunk order, their logprobs if asked)."""
         order, input_ids, positions, meta, sample_at = self.prepare(chunks)
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
+        hidden = self.model(
+            input_ids, positions, self.kv_cache.layers, meta, self.backend, on_layer_done
+        )
         if not sample_at:
             return [], None
         logits = self.model.compute_logits(hidden[sample_at])  # [S, vocab], packed order

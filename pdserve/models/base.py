@@ -7,7 +7,7 @@ Parameter names follow Hugging Face checkpoints, except the fusions `StackedLoad
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -54,11 +54,15 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         backend: TorchAttentionBackend,
+        on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # hidden states [T, hidden]
+        """`on_layer_done(i)` runs as soon as layer i's KV is in the pool (layer-wise push)."""
         h = self.model.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, h.dtype)
-        for layer, cache in zip(self.model.layers, kv_caches):
+        for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
             h = layer(h, rope, cache, meta, backend)
+            if on_layer_done is not None:
+                on_layer_done(i)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

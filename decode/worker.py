@@ -1,0 +1,211 @@
+"""The decode worker: owns the KV pool that matters, reserves blocks before any prefill,
+receives KV from prefill workers over the transfer agent, and decodes with continuous
+batching.
+
+Block ownership on this side (DESIGN §2):
+
+    FREE -reserve(lease)-> RESERVED -KV pushed + start-> RUNNING -finish/abort-> FREE
+                               └────── lease expired / release ───────────────────> FREE
+
+One lock guards the scheduler, the allocator and the reservations; the step loop runs on
+its own thread and hands tokens to each request's queue, which the gRPC stream drains.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pdserve.engine.args import EngineArgs
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.kv.layout import layout_spec, pool_geometry
+from pdserve.sampling_params import SamplingParams
+from transfer import KV_WIRE_VERSION, make_agent
+
+FINISHED = object()  # end-of-stream marker on a request's queue
+
+
+class ReservationError(RuntimeError):
+    """No room for the request now (RESOURCE_EXHAUSTED at the edge)."""
+
+
+@dataclass
+class Reservation:
+    request: Request
+    deadline: float  # time.monotonic() after which the blocks go back to the pool
+
+
+@dataclass
+class Stream:
+    tokens: queue.Queue = field(default_factory=queue.Queue)
+    started: float = field(default_factory=time.monotonic)
+
+
+class DecodeWorker:
+    def __init__(self, model: str, worker_id: str, transfer: str, args: EngineArgs) -> None:
+        # Reserved blocks are filled by prefill workers, so they must be private: no prefix
+        # matching on this side (a later issue reuses cached prefixes here too).
+        self.engine = LLMEngine(
+            model, EngineArgs(**{**args.__dict__, "enable_prefix_caching": False})
+        )
+        self.worker_id = worker_id
+        kv = self.engine.kv_cache
+        self.geometry = pool_geometry(self.engine.model_config, kv.pool, kv.block_dim)
+        self.layout = layout_spec(model, self.engine.model_config, kv.pool.dtype, kv.block_size)
+        self.agent = make_agent(transfer, worker_id)
+        self.region = self.agent.register(kv.pool)
+        self.lock = threading.Lock()
+        self.reservations: dict[str, Reservation] = {}
+        self.streams: dict[str, Stream] = {}
+        self.arrived: set[bytes] = set()  # push-complete notifications (request ids)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._loop = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+        self._loop.start()
+
+    # -- control plane ----------------------------------------------------------------------
+    def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, lease_s: float):
+        """-> block ids for the prompt's KV. Raises ValueError (bad input) or ReservationError."""
+        req = self.engine.make_request(prompt, params)
+        req.request_id = request_id
+        with self.lock:
+            if request_id in self.reservations or request_id in self.streams:
+                raise ValueError(f"request_id: {request_id!r} is already known here")
+            alloc = self.engine.allocator
+            if not alloc.can_allocate(prompt):
+                raise ReservationError(
+                    f"{alloc.blocks_needed(len(prompt))} KV blocks needed, "
+                    f"{alloc.num_free_blocks} free"
+                )
+            req.block_ids, _ = alloc.allocate(prompt)
+            self.reservations[request_id] = Reservation(req, time.monotonic() + lease_s)
+            return list(req.block_ids)
+
+    def start(self, request_id: str, first_token: int, wait_s: float = 10.0) -> Stream:
+        """The prompt's KV has been pushed: decode from `first_token` on."""
+        self._await_kv(request_id.encode(), wait_s)
+        with self.lock:
+            res = self.reservations.pop(request_id, None)
+            if res is None:
+                raise KeyError(f"no reservation for {request_id!r} (expired or released)")
+            req = res.request
+            req.num_computed_tokens = req.num_prompt_tokens
+            req.metrics.first_token_time = time.monotonic()
+            stream = Stream()
+            self.streams[request_id] = stream
+            req.append_token(first_token)
+            stream.tokens.put(first_token)
+            if req.status.finished:
+                self._close(req)
+            else:
+                req.status = RequestStatus.RUNNING
+                self.engine.scheduler.running.append(req)
+        self._wake.set()
+        return stream
+
+    def release(self, request_id: str) -> bool:
+        """Abort: the request's blocks go back to the pool whatever state it is in."""
+        with self.lock:
+            res = self.reservations.pop(request_id, None)
+            if res is not None:
+                self.engine.allocator.free(res.request.block_ids)
+                return True
+            req = self.engine.scheduler.abort(request_id)
+            if req is not None:
+                self._close(req)
+                return True
+        return False
+
+    def stats(self) -> dict:
+        with self.lock:
+            alloc = self.engine.allocator
+            return {
+                "free_blocks": alloc.num_free_blocks,
+                "total_blocks": alloc.num_blocks,
+                "running": len(self.engine.scheduler.running),
+                "reserved": len(self.reservations),
+            }
+
+    def check_integrity(self) -> None:
+        with self.lock:
+            owners = self.engine.scheduler.block_owners()
+            for res in self.reservations.values():
+                for b in res.request.block_ids:
+                    owners[b] = owners.get(b, 0) + 1
+            self.engine.allocator.check_integrity(owners)
+
+    # -- data plane -------------------------------------------------------------------------
+    def _await_kv(self, key: bytes, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self.lock:
+                for notes in self.agent.notifications().values():
+                    self.arrived.update(notes)
+                if key in self.arrived:
+                    self.arrived.discard(key)
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"KV of {key.decode()!r} did not arrive in {wait_s}s")
+            time.sleep(0.0005)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self.lock:
+                self._expire_leases()
+                busy = self.engine.scheduler.has_unfinished
+                if busy:
+                    self._step()
+            if not busy:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+
+    def _step(self) -> None:
+        engine = self.engine
+        batch = engine.scheduler.schedule()
+        if batch.empty:
+            return
+        engine.kv_cache.copy_blocks(batch.copies)
+        tokens, logprobs = engine.runner.execute(batch.chunks)
+        finished = engine.scheduler.update(batch, tokens, logprobs)
+        k = 0
+        for req, chunk in zip(batch.requests, batch.chunks):
+            if chunk.sample:
+                stream = self.streams.get(req.request_id)
+                if stream is not None:
+                    stream.tokens.put(tokens[k])
+                k += 1
+        for req in finished:
+            self._close(req)
+
+    def _close(self, req: Request) -> None:
+        stream = self.streams.pop(req.request_id, None)
+        if stream is not None:
+            stream.tokens.put((FINISHED, req.status.value))
+        if req.block_ids:  # finished at its first token: never entered the scheduler
+            self.engine.allocator.free(req.block_ids)
+            req.block_ids = []
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, res in self.reservations.items() if res.deadline < now]:
+            self.engine.allocator.free(self.reservations.pop(rid).request.block_ids)
+
+    def wire(self) -> dict:
+        g = self.geometry
+        return {
+            "wire_version": KV_WIRE_VERSION,
+            "layout_hash": self.layout.layout_hash(),
+            "num_blocks": g.num_blocks,
+            "block_bytes": g.block_bytes,
+            "planes": g.planes_per_layer * self.engine.model_config.num_layers,
+            "region": self.region,
+        }
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._loop.join(timeout=5)
+        self.agent.close()

@@ -1,0 +1,50 @@
+"""Where a block of a layer lives in a KV pool, in bytes: what the transfer layer needs.
+
+A pool `[*planes, num_blocks, *block]` (see KVCache) is `planes` runs of `num_blocks` blocks:
+GQA has 2 planes per layer (K, V), MLA one. Block b of plane p starts at
+`(p * num_blocks + b) * block_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import ModelConfig
+from transfer import KVLayoutSpec
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    num_blocks: int
+    block_bytes: int  # one block of one plane
+    planes_per_layer: int
+
+    def offset(self, plane: int, block: int) -> int:
+        return (plane * self.num_blocks + block) * self.block_bytes
+
+    def layer_planes(self, layer: int) -> range:
+        return range(layer * self.planes_per_layer, (layer + 1) * self.planes_per_layer)
+
+
+def pool_geometry(config: ModelConfig, kv_pool: torch.Tensor, block_dim: int) -> PoolGeometry:
+    planes = 1
+    for d in kv_pool.shape[:block_dim]:
+        planes *= d
+    block_elems = kv_pool[(0,) * (block_dim + 1)].numel()
+    return PoolGeometry(
+        num_blocks=kv_pool.shape[block_dim],
+        block_bytes=block_elems * kv_pool.element_size(),
+        planes_per_layer=planes // config.num_layers,
+    )
+
+
+def layout_spec(model_name: str, config: ModelConfig, dtype: torch.dtype, block_size: int):
+    return KVLayoutSpec(
+        model=f"{config.architecture}:{model_name}",
+        dtype=str(dtype).removeprefix("torch."),
+        block_size=block_size,
+        num_layers=config.num_layers,
+        token_shape=tuple(config.kv_token_shape),
+    )

@@ -1,0 +1,118 @@
+"""`pdserve launch`: a local cluster of separate processes (router, prefill and decode workers)
+on 127.0.0.1, each on a port the OS picks. Waits until every worker is registered, prints the
+router address, and stops everything on SIGINT/SIGTERM (or on `close()`), leaving no orphans.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+
+from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc import pdserve_pb2_grpc as rpc
+
+
+class Cluster:
+    def __init__(
+        self,
+        model: str,
+        prefill: int = 1,
+        decode: int = 1,
+        port: int = 0,
+        transfer: str = "nixl",
+        worker_args: list[str] | None = None,
+        router_args: list[str] | None = None,
+        startup_timeout_s: float = 180.0,
+    ) -> None:
+        self.procs: list[subprocess.Popen] = []
+        try:
+            self.address = self._spawn(
+                ["serve", "router", "--model", model, "--port", str(port), *(router_args or [])]
+            )
+            common = ["--model", model, "--router", self.address, "--transfer", transfer]
+            for role, count in (("prefill", prefill), ("decode", decode)):
+                for _ in range(count):
+                    self._spawn(["serve", role, *common, *(worker_args or [])])
+            self._await_registered(prefill, decode, startup_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, argv: list[str]) -> str:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", *argv],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its own process group: close() reaches its children
+        )
+        self.procs.append(proc)
+        line = proc.stdout.readline()
+        while line and not line.startswith("READY "):  # libraries may log to stdout first
+            line = proc.stdout.readline()
+        if not line.startswith("READY "):
+            raise RuntimeError(
+                f"`pdserve {' '.join(argv[:2])}` failed to start (exit {proc.poll()})"
+            )
+        return line.split()[2]
+
+    def _await_registered(self, prefill: int, decode: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = rpc.RouterStub(channel)
+            while time.monotonic() < deadline:
+                workers = stub.ListWorkers(pb.Empty(), timeout=5).workers
+                roles = [w.role for w in workers]
+                if roles.count("prefill") >= prefill and roles.count("decode") >= decode:
+                    return
+                if any(p.poll() is not None for p in self.procs):
+                    raise RuntimeError("a worker process exited during start-up")
+                time.sleep(0.1)
+        raise TimeoutError(f"workers did not register within {timeout_s}s")
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            if proc.stdout:
+                proc.stdout.close()
+        self.procs.clear()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_launch(args) -> int:
+    stop = {"now": False}
+
+    def handler(*_):
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    worker_args = []
+    if args.num_kv_blocks:
+        worker_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    print(
+        f"starting router, {args.prefill} prefill and {args.decode} decode workers ...", flush=True
+    )
+    with Cluster(args.model, args.prefill, args.decode, args.port, args.transfer, worker_args) as c:
+        print(f"cluster ready: router at {c.address}  (Ctrl-C stops everything)", flush=True)
+        while not stop["now"] and all(p.poll() is None for p in c.procs):
+            time.sleep(0.2)
+    print("cluster stopped", flush=True)
+    return 0

@@ -1,0 +1,259 @@
+"""The router: the front door. Worker registry (registration + heartbeats), bounded admission,
+worker choice, the reserve -> prefill -> decode handoff, token streaming, per-request timings.
+
+    Generate:  validate -> admit (bounded queue) -> decode.Reserve (most free blocks)
+               -> prefill.Prefill (fewest queued tokens; KV pushed layer by layer)
+               -> decode.Start -> stream tokens -> final message with timings and text
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.rpc import PROTOCOL_VERSION
+from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc import pdserve_pb2_grpc as rpc
+from pdserve.serving.convert import sampling_from_proto
+from pdserve.serving.server import HEARTBEAT_S, health
+from pdserve.weights import resolve
+
+MISSED_HEARTBEATS = 3
+LEASE_S = 30.0
+
+
+@dataclass
+class Worker:
+    info: pb.WorkerInfo
+    last_seen: float
+    channel: grpc.Channel
+    stub: object
+    pending_blocks: int = 0  # reserved by this router since the last heartbeat
+    pending_tokens: int = 0
+
+
+@dataclass
+class Registry:
+    workers: dict[str, Worker] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def upsert(self, info: pb.WorkerInfo) -> None:
+        with self.lock:
+            known = self.workers.get(info.worker_id)
+            if known is None or known.info.address != info.address:
+                channel = grpc.insecure_channel(info.address)
+                stub = (rpc.DecodeStub if info.role == "decode" else rpc.PrefillStub)(channel)
+                self.workers[info.worker_id] = Worker(info, time.monotonic(), channel, stub)
+            else:
+                known.info, known.last_seen = info, time.monotonic()
+                known.pending_blocks = known.pending_tokens = 0
+
+    def alive(self, role: str) -> list[Worker]:
+        cutoff = time.monotonic() - MISSED_HEARTBEATS * HEARTBEAT_S
+        with self.lock:
+            for wid in [w for w, x in self.workers.items() if x.last_seen < cutoff]:
+                self.workers.pop(wid).channel.close()
+            return [w for w in self.workers.values() if w.info.role == role]
+
+
+class RouterService(rpc.RouterServicer):
+    def __init__(
+        self, model: str, max_model_len: int | None, max_queue: int, queue_timeout_s: float
+    ):
+        source = resolve(model)
+        self.config = source.config
+        self.tokenizer = source.tokenizer
+        self.max_model_len = max_model_len or self.config.max_position
+        self.registry = Registry()
+        self.admission = threading.BoundedSemaphore(max_queue)
+        self.queue_timeout_s = queue_timeout_s
+        self._ids = itertools.count()
+        self.inflight: dict[str, Worker] = {}  # request id -> its decode worker
+
+    # -- registry -----------------------------------------------------------------------------
+    def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
+        if request.protocol_version != PROTOCOL_VERSION:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"protocol version {request.protocol_version} != router's {PROTOCOL_VERSION}",
+            )
+        self.registry.upsert(request.worker)
+        return pb.RegisterResponse(accepted=True, heartbeat_interval_s=HEARTBEAT_S)
+
+    def ListWorkers(self, request, context) -> pb.ListWorkersResponse:
+        now = time.monotonic()
+        out = []
+        for role in ("prefill", "decode"):
+            for w in self.registry.alive(role):
+                info = pb.WorkerInfo()
+                info.CopyFrom(w.info)
+                info.last_heartbeat_age_s = now - w.last_seen
+                out.append(info)
+        return pb.ListWorkersResponse(workers=out)
+
+    def Health(self, request, context) -> pb.HealthResponse:
+        return health("router", "router")
+
+    # -- requests -----------------------------------------------------------------------------
+    def _prompt(self, request: pb.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            if not request.text:
+                raise ValueError("prompt: empty prompt")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; send token ids")
+            return self.tokenizer.encode(request.text)
+        ids = list(request.token_ids.ids) if kind == "token_ids" else []
+        if not ids:
+            raise ValueError("prompt: empty prompt")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary")
+        return ids
+
+    def _validate(self, request: pb.GenerateRequest):
+        if request.protocol_version not in (0, PROTOCOL_VERSION):
+            raise ValueError(f"protocol_version: {request.protocol_version} is not supported")
+        prompt = self._prompt(request)
+        params = sampling_from_proto(request.sampling)
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt length {len(prompt)} + max_tokens {params.max_tokens} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        return prompt, params
+
+    def Generate(self, request: pb.GenerateRequest, context):
+        arrival = time.monotonic()
+        try:
+            prompt, params = self._validate(request)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        request_id = request.request_id or f"req-{next(self._ids)}"
+        if not self.admission.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "router queue is full; retry later")
+        try:
+            yield from self._serve(request_id, prompt, request.sampling, params, arrival, context)
+        finally:
+            self.admission.release()
+
+    def _reserve(self, request_id, prompt, sampling, context):
+        deadline = time.monotonic() + self.queue_timeout_s
+        while True:
+            decodes = self.registry.alive("decode")
+            if not decodes:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is registered")
+            # most projected headroom first: free blocks minus what this router reserved since
+            decodes.sort(key=lambda w: w.info.free_blocks - w.pending_blocks, reverse=True)
+            for worker in decodes:
+                try:
+                    reply = worker.stub.Reserve(
+                        pb.ReserveRequest(
+                            request_id=request_id,
+                            prompt_token_ids=prompt,
+                            sampling=sampling,
+                            lease_s=LEASE_S,
+                        ),
+                        timeout=10,
+                    )
+                    worker.pending_blocks += len(reply.block_ids)
+                    return worker, reply
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.details())
+                    if e.code() not in (
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        grpc.StatusCode.UNAVAILABLE,
+                    ):
+                        raise
+            if time.monotonic() > deadline or not context.is_active():
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"no decode worker had room for {len(prompt)} prompt tokens within "
+                    f"{self.queue_timeout_s}s",
+                )
+            time.sleep(0.01)
+
+    def _serve(self, request_id, prompt, sampling, params, arrival, context):
+        decode, reserved = self._reserve(request_id, prompt, sampling, context)
+        self.inflight[request_id] = decode
+        context.add_callback(lambda: self._release(request_id))
+        queued = time.monotonic()
+        prefills = self.registry.alive("prefill")
+        if not prefills:
+            self._release(request_id)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill worker is registered")
+        prefill = min(prefills, key=lambda w: w.info.queued_tokens + w.pending_tokens)
+        prefill.pending_tokens += len(prompt)
+        try:
+            done = prefill.stub.Prefill(
+                pb.PrefillRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    sampling=sampling,
+                    dest_worker_id=reserved.worker_id,
+                    dest_block_ids=reserved.block_ids,
+                    dest_layout=reserved.layout,
+                    dest_agent_metadata=reserved.agent_metadata,
+                ),
+                timeout=180,
+            )
+        except grpc.RpcError as e:
+            self._release(request_id)
+            context.abort(e.code(), f"prefill failed: {e.details()}")
+        stream = decode.stub.Start(
+            pb.StartRequest(request_id=request_id, first_token=done.first_token), timeout=3600
+        )
+        context.add_callback(stream.cancel)
+        tokens: list[int] = []
+        first_at = None
+        try:
+            for chunk in stream:
+                if chunk.token_ids:
+                    tokens.extend(chunk.token_ids)
+                    if first_at is None:
+                        first_at = time.monotonic()
+                    yield pb.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids)
+                if chunk.finished:
+                    end = time.monotonic()
+                    timings = pb.Timings(
+                        queue_s=queued - arrival,
+                        prefill_s=done.prefill_s,
+                        transfer_s=done.transfer_s,
+                        ttft_s=(first_at or end) - arrival,
+                        tpot_s=chunk.tpot_s,
+                        e2e_s=end - arrival,
+                        prefill_worker=done.worker_id,
+                        decode_worker=reserved.worker_id,
+                    )
+                    text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+                    yield pb.GenerateResponse(
+                        request_id=request_id,
+                        finished=True,
+                        finish_reason=chunk.finish_reason,
+                        timings=timings,
+                        text=text,
+                    )
+                    return
+        except grpc.RpcError as e:
+            if context.is_active():
+                context.abort(e.code(), f"decode failed: {e.details()}")
+        finally:
+            self.inflight.pop(request_id, None)
+
+    def _release(self, request_id: str) -> None:
+        worker = self.inflight.pop(request_id, None)
+        if worker is not None:
+            # if the worker is gone, its leases return the blocks
+            with contextlib.suppress(grpc.RpcError):
+                worker.stub.Release(pb.AbortRequest(request_id=request_id), timeout=5)
+
+    def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        found = request.request_id in self.inflight
+        self._release(request.request_id)
+        return pb.AbortResponse(found=found)

@@ -1,0 +1,1 @@
+"""Pieces shared by the serving processes: proto conversion, registration, gRPC helpers."""

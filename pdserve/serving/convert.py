@@ -1,0 +1,32 @@
+"""proto messages <-> pdserve dataclasses, at the process edge."""
+
+from __future__ import annotations
+
+from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.sampling_params import SamplingParams
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        has_seed=params.seed is not None,
+        seed=params.seed or 0,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Raises ValueError naming the bad field (the caller answers INVALID_ARGUMENT)."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens,
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.has_seed else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )

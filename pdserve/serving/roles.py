@@ -1,0 +1,118 @@
+"""`pdserve serve router|prefill|decode`: one role per process (one per GPU node in production).
+
+Each prints `READY <role> <host:port>` on stdout once it serves, and stops cleanly on
+SIGINT/SIGTERM (workers deregister by going silent; the router drops them after missed
+heartbeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+import uuid
+
+from pdserve.engine.args import EngineArgs
+from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc import pdserve_pb2_grpc as rpc
+from pdserve.serving.server import Registration, start_server
+
+
+def _stop_event() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def _ready(role: str, host: str, port: int) -> None:
+    print(f"READY {role} {host}:{port}", flush=True)
+
+
+def engine_args(args: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from pdserve.router import RouterService
+
+    service = RouterService(args.model, args.max_model_len, args.max_queue, args.queue_timeout)
+    server, port = start_server(
+        lambda s: rpc.add_RouterServicer_to_server(service, s), args.host, args.port
+    )
+    stop = _stop_event()
+    _ready("router", args.host, port)
+    stop.wait()
+    server.stop(grace=2).wait()
+    return 0
+
+
+def _run_worker(args: argparse.Namespace, role: str) -> int:
+    worker_id = args.worker_id or f"{role}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    if role == "decode":
+        from decode.service import DecodeService
+        from decode.worker import DecodeWorker
+
+        worker = DecodeWorker(args.model, worker_id, args.transfer, engine_args(args))
+        service = DecodeService(worker)
+        add = lambda s: rpc.add_DecodeServicer_to_server(service, s)  # noqa: E731
+    else:
+        from prefill.service import PrefillService
+        from prefill.worker import PrefillWorker
+
+        worker = PrefillWorker(args.model, worker_id, args.transfer, engine_args(args))
+        service = PrefillService(worker)
+        add = lambda s: rpc.add_PrefillServicer_to_server(service, s)  # noqa: E731
+    server, port = start_server(add, args.host, args.port)
+    info = pb.WorkerInfo(worker_id=worker_id, role=role, address=f"{args.host}:{port}")
+    registration = Registration(args.router, info, worker.stats) if args.router else None
+    stop = _stop_event()
+    _ready(role, args.host, port)
+    stop.wait()
+    if registration is not None:
+        registration.close()
+    server.stop(grace=2).wait()
+    worker.close()
+    return 0
+
+
+def run_prefill(args: argparse.Namespace) -> int:
+    return _run_worker(args, "prefill")
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    return _run_worker(args, "decode")
+
+
+def add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="run one role (router, prefill or decode)")
+    roles = serve.add_subparsers(dest="role", required=True)
+    for role, func in (("router", run_router), ("prefill", run_prefill), ("decode", run_decode)):
+        p = roles.add_parser(role)
+        p.add_argument("--model", required=True)
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--port", type=int, default=0, help="0: a free port chosen by the OS")
+        p.add_argument("--max-model-len", type=int, default=None)
+        if role == "router":
+            p.add_argument("--max-queue", type=int, default=256)
+            p.add_argument("--queue-timeout", type=float, default=30.0)
+        else:
+            p.add_argument("--router", default=None, help="router address to register with")
+            p.add_argument("--worker-id", default=None)
+            p.add_argument("--transfer", default="nixl", help="nixl | ucxx | loopback")
+            p.add_argument("--block-size", type=int, default=16)
+            p.add_argument("--num-kv-blocks", type=int, default=None)
+            p.add_argument("--kv-cache-memory", type=int, default=None)
+            p.add_argument("--dtype", default="auto")
+            p.add_argument("--device", default="auto")
+            p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        p.set_defaults(func=func)

@@ -1,0 +1,206 @@
+"""The prefill worker: batches prompts under a token budget, runs the prompt forward pass and
+pushes each layer's KV into the decode worker's reserved blocks as soon as that layer is
+computed, overlapping the transfer of layer i with the compute of layer i + 1.
+
+Block ownership on this side: FREE -prefill-> COMPUTED -push done (or abort/failure)-> FREE.
+A prompt whose blocks cannot be allocated waits; prefill never computes KV with nowhere to go
+because the decode blocks were reserved before the request reached this worker.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from pdserve.engine.args import EngineArgs
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.kv.layout import PoolGeometry, layout_spec, pool_geometry
+from pdserve.sampling_params import SamplingParams
+from transfer import Desc, Transfer, TransferFailed, check_handshake, make_agent
+
+
+@dataclass(frozen=True)
+class Destination:
+    worker_id: str
+    agent_metadata: bytes
+    block_ids: list[int]
+    wire_version: int
+    layout_hash: str
+    geometry: PoolGeometry  # of the decode worker's pool
+    region: int  # the decode pool's region id in its agent
+
+
+@dataclass
+class PrefillJob:
+    request: Request
+    dest: Destination
+    done: Future = field(default_factory=Future)  # -> PrefillResult
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int
+    queue_s: float
+    prefill_s: float
+    transfer_s: float  # push tail: last layer computed -> every layer's write done
+    transfer_bytes: int
+
+
+class PrefillWorker:
+    def __init__(self, model: str, worker_id: str, transfer: str, args: EngineArgs) -> None:
+        self.engine = LLMEngine(model, args)
+        self.worker_id = worker_id
+        kv = self.engine.kv_cache
+        self.geometry = pool_geometry(self.engine.model_config, kv.pool, kv.block_dim)
+        self.layout = layout_spec(model, self.engine.model_config, kv.pool.dtype, kv.block_size)
+        self.agent = make_agent(transfer, worker_id)
+        self.region = self.agent.register(kv.pool)
+        self.peers: dict[str, str] = {}  # decode worker id -> agent peer name
+        self.budget = args.max_num_batched_tokens
+        self.jobs: queue.Queue[PrefillJob | None] = queue.Queue()
+        self.queued_tokens = 0
+        self.lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination
+    ) -> Future:
+        """Validate and queue a prompt; the future resolves to a PrefillResult."""
+        check_handshake(self.layout, dest.wire_version, dest.layout_hash)
+        req = self.engine.make_request(prompt, params)
+        req.request_id = request_id
+        if len(dest.block_ids) != self.engine.allocator.blocks_needed(len(prompt)):
+            raise ValueError(
+                f"dest_block_ids: {len(dest.block_ids)} blocks for a {len(prompt)}-token prompt"
+            )
+        job = PrefillJob(req, dest)
+        with self.lock:
+            self.queued_tokens += len(prompt)
+        self.jobs.put(job)
+        return job.done
+
+    def stats(self) -> dict:
+        alloc = self.engine.allocator
+        return {
+            "queued_tokens": self.queued_tokens,
+            "free_blocks": alloc.num_free_blocks,
+            "total_blocks": alloc.num_blocks,
+        }
+
+    def check_integrity(self) -> None:
+        self.engine.allocator.check_integrity({})
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self._thread.join(timeout=10)
+        self.agent.close()
+
+    # -- the loop -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            first = self.jobs.get()
+            if first is None:
+                return
+            batch, tokens = [first], len(first.request.token_ids)
+            while tokens < self.budget:  # more prompts that fit the token budget
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    self.jobs.put(None)
+                    break
+                batch.append(job)
+                tokens += len(job.request.token_ids)
+            self._prefill(batch)
+
+    def _prefill(self, batch: list[PrefillJob]) -> None:
+        alloc = self.engine.allocator
+        runnable = []
+        for job in batch:
+            req = job.request
+            try:
+                req.block_ids, req.num_computed_tokens = alloc.allocate(req.token_ids)
+                runnable.append(job)
+            except Exception as e:  # NoFreeBlocks, or a prompt larger than the whole pool
+                job.done.set_exception(e)
+            with self.lock:
+                self.queued_tokens -= len(req.token_ids)
+        if not runnable:
+            return
+        started = time.monotonic()
+        transfers: list[Transfer] = []
+        nbytes = [0]
+        try:
+            peers = [self._peer(job.dest) for job in runnable]
+            chunks = [self._chunk(job.request) for job in runnable]
+
+            def push(layer: int) -> None:
+                last = layer == self.engine.model_config.num_layers - 1
+                for job, peer in zip(runnable, peers):
+                    local, remote = self._descs(job, layer)
+                    notif = job.request.request_id.encode() if last else b""
+                    transfers.append(self.agent.write(peer, local, remote, notif))
+                    nbytes[0] += sum(d.length for d in local)
+
+            tokens, _ = self.engine.runner.execute(chunks, on_layer_done=push)
+            computed = time.monotonic()
+            for xfer in transfers:
+                xfer.wait(timeout_s=30)
+            pushed = time.monotonic()
+            for job, token in zip(runnable, tokens):
+                job.done.set_result(
+                    PrefillResult(
+                        first_token=token,
+                        queue_s=started - job.enqueued,
+                        prefill_s=computed - started,
+                        transfer_s=pushed - computed,
+                        transfer_bytes=nbytes[0] // len(runnable),
+                    )
+                )
+        except (TransferFailed, ValueError, RuntimeError) as e:
+            for job in runnable:
+                if not job.done.done():
+                    job.done.set_exception(e)
+        finally:
+            for xfer in transfers:
+                xfer.release()
+            for job in runnable:
+                req = job.request
+                req.num_computed_tokens = len(req.token_ids)
+                alloc.commit(req.block_ids, req.token_ids, req.num_computed_tokens)
+                alloc.free(req.block_ids)  # COMPUTED -> FREE (cached blocks stay reusable)
+                req.block_ids = []
+
+    def _chunk(self, req: Request) -> ScheduledChunk:
+        start = req.num_computed_tokens  # prefix-cache hits are not recomputed
+        return ScheduledChunk(
+            token_ids=req.token_ids[start:],
+            start=start,
+            block_ids=req.block_ids,
+            sample=True,
+            params=req.params,
+            generator=req.generator,
+        )
+
+    def _peer(self, dest: Destination) -> str:
+        if dest.worker_id not in self.peers:
+            self.peers[dest.worker_id] = self.agent.add_peer(dest.agent_metadata)
+        return self.peers[dest.worker_id]
+
+    def _descs(self, job: PrefillJob, layer: int) -> tuple[list[Desc], list[Desc]]:
+        """One descriptor per (plane of this layer, block of the prompt)."""
+        src, dst = self.geometry, job.dest.geometry
+        local, remote = [], []
+        for plane in src.layer_planes(layer):
+            for s, d in zip(job.request.block_ids, job.dest.block_ids):
+                local.append(Desc(self.region, src.offset(plane, s), src.block_bytes))
+                remote.append(Desc(job.dest.region, dst.offset(plane, d), dst.block_bytes))
+        return local, remote

@@ -1,0 +1,136 @@
+"""The NIXL-shaped transfer agent API and the backend registry.
+
+Vocabulary (as NIXL's): register memory regions -> exchange agent metadata -> build
+descriptor lists of (region, offset, length) -> WRITE or READ with a notification message ->
+poll the transfer's state without blocking -> the target reads its notifications ->
+release handles, deregister, close. Regions are registered tensors (DRAM on CPU, VRAM on
+CUDA); remote descriptors name the peer's region ids, which its metadata maps to addresses.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+
+class XferState(Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class TransferFailed(RuntimeError):
+    """A transfer ended in error or did not finish in time."""
+
+
+@dataclass(frozen=True)
+class Desc:
+    region: int  # region id (local, or the peer's for remote descriptors)
+    offset: int  # bytes from the region's start
+    length: int  # bytes
+
+
+class Transfer(ABC):
+    @abstractmethod
+    def state(self) -> XferState:
+        """Poll; never blocks."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Free the handle (after DONE or FAILED)."""
+
+    def wait(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while (state := self.state()) is XferState.PENDING:
+            if time.monotonic() > deadline:
+                raise TransferFailed(f"transfer not done after {timeout_s}s")
+            time.sleep(0)
+        if state is XferState.FAILED:
+            raise TransferFailed("transfer failed")
+
+
+class TransferAgent(ABC):
+    backend: str
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @abstractmethod
+    def register(self, tensor: torch.Tensor) -> int:
+        """Register a contiguous tensor's memory; returns its region id."""
+
+    @abstractmethod
+    def deregister(self, region: int) -> None: ...
+
+    @abstractmethod
+    def metadata(self) -> bytes:
+        """What a peer needs to reach this agent's registered regions."""
+
+    @abstractmethod
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns the peer's name."""
+
+    @abstractmethod
+    def remove_peer(self, peer: str) -> None: ...
+
+    @abstractmethod
+    def write(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
+        """One-sided WRITE of local ranges into the peer's; `notif` reaches the peer after."""
+
+    @abstractmethod
+    def read(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
+        """One-sided READ of the peer's ranges into local ones."""
+
+    @abstractmethod
+    def notifications(self) -> dict[str, list[bytes]]:
+        """Notifications received since the last call, by sender."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def check_descs(local: list[Desc], remote: list[Desc]) -> None:
+    if len(local) != len(remote):
+        raise ValueError(f"{len(local)} local descriptors for {len(remote)} remote ones")
+    for a, b in zip(local, remote):
+        if a.length != b.length:
+            raise ValueError(f"descriptor lengths differ: {a} vs {b}")
+
+
+def _nixl(name: str) -> TransferAgent:
+    from transfer.nixl_backend import NixlAgent
+
+    return NixlAgent(name)
+
+
+def _ucxx(name: str) -> TransferAgent:
+    raise ImportError("the ucxx backend is not implemented yet")
+
+
+def _loopback(name: str) -> TransferAgent:
+    from transfer.loopback import LoopbackAgent
+
+    return LoopbackAgent(name)
+
+
+BACKENDS = {"nixl": _nixl, "ucxx": _ucxx, "loopback": _loopback}
+
+
+def make_agent(backend: str, name: str) -> TransferAgent:
+    """Backends: nixl (default; NIXL's UCX backend), ucxx (UCX through ucxx), loopback
+    (in-process, unit tests only)."""
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"transfer backend: unknown {backend!r}; choose one of {', '.join(BACKENDS)}"
+        )
+    try:
+        return BACKENDS[backend](name)
+    except ImportError as e:
+        raise ValueError(
+            f"transfer backend {backend!r} is not available ({e}); valid backends: "
+            f"{', '.join(BACKENDS)}"
+        ) from None
