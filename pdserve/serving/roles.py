@@ -14,9 +14,9 @@ import threading
 import uuid
 
 from pdserve.engine.args import EngineArgs
-from pdserve.rpc import pdserve_pb2 as pb
-from pdserve.rpc import pdserve_pb2_grpc as rpc
-from pdserve.serving.server import Registration, start_server
+
+# gRPC and the stubs are imported inside the run functions, so that `pdserve` commands that
+# need neither (e.g. `bench kernels` on a GPU node with only torch and triton) still start.
 
 
 def _stop_event() -> threading.Event:
@@ -44,6 +44,8 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
 
 def run_router(args: argparse.Namespace) -> int:
     from pdserve.router import RouterService
+    from pdserve.rpc import pdserve_pb2_grpc as rpc
+    from pdserve.serving.server import start_server
 
     service = RouterService(args.model, args.max_model_len, args.max_queue, args.queue_timeout)
     server, port = start_server(
@@ -57,6 +59,10 @@ def run_router(args: argparse.Namespace) -> int:
 
 
 def _run_worker(args: argparse.Namespace, role: str) -> int:
+    from pdserve.rpc import pdserve_pb2 as pb
+    from pdserve.rpc import pdserve_pb2_grpc as rpc
+    from pdserve.serving.server import Registration, start_server
+
     worker_id = args.worker_id or f"{role}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     if role == "decode":
         from decode.service import DecodeService

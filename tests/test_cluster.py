@@ -1,0 +1,141 @@
+"""End to end with real processes on 127.0.0.1: router, prefill and decode workers, NIXL."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import grpc
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.client import Client, InvalidRequest, Overloaded
+from pdserve.launch import Cluster
+from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc import pdserve_pb2_grpc as rpc
+
+PROMPTS = [
+    [5],
+    [7, 8, 9] * 6,
+    list(range(40, 90)),
+    [3] * 17,
+    [100, 101],
+    list(range(200, 233)),
+    [11] * 16,
+    [1, 2, 3, 4, 5, 6, 7, 8, 9],
+]
+MAX_NEW = 10
+WORKER_ARGS = ["--num-kv-blocks", "64"]
+
+
+def colocated(model: str) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    return [o.token_ids for o in LLM(model).generate(PROMPTS, params)]
+
+
+def wait_all_blocks_free(client: Client, timeout_s: float = 10.0) -> None:
+    """Every worker's pool whole again, per its latest heartbeat."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = client.workers()
+        if all(w.free_blocks == w.total_blocks for w in workers):
+            return
+        time.sleep(0.2)
+    raise AssertionError(
+        f"blocks still held: {[(w.worker_id, w.free_blocks, w.total_blocks) for w in workers]}"
+    )
+
+
+def assert_gone(pids: list[int]) -> None:
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.parametrize(
+    "model,prefill,decode",
+    [("tiny-llama", 1, 1), ("tiny-llama", 2, 2), ("tiny-deepseek", 1, 1)],
+)
+def test_cluster_matches_the_colocated_engine(model, prefill, decode):
+    expected = colocated(model)
+    with Cluster(model, prefill, decode, worker_args=WORKER_ARGS) as cluster:
+        pids = [p.pid for p in cluster.procs]
+        client = Client(cluster.address)
+        results = [
+            client.generate(p, max_tokens=MAX_NEW, temperature=0, ignore_eos=True) for p in PROMPTS
+        ]
+        assert [r.token_ids for r in results] == expected
+        for r in results:
+            t = r.timings
+            assert t["queue_s"] + t["prefill_s"] + t["transfer_s"] <= t["ttft_s"] <= t["e2e_s"]
+            assert t["tpot_s"] > 0
+            assert t["prefill_worker"].startswith("prefill-")
+            assert t["decode_worker"].startswith("decode-")
+        if prefill > 1:
+            used = {r.timings["prefill_worker"] for r in results}
+            assert len(used) >= 1
+        wait_all_blocks_free(client)
+        client.close()
+    assert_gone(pids)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(
+        "tiny-llama", 1, 1, worker_args=WORKER_ARGS, router_args=["--max-queue", "2"]
+    ) as c:
+        yield c
+
+
+def test_cancelled_stream_releases_its_blocks(cluster):
+    client = Client(cluster.address)
+    stream = client.stream([4] * 40, max_tokens=900, temperature=0, ignore_eos=True)
+    got = [next(stream) for _ in range(5)]
+    assert len(got) == 5
+    stream.close()  # cancels the RPC: router -> decode Release
+    wait_all_blocks_free(client)
+
+
+def test_bad_input_is_invalid_argument(cluster):
+    stub = rpc.RouterStub(grpc.insecure_channel(cluster.address))
+    ok = pb.SamplingParams(max_tokens=4, temperature=0, top_p=1)
+
+    def call(**fields):
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(**fields), timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        return err.value.details()
+
+    assert "empty prompt" in call(text="", sampling=ok)
+    assert "empty prompt" in call(token_ids=pb.TokenIds(ids=[]), sampling=ok)
+    assert "outside the vocabulary" in call(token_ids=pb.TokenIds(ids=[10**6]), sampling=ok)
+    assert "max_model_len" in call(token_ids=pb.TokenIds(ids=[1] * 5000), sampling=ok)
+    bad = pb.SamplingParams(max_tokens=4, temperature=-1, top_p=1)
+    assert "temperature" in call(token_ids=pb.TokenIds(ids=[1]), sampling=bad)
+    bad = pb.SamplingParams(max_tokens=4, top_p=0)
+    assert "top_p" in call(token_ids=pb.TokenIds(ids=[1]), sampling=bad)
+    bad = pb.SamplingParams(max_tokens=0, top_p=1)
+    assert "max_tokens" in call(token_ids=pb.TokenIds(ids=[1]), sampling=bad)
+    # the SDK validates the same values before sending
+    with pytest.raises(ValueError, match="top_p"):
+        Client(cluster.address).generate([1], top_p=2.0)
+
+
+def test_full_router_queue_answers_resource_exhausted(cluster):
+    client = Client(cluster.address)
+    holders = [
+        client.stream([6] * 8, max_tokens=400, temperature=0, ignore_eos=True) for _ in range(2)
+    ]
+    for h in holders:
+        next(h)  # both admitted: the router's queue (2) is full
+    with pytest.raises(Overloaded, match="queue is full"):
+        client.generate([1, 2], max_tokens=2)
+    for h in holders:
+        h.close()
+    wait_all_blocks_free(client)
+    assert len(client.generate([1, 2], max_tokens=2).token_ids) == 2  # served again
+
+
+def test_sdk_raises_typed_errors(cluster):
+    with pytest.raises(InvalidRequest, match="empty prompt"):
+        Client(cluster.address).generate("", max_tokens=2)

@@ -1,0 +1,138 @@
+"""The reserve -> layer-wise push -> start handoff, with real NIXL agents, in one process."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from decode.worker import DecodeWorker, ReservationError
+from pdserve.engine.args import EngineArgs
+from pdserve.kv.layout import PoolGeometry
+from pdserve.sampling_params import SamplingParams
+from prefill.worker import Destination, PrefillWorker
+from transfer import HandshakeRefused
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def destination(decode: DecodeWorker, blocks: list[int]) -> Destination:
+    wire = decode.wire()
+    return Destination(
+        worker_id=decode.worker_id,
+        agent_metadata=decode.agent.metadata(),
+        block_ids=blocks,
+        wire_version=wire["wire_version"],
+        layout_hash=wire["layout_hash"],
+        geometry=PoolGeometry(
+            wire["num_blocks"], wire["block_bytes"], decode.geometry.planes_per_layer
+        ),
+        region=wire["region"],
+    )
+
+
+@pytest.fixture(params=["tiny-llama", "tiny-deepseek"])
+def pair(request):
+    args = EngineArgs(block_size=16, num_kv_blocks=32)
+    name = request.param
+    prefill = PrefillWorker(name, f"p-{name}", "nixl", args)
+    decode = DecodeWorker(name, f"d-{name}", "nixl", args)
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+def test_kv_bytes_arrive_block_for_block_and_decoding_matches(pair):
+    from pdserve import LLM
+
+    prefill, decode = pair
+    prompt = list(range(3, 60))  # 57 tokens: 4 blocks, the last one partial
+    blocks = decode.reserve("r1", prompt, GREEDY, lease_s=30)
+    assert len(blocks) == 4
+    # snapshot the prefill side's blocks at the moment it releases them (push done)
+    src, dst = prefill.engine.kv_cache, decode.engine.kv_cache
+    bd = src.block_dim
+    snapshots = {}
+    free = prefill.engine.allocator.free
+
+    def snapshot_then_free(block_ids):
+        snapshots.update({b: src.pool.select(bd, b).clone() for b in block_ids})
+        order.extend(block_ids)
+        free(block_ids)
+
+    order: list[int] = []
+    prefill.engine.allocator.free = snapshot_then_free
+    result = prefill.submit("r1", prompt, GREEDY, destination(decode, blocks)).result(60)
+    assert result.transfer_bytes == 4 * decode.geometry.block_bytes * (
+        decode.geometry.planes_per_layer * decode.engine.model_config.num_layers
+    )
+    deadline = time.monotonic() + 10
+    while len(order) < 4 and time.monotonic() < deadline:  # freed right after the reply
+        time.sleep(0.01)
+    assert len(order) == 4
+    for s, d in zip(order, blocks):  # every block, every layer (and K and V), byte for byte
+        assert torch.equal(snapshots[s], dst.pool.select(bd, d)), f"block {s} -> {d} differs"
+    stream = decode.start("r1", result.first_token)
+    tokens = []
+    while True:
+        item = stream.tokens.get(timeout=30)
+        if isinstance(item, tuple):
+            break
+        tokens.append(item)
+    expected = LLM(prefill.engine.source.name, block_size=16).generate([prompt], GREEDY)[0]
+    assert tokens == expected.token_ids
+    decode.check_integrity()
+    prefill.check_integrity()
+    assert decode.stats()["free_blocks"] == 32
+
+
+def test_layout_mismatch_is_refused_before_prefill():
+    prefill = PrefillWorker(
+        "tiny-llama", "p-bs16", "nixl", EngineArgs(block_size=16, num_kv_blocks=8)
+    )
+    decode = DecodeWorker(
+        "tiny-llama", "d-bs32", "nixl", EngineArgs(block_size=32, num_kv_blocks=8)
+    )
+    try:
+        blocks = decode.reserve("r", [1, 2, 3], GREEDY, lease_s=30)
+        with pytest.raises(HandshakeRefused, match="layout hash"):
+            prefill.submit("r", [1, 2, 3], GREEDY, destination(decode, blocks))
+        assert decode.release("r")
+        decode.check_integrity()
+        assert decode.stats()["free_blocks"] == 8
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_lease_expiry_returns_reserved_blocks():
+    decode = DecodeWorker("tiny-llama", "d-lease", "nixl", EngineArgs(num_kv_blocks=8))
+    try:
+        decode.reserve("slow", list(range(40)), GREEDY, lease_s=0.2)  # 3 blocks
+        assert decode.stats()["free_blocks"] == 5
+        decode.check_integrity()
+        deadline = time.monotonic() + 5
+        while decode.stats()["free_blocks"] != 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert decode.stats()["free_blocks"] == 8
+        decode.check_integrity()
+        decode.arrived.add(b"slow")  # a push that completes after the lease ran out
+        with pytest.raises(KeyError, match="expired or released"):
+            decode.start("slow", 5)
+    finally:
+        decode.close()
+
+
+def test_reservation_refused_when_the_pool_is_full():
+    decode = DecodeWorker("tiny-llama", "d-full", "nixl", EngineArgs(num_kv_blocks=4))
+    try:
+        decode.reserve("a", list(range(48)), GREEDY, lease_s=30)  # 3 of 4 blocks
+        with pytest.raises(ReservationError, match="2 KV blocks needed, 1 free"):
+            decode.reserve("b", list(range(20)), GREEDY, lease_s=30)
+        with pytest.raises(ValueError, match="already known"):
+            decode.reserve("a", [1], GREEDY, lease_s=30)
+        decode.release("a")
+        decode.check_integrity()
+    finally:
+        decode.close()
