@@ -57,6 +57,8 @@ class DecodeService(rpc.DecodeServicer):
                 # decode-side TPOT: first token handed over -> last token, per later token
                 elapsed = time.monotonic() - stream.started
                 tpot = elapsed / (produced - 1) if produced > 1 else 0.0
+                if produced > 1:
+                    self.worker.metrics.tpot.observe(tpot)
                 yield pb.TokenChunk(finished=True, finish_reason=item[1], tpot_s=tpot)
                 return
             produced += 1

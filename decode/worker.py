@@ -23,6 +23,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.kv.layout import layout_spec, pool_geometry
 from pdserve.sampling_params import SamplingParams
+from pdserve.serving.metrics import DecodeMetrics
 from transfer import KV_WIRE_VERSION, make_agent
 
 FINISHED = object()  # end-of-stream marker on a request's queue
@@ -36,12 +37,14 @@ class ReservationError(RuntimeError):
 class Reservation:
     request: Request
     deadline: float  # time.monotonic() after which the blocks go back to the pool
+    reserved_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
 class Stream:
     tokens: queue.Queue = field(default_factory=queue.Queue)
     started: float = field(default_factory=time.monotonic)
+    last_token: float = field(default_factory=time.monotonic)
 
 
 class DecodeWorker:
@@ -57,6 +60,7 @@ class DecodeWorker:
         self.layout = layout_spec(model, self.engine.model_config, kv.pool.dtype, kv.block_size)
         self.agent = make_agent(transfer, worker_id)
         self.region = self.agent.register(kv.pool)
+        self.metrics = DecodeMetrics()
         self.lock = threading.Lock()
         self.reservations: dict[str, Reservation] = {}
         self.streams: dict[str, Stream] = {}
@@ -94,6 +98,12 @@ class DecodeWorker:
             req = res.request
             req.num_computed_tokens = req.num_prompt_tokens
             req.metrics.first_token_time = time.monotonic()
+            planes = self.geometry.planes_per_layer * self.engine.model_config.num_layers
+            received = len(req.block_ids) * self.geometry.block_bytes * planes
+            self.metrics.transfer_bytes.labels("received").inc(received)
+            self.metrics.transfer_seconds.labels("received").observe(
+                req.metrics.first_token_time - res.reserved_at
+            )
             stream = Stream()
             self.streams[request_id] = stream
             req.append_token(first_token)
@@ -170,15 +180,20 @@ class DecodeWorker:
         engine.kv_cache.copy_blocks(batch.copies)
         tokens, logprobs = engine.runner.execute(batch.chunks)
         finished = engine.scheduler.update(batch, tokens, logprobs)
-        k = 0
+        k, now = 0, time.monotonic()
         for req, chunk in zip(batch.requests, batch.chunks):
             if chunk.sample:
                 stream = self.streams.get(req.request_id)
                 if stream is not None:
                     stream.tokens.put(tokens[k])
+                    self.metrics.itl.observe(now - stream.last_token)
+                    stream.last_token = now
                 k += 1
         for req in finished:
             self._close(req)
+        alloc = engine.allocator
+        self.metrics.running.set(len(engine.scheduler.running))
+        self.metrics.kv_usage.set(alloc.num_used_blocks / alloc.num_blocks)
 
     def _close(self, req: Request) -> None:
         stream = self.streams.pop(req.request_id, None)

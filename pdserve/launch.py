@@ -30,6 +30,7 @@ class Cluster:
         startup_timeout_s: float = 180.0,
     ) -> None:
         self.procs: list[subprocess.Popen] = []
+        self.metrics: dict[str, str] = {}  # role-index -> host:port of /metrics
         try:
             self.address = self._spawn(
                 ["serve", "router", "--model", model, "--port", str(port), *(router_args or [])]
@@ -58,7 +59,10 @@ class Cluster:
             raise RuntimeError(
                 f"`pdserve {' '.join(argv[:2])}` failed to start (exit {proc.poll()})"
             )
-        return line.split()[2]
+        _, role, address, metrics = line.split()
+        index = sum(key.startswith(role) for key in self.metrics)
+        self.metrics[f"{role}-{index}"] = metrics
+        return address
 
     def _await_registered(self, prefill: int, decode: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -20,6 +20,7 @@ from pdserve.rpc import PROTOCOL_VERSION
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving.convert import sampling_from_proto
+from pdserve.serving.metrics import RouterMetrics
 from pdserve.serving.server import HEARTBEAT_S, health
 from pdserve.weights import resolve
 
@@ -74,6 +75,7 @@ class RouterService(rpc.RouterServicer):
         self.queue_timeout_s = queue_timeout_s
         self._ids = itertools.count()
         self.inflight: dict[str, Worker] = {}  # request id -> its decode worker
+        self.metrics = RouterMetrics()
 
     # -- registry -----------------------------------------------------------------------------
     def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
@@ -133,9 +135,11 @@ class RouterService(rpc.RouterServicer):
         try:
             prompt, params = self._validate(request)
         except ValueError as e:
+            self.metrics.requests.labels("invalid").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         request_id = request.request_id or f"req-{next(self._ids)}"
         if not self.admission.acquire(blocking=False):
+            self.metrics.requests.labels("rejected").inc()
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "router queue is full; retry later")
         try:
             yield from self._serve(request_id, prompt, request.sampling, params, arrival, context)
@@ -232,6 +236,10 @@ class RouterService(rpc.RouterServicer):
                         decode_worker=reserved.worker_id,
                     )
                     text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+                    self.metrics.queue.observe(timings.queue_s)
+                    self.metrics.ttft.observe(timings.ttft_s)
+                    self.metrics.e2e.observe(timings.e2e_s)
+                    self.metrics.requests.labels(chunk.finish_reason).inc()
                     yield pb.GenerateResponse(
                         request_id=request_id,
                         finished=True,

@@ -21,6 +21,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.kv.layout import PoolGeometry, layout_spec, pool_geometry
 from pdserve.sampling_params import SamplingParams
+from pdserve.serving.metrics import PrefillMetrics
 from transfer import Desc, Transfer, TransferFailed, check_handshake, make_agent
 
 
@@ -61,6 +62,7 @@ class PrefillWorker:
         self.layout = layout_spec(model, self.engine.model_config, kv.pool.dtype, kv.block_size)
         self.agent = make_agent(transfer, worker_id)
         self.region = self.agent.register(kv.pool)
+        self.metrics = PrefillMetrics()
         self.peers: dict[str, str] = {}  # decode worker id -> agent peer name
         self.budget = args.max_num_batched_tokens
         self.jobs: queue.Queue[PrefillJob | None] = queue.Queue()
@@ -83,6 +85,7 @@ class PrefillWorker:
         job = PrefillJob(req, dest)
         with self.lock:
             self.queued_tokens += len(prompt)
+            self.metrics.queued_tokens.set(self.queued_tokens)
         self.jobs.put(job)
         return job.done
 
@@ -133,8 +136,10 @@ class PrefillWorker:
                 job.done.set_exception(e)
             with self.lock:
                 self.queued_tokens -= len(req.token_ids)
+                self.metrics.queued_tokens.set(self.queued_tokens)
         if not runnable:
             return
+        self.metrics.batch_tokens.observe(sum(len(j.request.token_ids) for j in runnable))
         started = time.monotonic()
         transfers: list[Transfer] = []
         nbytes = [0]
@@ -155,6 +160,9 @@ class PrefillWorker:
             for xfer in transfers:
                 xfer.wait(timeout_s=30)
             pushed = time.monotonic()
+            self.metrics.prefill.observe(computed - started)
+            self.metrics.transfer_seconds.labels("sent").observe(pushed - computed)
+            self.metrics.transfer_bytes.labels("sent").inc(nbytes[0])
             for job, token in zip(runnable, tokens):
                 job.done.set_result(
                     PrefillResult(

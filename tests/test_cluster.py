@@ -139,3 +139,43 @@ def test_full_router_queue_answers_resource_exhausted(cluster):
 def test_sdk_raises_typed_errors(cluster):
     with pytest.raises(InvalidRequest, match="empty prompt"):
         Client(cluster.address).generate("", max_tokens=2)
+
+
+def test_prometheus_endpoints_expose_the_series(cluster):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    Client(cluster.address).generate([9, 8, 7], max_tokens=5, temperature=0, ignore_eos=True)
+    time.sleep(1.5)  # one heartbeat
+    expected = {
+        "router": {"pdserve_router_ttft_seconds", "pdserve_router_queue_seconds"},
+        "prefill": {
+            "pdserve_prefill_seconds",
+            "pdserve_prefill_queued_tokens",
+            "pdserve_prefill_batch_tokens",
+            "pdserve_transfer_bytes",
+            "pdserve_transfer_seconds",
+        },
+        "decode": {
+            "pdserve_decode_tpot_seconds",
+            "pdserve_decode_inter_token_seconds",
+            "pdserve_decode_running",
+            "pdserve_decode_kv_usage_ratio",
+            "pdserve_transfer_bytes",
+            "pdserve_transfer_seconds",
+        },
+    }
+    for key, address in cluster.metrics.items():
+        body = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+        families = {f.name: f for f in text_string_to_metric_families(body)}
+        role = key.split("-")[0]
+        missing = expected[role] - set(families)
+        assert not missing, f"{key} lacks {missing}"
+        if role != "router":
+            sent = [
+                s.value
+                for s in families["pdserve_transfer_bytes"].samples
+                if s.name.endswith("_total")
+            ]
+            assert sum(sent) > 0, f"{key} counted no transfer bytes"

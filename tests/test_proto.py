@@ -15,7 +15,9 @@ def test_regenerating_the_stubs_changes_nothing(tmp_path):
     gen.generate(tmp_path)
     for name in gen.FILES:
         committed = (ROOT / "pdserve" / "rpc" / name).read_text()
-        assert (tmp_path / name).read_text() == committed, f"{name} is stale: run scripts/gen_proto.py"
+        assert (tmp_path / name).read_text() == committed, (
+            f"{name} is stale: run scripts/gen_proto.py"
+        )
 
 
 def test_stubs_live_inside_the_package():

@@ -26,8 +26,8 @@ def _stop_event() -> threading.Event:
     return stop
 
 
-def _ready(role: str, host: str, port: int) -> None:
-    print(f"READY {role} {host}:{port}", flush=True)
+def _ready(role: str, host: str, port: int, metrics_port: int) -> None:
+    print(f"READY {role} {host}:{port} {host}:{metrics_port}", flush=True)
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
@@ -45,14 +45,16 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
 def run_router(args: argparse.Namespace) -> int:
     from pdserve.router import RouterService
     from pdserve.rpc import pdserve_pb2_grpc as rpc
+    from pdserve.serving.metrics import serve_metrics
     from pdserve.serving.server import start_server
 
     service = RouterService(args.model, args.max_model_len, args.max_queue, args.queue_timeout)
     server, port = start_server(
         lambda s: rpc.add_RouterServicer_to_server(service, s), args.host, args.port
     )
+    metrics_port = serve_metrics(service.metrics.registry, args.host, args.metrics_port)
     stop = _stop_event()
-    _ready("router", args.host, port)
+    _ready("router", args.host, port, metrics_port)
     stop.wait()
     server.stop(grace=2).wait()
     return 0
@@ -61,6 +63,7 @@ def run_router(args: argparse.Namespace) -> int:
 def _run_worker(args: argparse.Namespace, role: str) -> int:
     from pdserve.rpc import pdserve_pb2 as pb
     from pdserve.rpc import pdserve_pb2_grpc as rpc
+    from pdserve.serving.metrics import serve_metrics
     from pdserve.serving.server import Registration, start_server
 
     worker_id = args.worker_id or f"{role}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -79,10 +82,16 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         service = PrefillService(worker)
         add = lambda s: rpc.add_PrefillServicer_to_server(service, s)  # noqa: E731
     server, port = start_server(add, args.host, args.port)
-    info = pb.WorkerInfo(worker_id=worker_id, role=role, address=f"{args.host}:{port}")
+    metrics_port = serve_metrics(worker.metrics.registry, args.host, args.metrics_port)
+    info = pb.WorkerInfo(
+        worker_id=worker_id,
+        role=role,
+        address=f"{args.host}:{port}",
+        metrics_address=f"{args.host}:{metrics_port}",
+    )
     registration = Registration(args.router, info, worker.stats) if args.router else None
     stop = _stop_event()
-    _ready(role, args.host, port)
+    _ready(role, args.host, port, metrics_port)
     stop.wait()
     if registration is not None:
         registration.close()
@@ -107,6 +116,7 @@ def add_serve_parser(sub) -> None:
         p.add_argument("--model", required=True)
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=0, help="0: a free port chosen by the OS")
+        p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port")
         p.add_argument("--max-model-len", type=int, default=None)
         if role == "router":
             p.add_argument("--max-queue", type=int, default=256)
