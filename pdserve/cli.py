@@ -3,6 +3,9 @@
 pdserve generate --model M --prompt "..." [--chat] [--max-tokens N] [--temperature T]
 pdserve bench offline --model M [--batch-sizes 1,8,32] [--workload azure-conv] --json out.json
 pdserve bench kernels [--quick] --json out.json
+pdserve bench transfer [--model M] [--quick] --json out.json
+pdserve launch --model M --prefill N --decode M
+pdserve serve router|prefill|decode --model M ...
 pdserve demo
 """
 
@@ -80,6 +83,18 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_transfer(args: argparse.Namespace) -> int:
+    from pdserve.bench.offline import write_json
+    from pdserve.bench.transfer import bench_transfer, format_table
+
+    report = bench_transfer(args.model, args.backend, quick=args.quick)
+    print(format_table(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from pdserve.launch import run_launch
 
@@ -140,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     kern.add_argument("--quick", action="store_true", help="a small sweep (CPU-sized)")
     kern.add_argument("--json", default=None, help="write the report here")
     kern.set_defaults(func=cmd_bench_kernels)
+
+    xfer = bench_sub.add_parser("transfer", help="KV handoff vs raw NIXL, layer-wise TTFT")
+    xfer.add_argument("--model", default=DEMO_MODEL)
+    xfer.add_argument("--backend", default="nixl")
+    xfer.add_argument("--quick", action="store_true")
+    xfer.add_argument("--json", default=None)
+    xfer.set_defaults(func=cmd_bench_transfer)
 
     from pdserve.serving.roles import add_serve_parser
 

@@ -15,6 +15,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request
@@ -22,7 +24,7 @@ from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.kv.layout import PoolGeometry, layout_spec, pool_geometry
 from pdserve.sampling_params import SamplingParams
 from pdserve.serving.metrics import PrefillMetrics
-from transfer import Desc, Transfer, TransferFailed, check_handshake, make_agent
+from transfer import Tiles, Transfer, TransferFailed, check_handshake, make_agent
 
 
 @dataclass(frozen=True)
@@ -62,9 +64,13 @@ class PrefillWorker:
         self.layout = layout_spec(model, self.engine.model_config, kv.pool.dtype, kv.block_size)
         self.agent = make_agent(transfer, worker_id)
         self.region = self.agent.register(kv.pool)
+        self.tiles = self.agent.prepare_tiles(None, self.region, self.geometry.block_bytes)
         self.metrics = PrefillMetrics()
-        self.peers: dict[str, str] = {}  # decode worker id -> agent peer name
+        self.peers: dict[str, tuple[str, Tiles]] = {}  # decode id -> (peer name, its pool tiles)
         self.budget = args.max_num_batched_tokens
+        # push each layer as soon as it is computed (False: all layers after the forward
+        # pass; kept for the benchmark that measures what layer-wise push buys)
+        self.layerwise = True
         self.jobs: queue.Queue[PrefillJob | None] = queue.Queue()
         self.queued_tokens = 0
         self.lock = threading.Lock()
@@ -147,16 +153,33 @@ class PrefillWorker:
             peers = [self._peer(job.dest) for job in runnable]
             chunks = [self._chunk(job.request) for job in runnable]
 
+            blocks = [
+                (
+                    np.asarray(j.request.block_ids[: len(j.dest.block_ids)]),
+                    np.asarray(j.dest.block_ids),
+                )
+                for j in runnable
+            ]
+
             def push(layer: int) -> None:
                 last = layer == self.engine.model_config.num_layers - 1
-                for job, peer in zip(runnable, peers):
-                    local, remote = self._descs(job, layer)
+                for job, (peer, tiles), (src, dst) in zip(runnable, peers, blocks):
+                    local = self.geometry.tile_indices(layer, src)
+                    remote = job.dest.geometry.tile_indices(layer, dst)
                     notif = job.request.request_id.encode() if last else b""
-                    transfers.append(self.agent.write(peer, local, remote, notif))
-                    nbytes[0] += sum(d.length for d in local)
+                    transfers.append(
+                        self.agent.write_tiles(peer, self.tiles, local, tiles, remote, notif)
+                    )
+                    nbytes[0] += local.size * self.geometry.block_bytes
 
-            tokens, _ = self.engine.runner.execute(chunks, on_layer_done=push)
+            layerwise = self.layerwise
+            tokens, _ = self.engine.runner.execute(
+                chunks, on_layer_done=push if layerwise else None
+            )
             computed = time.monotonic()
+            if not layerwise:
+                for layer in range(self.engine.model_config.num_layers):
+                    push(layer)
             for xfer in transfers:
                 xfer.wait(timeout_s=30)
             pushed = time.monotonic()
@@ -198,17 +221,11 @@ class PrefillWorker:
             generator=req.generator,
         )
 
-    def _peer(self, dest: Destination) -> str:
+    def _peer(self, dest: Destination) -> tuple[str, Tiles]:
         if dest.worker_id not in self.peers:
-            self.peers[dest.worker_id] = self.agent.add_peer(dest.agent_metadata)
+            if dest.geometry.block_bytes != self.geometry.block_bytes:
+                raise ValueError("decode pool blocks differ in size from ours")
+            peer = self.agent.add_peer(dest.agent_metadata)
+            tiles = self.agent.prepare_tiles(peer, dest.region, dest.geometry.block_bytes)
+            self.peers[dest.worker_id] = (peer, tiles)
         return self.peers[dest.worker_id]
-
-    def _descs(self, job: PrefillJob, layer: int) -> tuple[list[Desc], list[Desc]]:
-        """One descriptor per (plane of this layer, block of the prompt)."""
-        src, dst = self.geometry, job.dest.geometry
-        local, remote = [], []
-        for plane in src.layer_planes(layer):
-            for s, d in zip(job.request.block_ids, job.dest.block_ids):
-                local.append(Desc(self.region, src.offset(plane, s), src.block_bytes))
-                remote.append(Desc(job.dest.region, dst.offset(plane, d), dst.block_bytes))
-        return local, remote

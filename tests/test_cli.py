@@ -69,3 +69,16 @@ def test_bench_offline_writes_json_with_both_figures(tmp_path):
         assert r["ratio"] == pytest.approx(r["pdserve_tok_s"] / r["transformers_tok_s"])
     # same weights, same greedy sampling: identical tokens at batch 1
     assert rows[0]["identical_outputs"] == rows[0]["requests"]
+
+
+def test_bench_transfer_verifies_bytes_and_reports_both_layouts(tmp_path):
+    out = tmp_path / "transfer.json"
+    proc = run_cli("bench", "transfer", "--model", "tiny-llama", "--quick", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert [r["blocks"] for r in report["handoff"]] == [1, 4, 16, 64]
+    for r in report["handoff"]:
+        assert r["contiguous_verified"] and r["scattered_verified"]
+        assert r["raw_gb_s"] > 0 and r["contiguous_gb_s"] > 0 and r["scattered_gb_s"] > 0
+    assert [r["prompt_tokens"] for r in report["ttft"]] == [64, 256]
+    assert all(r["layerwise_s"] > 0 and r["after_prefill_s"] > 0 for r in report["ttft"])

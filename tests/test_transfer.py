@@ -145,3 +145,28 @@ def test_handshake_refuses_layout_and_version_mismatches():
         check_handshake(ours, KV_WIRE_VERSION, other.layout_hash())
     with pytest.raises(HandshakeRefused, match="wire version 99"):
         check_handshake(ours, 99, ours.layout_hash())
+
+
+@pytest.mark.parametrize("backend", ["loopback", "nixl"])
+def test_prepared_tiles_move_the_indexed_blocks(backend):
+    import numpy as np
+
+    src_pool = torch.arange(8 * 64, dtype=torch.float32).view(8, 64)
+    dst_pool = torch.zeros(6, 64)
+    a, b = make_agent(backend, f"{backend}-ta"), make_agent(backend, f"{backend}-tb")
+    try:
+        ra, rb = a.register(src_pool), b.register(dst_pool)
+        peer = a.add_peer(b.metadata())
+        local = a.prepare_tiles(None, ra, 64 * 4)
+        remote = a.prepare_tiles(peer, rb, 64 * 4)
+        assert (local.count, remote.count) == (8, 6)
+        xfer = a.write_tiles(peer, local, np.array([7, 0, 3]), remote, np.array([1, 5, 2]), b"t")
+        xfer.wait()
+        xfer.release()
+        assert torch.equal(dst_pool[[1, 5, 2]], src_pool[[7, 0, 3]])
+        assert dst_pool[[0, 3, 4]].eq(0).all()
+        with pytest.raises(ValueError, match=r"tile index outside \[0, 6\)"):
+            a.write_tiles(peer, local, np.array([1]), remote, np.array([6]), b"")
+    finally:
+        a.close()
+        b.close()

@@ -14,6 +14,7 @@ wire/layout handshake. Depends on nothing else of pdserve.
 from transfer.agent import (
     BACKENDS,
     Desc,
+    Tiles,
     Transfer,
     TransferAgent,
     TransferFailed,
@@ -30,6 +31,7 @@ __all__ = [
     "KVLayoutSpec",
     "Transfer",
     "TransferAgent",
+    "Tiles",
     "TransferFailed",
     "XferState",
     "check_handshake",

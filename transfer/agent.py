@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
 import torch
 
 
@@ -25,6 +26,19 @@ class XferState(Enum):
 
 class TransferFailed(RuntimeError):
     """A transfer ended in error or did not finish in time."""
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A region prepared as `count` equal tiles of `tile_bytes` (see prepare_tiles)."""
+
+    handle: object  # backend's prepared list
+    count: int
+    tile_bytes: int
+
+    def check(self, idx: np.ndarray, side: str) -> None:
+        if idx.size and (idx.min() < 0 or idx.max() >= self.count):
+            raise ValueError(f"{side} tile index outside [0, {self.count})")
 
 
 @dataclass(frozen=True)
@@ -84,6 +98,23 @@ class TransferAgent(ABC):
     @abstractmethod
     def read(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
         """One-sided READ of the peer's ranges into local ones."""
+
+    @abstractmethod
+    def prepare_tiles(self, peer: str | None, region: int, tile_bytes: int) -> Tiles:
+        """Prepare a region (local when `peer` is None, else the peer's) as equal tiles once,
+        so that later transfers name tiles by index (NIXL's prepared descriptor lists)."""
+
+    @abstractmethod
+    def write_tiles(
+        self,
+        peer: str,
+        local: Tiles,
+        local_idx: np.ndarray,
+        remote: Tiles,
+        remote_idx: np.ndarray,
+        notif: bytes,
+    ) -> Transfer:
+        """WRITE local tiles `local_idx[i]` into the peer's tiles `remote_idx[i]`."""
 
     @abstractmethod
     def notifications(self) -> dict[str, list[bytes]]:

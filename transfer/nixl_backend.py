@@ -9,7 +9,15 @@ import numpy as np
 import torch
 
 from transfer import metadata as md
-from transfer.agent import Desc, Transfer, TransferAgent, TransferFailed, XferState, check_descs
+from transfer.agent import (
+    Desc,
+    Tiles,
+    Transfer,
+    TransferAgent,
+    TransferFailed,
+    XferState,
+    check_descs,
+)
 
 _STATES = {"DONE": XferState.DONE, "PROC": XferState.PENDING, "ERR": XferState.FAILED}
 
@@ -108,6 +116,38 @@ class NixlAgent(TransferAgent):
 
     def read(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
         return self._post("READ", peer, local, remote, notif)
+
+    def prepare_tiles(self, peer: str | None, region: int, tile_bytes: int) -> Tiles:
+        regions = self._regions if peer is None else self._peers[peer]
+        if region not in regions:
+            raise ValueError(f"unknown region {region}")
+        r = regions[region]
+        count = r.length // tile_bytes
+        table = np.empty((count, 3), dtype=np.uint64)
+        table[:, 0] = r.addr + np.arange(count, dtype=np.uint64) * np.uint64(tile_bytes)
+        table[:, 1] = tile_bytes
+        table[:, 2] = r.dev
+        handle = self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", table, r.mem)
+        return Tiles(handle, count, tile_bytes)
+
+    def write_tiles(self, peer, local: Tiles, local_idx, remote: Tiles, remote_idx, notif):
+        if local.tile_bytes != remote.tile_bytes or local_idx.shape != remote_idx.shape:
+            raise ValueError("tile sizes or index counts differ")
+        local.check(local_idx, "local")
+        remote.check(remote_idx, "remote")
+        handle = self._agent.make_prepped_xfer(
+            "WRITE",
+            local.handle,
+            local_idx.astype(np.int32),
+            remote.handle,
+            remote_idx.astype(np.int32),
+            notif,
+        )
+        state = self._agent.transfer(handle)
+        if state == "ERR":
+            self._agent.release_xfer_handle(handle)
+            raise TransferFailed("NIXL refused to post the WRITE")
+        return NixlTransfer(self._agent, handle, state)
 
     def notifications(self) -> dict[str, list[bytes]]:
         return {str(k): list(v) for k, v in self._agent.get_new_notifs().items()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.config import ModelConfig
@@ -26,6 +27,12 @@ class PoolGeometry:
 
     def layer_planes(self, layer: int) -> range:
         return range(layer * self.planes_per_layer, (layer + 1) * self.planes_per_layer)
+
+    def tile_indices(self, layer: int, blocks: np.ndarray) -> np.ndarray:
+        """Indices of (plane of `layer`, block) tiles when the pool is cut into blocks:
+        plane-major, so two pools give matching pairs for matching block lists."""
+        planes = np.arange(layer * self.planes_per_layer, (layer + 1) * self.planes_per_layer)
+        return (planes[:, None] * self.num_blocks + blocks[None, :]).ravel()
 
 
 def pool_geometry(config: ModelConfig, kv_pool: torch.Tensor, block_dim: int) -> PoolGeometry:
