@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.kv.layout import layout_spec, pool_geometry
 from pdserve.sampling_params import SamplingParams
+from pdserve.serving.kv_endpoint import kv_endpoint
 from pdserve.serving.metrics import DecodeMetrics
-from transfer import KV_WIRE_VERSION, make_agent
+from transfer import KV_WIRE_VERSION
 
 FINISHED = object()  # end-of-stream marker on a request's queue
 
@@ -55,11 +55,9 @@ class DecodeWorker:
             model, EngineArgs(**{**args.__dict__, "enable_prefix_caching": False})
         )
         self.worker_id = worker_id
-        kv = self.engine.kv_cache
-        self.geometry = pool_geometry(self.engine.model_config, kv.pool, kv.block_dim)
-        self.layout = layout_spec(model, self.engine.model_config, kv.pool.dtype, kv.block_size)
-        self.agent = make_agent(transfer, worker_id)
-        self.region = self.agent.register(kv.pool)
+        endpoint = kv_endpoint(self.engine, model, worker_id, transfer)
+        self.geometry, self.layout = endpoint.geometry, endpoint.layout
+        self.agent, self.region = endpoint.agent, endpoint.region
         self.metrics = DecodeMetrics()
         self.lock = threading.Lock()
         self.reservations: dict[str, Reservation] = {}

@@ -34,7 +34,7 @@ from kernels._launch import (
     choose_num_splits,
 )
 from kernels._paged import check_cache, compute_dtype, gather_paged
-from kernels.split_reduce import split_reduce
+from kernels.split_reduce import split_buffers, split_reduce
 
 
 @triton.jit
@@ -198,13 +198,7 @@ def paged_gqa_decode(
     num_splits = max(1, min(num_splits, max_blocks))
     blocks_per_split = -(-max_blocks // num_splits)
     group = num_q_heads // num_kv_heads
-    if num_splits == 1:
-        part, lse = out.unsqueeze(2), out.new_empty(0, dtype=torch.float32)
-    else:
-        part = torch.empty(
-            batch, num_q_heads, num_splits, head_dim_v, dtype=torch.float32, device=q.device
-        )
-        lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    part, lse = split_buffers(out, num_splits)
     _gqa_decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,

@@ -27,7 +27,7 @@ import triton.language as tl
 from kernels._launch import check_dtype, check_index, check_launchable, choose_num_splits
 from kernels._paged import check_cache
 from kernels.paged_gqa_decode import paged_gqa_decode_ref
-from kernels.split_reduce import split_reduce
+from kernels.split_reduce import split_buffers, split_reduce
 
 BLOCK_H = 16
 
@@ -167,11 +167,7 @@ def paged_mla_decode(
     if num_splits is None:
         num_splits = choose_num_splits(batch * head_groups, max_blocks, q_latent.device)
     num_splits = max(1, min(num_splits, max_blocks))
-    if num_splits == 1:
-        part, lse = out.unsqueeze(2), out.new_empty(0, dtype=torch.float32)
-    else:
-        part = q_latent.new_empty(batch, heads, num_splits, rank, dtype=torch.float32)
-        lse = q_latent.new_empty(batch, heads, num_splits, dtype=torch.float32)
+    part, lse = split_buffers(out, num_splits)
     _mla_decode_kernel[(batch, head_groups, num_splits)](
         q_latent,
         q_pe,

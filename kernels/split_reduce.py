@@ -61,6 +61,16 @@ def _split_reduce_kernel(
     )
 
 
+def split_buffers(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial-result buffers for a decode kernel writing `out` [B, H, Dv] in `num_splits`
+    splits: with one split the kernel writes `out` directly (no lse, no reduction)."""
+    if num_splits == 1:
+        return out.unsqueeze(2), out.new_empty(0, dtype=torch.float32)
+    batch, heads, dv = out.shape
+    part = out.new_empty(batch, heads, num_splits, dv, dtype=torch.float32)
+    return part, out.new_empty(batch, heads, num_splits, dtype=torch.float32)
+
+
 def split_reduce(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     batch, heads, splits, dv = part.shape
     if part.dtype != torch.float32 or lse.dtype != torch.float32:

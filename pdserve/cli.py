@@ -35,6 +35,17 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _report(report: dict, format_table, json_path: str | None) -> int:
+    """Every bench prints its table and, when asked, writes its JSON report."""
+    from pdserve.bench.offline import write_json
+
+    print(format_table(report))
+    if json_path:
+        write_json(report, json_path)
+        print(f"wrote {json_path}")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from pdserve import LLM, SamplingParams
 
@@ -55,7 +66,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_offline(args: argparse.Namespace) -> int:
-    from pdserve.bench.offline import bench_offline, format_table, write_json
+    from pdserve.bench.offline import bench_offline, format_table
 
     report = bench_offline(
         args.model,
@@ -64,35 +75,21 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
         workload=args.workload,
         seed=args.seed,
     )
-    print(format_table(report))
-    if args.json:
-        write_json(report, args.json)
-        print(f"wrote {args.json}")
-    return 0
+    return _report(report, format_table, args.json)
 
 
 def cmd_bench_kernels(args: argparse.Namespace) -> int:
     from pdserve.bench.kernels import bench_kernels, format_table
-    from pdserve.bench.offline import write_json
 
     report = bench_kernels(quick=args.quick)
-    print(format_table(report))
-    if args.json:
-        write_json(report, args.json)
-        print(f"wrote {args.json}")
-    return 0
+    return _report(report, format_table, args.json)
 
 
 def cmd_bench_transfer(args: argparse.Namespace) -> int:
-    from pdserve.bench.offline import write_json
     from pdserve.bench.transfer import bench_transfer, format_table
 
     report = bench_transfer(args.model, args.backend, quick=args.quick)
-    print(format_table(report))
-    if args.json:
-        write_json(report, args.json)
-        print(f"wrote {args.json}")
-    return 0
+    return _report(report, format_table, args.json)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.kv.layout import PoolGeometry
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving.convert import sampling_from_proto
+from pdserve.serving.kv_endpoint import PoolGeometry
 from pdserve.serving.server import health
 from prefill.worker import Destination, PrefillWorker
 from transfer import HandshakeRefused, TransferFailed

@@ -21,10 +21,10 @@ from pdserve.engine.args import EngineArgs
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk
-from pdserve.kv.layout import PoolGeometry, layout_spec, pool_geometry
 from pdserve.sampling_params import SamplingParams
+from pdserve.serving.kv_endpoint import PoolGeometry, kv_endpoint
 from pdserve.serving.metrics import PrefillMetrics
-from transfer import Tiles, Transfer, TransferFailed, check_handshake, make_agent
+from transfer import Tiles, Transfer, TransferFailed, check_handshake
 
 
 @dataclass(frozen=True)
@@ -59,11 +59,9 @@ class PrefillWorker:
     def __init__(self, model: str, worker_id: str, transfer: str, args: EngineArgs) -> None:
         self.engine = LLMEngine(model, args)
         self.worker_id = worker_id
-        kv = self.engine.kv_cache
-        self.geometry = pool_geometry(self.engine.model_config, kv.pool, kv.block_dim)
-        self.layout = layout_spec(model, self.engine.model_config, kv.pool.dtype, kv.block_size)
-        self.agent = make_agent(transfer, worker_id)
-        self.region = self.agent.register(kv.pool)
+        endpoint = kv_endpoint(self.engine, model, worker_id, transfer)
+        self.geometry, self.layout = endpoint.geometry, endpoint.layout
+        self.agent, self.region = endpoint.agent, endpoint.region
         self.tiles = self.agent.prepare_tiles(None, self.region, self.geometry.block_bytes)
         self.metrics = PrefillMetrics()
         self.peers: dict[str, tuple[str, Tiles]] = {}  # decode id -> (peer name, its pool tiles)

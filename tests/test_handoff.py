@@ -9,8 +9,8 @@ import torch
 
 from decode.worker import DecodeWorker, ReservationError
 from pdserve.engine.args import EngineArgs
-from pdserve.kv.layout import PoolGeometry
 from pdserve.sampling_params import SamplingParams
+from pdserve.serving.kv_endpoint import PoolGeometry
 from prefill.worker import Destination, PrefillWorker
 from transfer import HandshakeRefused
 

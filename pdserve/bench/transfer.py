@@ -23,9 +23,9 @@ import torch
 from pdserve.bench.machine import machine_info
 from pdserve.engine.args import EngineArgs
 from pdserve.kv import KVCache
-from pdserve.kv.layout import pool_geometry
 from pdserve.progress import progress
 from pdserve.sampling_params import SamplingParams
+from pdserve.serving.kv_endpoint import pool_geometry
 from pdserve.weights import resolve
 from transfer import Desc, make_agent
 

@@ -1,4 +1,4 @@
-"""Where a block of a layer lives in a KV pool, in bytes: what the transfer layer needs.
+"""A worker's KV pool as the transfer layer sees it: where a block of a layer lives, in bytes.
 
 A pool `[*planes, num_blocks, *block]` (see KVCache) is `planes` runs of `num_blocks` blocks:
 GQA has 2 planes per layer (K, V), MLA one. Block b of plane p starts at
@@ -44,6 +44,30 @@ def pool_geometry(config: ModelConfig, kv_pool: torch.Tensor, block_dim: int) ->
         num_blocks=kv_pool.shape[block_dim],
         block_bytes=block_elems * kv_pool.element_size(),
         planes_per_layer=planes // config.num_layers,
+    )
+
+
+@dataclass
+class KVEndpoint:
+    """A worker's KV pool as the transfer layer sees it: geometry, layout, agent, region."""
+
+    geometry: PoolGeometry
+    layout: KVLayoutSpec
+    agent: object  # transfer.TransferAgent
+    region: int
+
+
+def kv_endpoint(engine, model_name: str, worker_id: str, transfer: str) -> KVEndpoint:
+    """Register `engine`'s KV pool with a new transfer agent named `worker_id`."""
+    from transfer import make_agent
+
+    kv = engine.kv_cache
+    agent = make_agent(transfer, worker_id)
+    return KVEndpoint(
+        geometry=pool_geometry(engine.model_config, kv.pool, kv.block_dim),
+        layout=layout_spec(model_name, engine.model_config, kv.pool.dtype, kv.block_size),
+        agent=agent,
+        region=agent.register(kv.pool),
     )
 
 
