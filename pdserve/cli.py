@@ -4,6 +4,7 @@ pdserve generate --model M --prompt "..." [--chat] [--max-tokens N] [--temperatu
 pdserve bench offline --model M [--batch-sizes 1,8,32] [--workload azure-conv] --json out.json
 pdserve bench kernels [--quick] --json out.json
 pdserve bench transfer [--model M] [--quick] --json out.json
+pdserve bench serve [--model M] [--concurrency N | --rate R] --json out.json
 pdserve launch --model M --prefill N --decode M
 pdserve serve router|prefill|decode --model M ...
 pdserve demo
@@ -92,6 +93,25 @@ def cmd_bench_transfer(args: argparse.Namespace) -> int:
     return _report(report, format_table, args.json)
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from pdserve.bench.serve import bench_serve, format_table
+
+    worker_args = ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else None
+    report = bench_serve(
+        args.model,
+        address=args.address,
+        prefill=args.prefill,
+        decode=args.decode,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        rate=args.rate,
+        workload=args.workload,
+        seed=args.seed,
+        worker_args=worker_args,
+    )
+    return _report(report, format_table, args.json)
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from pdserve.launch import run_launch
 
@@ -159,6 +179,20 @@ def build_parser() -> argparse.ArgumentParser:
     xfer.add_argument("--quick", action="store_true")
     xfer.add_argument("--json", default=None)
     xfer.set_defaults(func=cmd_bench_transfer)
+
+    srv = bench_sub.add_parser("serve", help="load generator against a router")
+    srv.add_argument("--model", default=DEMO_MODEL)
+    srv.add_argument("--address", default=None, help="an existing router; else one is launched")
+    srv.add_argument("--prefill", type=int, default=1)
+    srv.add_argument("--decode", type=int, default=1)
+    srv.add_argument("--num-kv-blocks", type=int, default=None)
+    srv.add_argument("--requests", type=int, default=32)
+    srv.add_argument("--concurrency", type=int, default=8)
+    srv.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
+    srv.add_argument("--workload", default="azure-conv", choices=("azure-conv", "uniform"))
+    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--json", default=None)
+    srv.set_defaults(func=cmd_bench_serve)
 
     from pdserve.serving.roles import add_serve_parser
 

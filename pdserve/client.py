@@ -61,7 +61,7 @@ class GenerateResult:
     timings: dict = field(default_factory=dict)
 
 
-def _request(prompt: str | list[int], sampling: dict) -> pb.GenerateRequest:
+def build_request(prompt: str | list[int], sampling: dict) -> pb.GenerateRequest:
     params = SamplingParams(**sampling)
     msg = pb.GenerateRequest(protocol_version=PROTOCOL_VERSION, sampling=sampling_to_proto(params))
     if isinstance(prompt, str):
@@ -100,7 +100,7 @@ class Client:
     def generate(self, prompt: str | list[int], **sampling) -> GenerateResult:
         result = GenerateResult(request_id="")
         try:
-            for msg in self.stub.Generate(_request(prompt, sampling)):
+            for msg in self.stub.Generate(build_request(prompt, sampling)):
                 _absorb(result, msg)
         except grpc.RpcError as e:
             raise _error(e) from None
@@ -108,7 +108,7 @@ class Client:
 
     def stream(self, prompt: str | list[int], **sampling) -> Iterator[int]:
         """Yields token ids as they arrive; closing the generator cancels the request."""
-        call = self.stub.Generate(_request(prompt, sampling))
+        call = self.stub.Generate(build_request(prompt, sampling))
         try:
             for msg in call:
                 yield from msg.token_ids
@@ -141,14 +141,14 @@ class AsyncClient:
     async def generate(self, prompt: str | list[int], **sampling) -> GenerateResult:
         result = GenerateResult(request_id="")
         try:
-            async for msg in self.stub.Generate(_request(prompt, sampling)):
+            async for msg in self.stub.Generate(build_request(prompt, sampling)):
                 _absorb(result, msg)
         except grpc.RpcError as e:
             raise _error(e) from None
         return result
 
     async def stream(self, prompt: str | list[int], **sampling) -> AsyncIterator[int]:
-        call = self.stub.Generate(_request(prompt, sampling))
+        call = self.stub.Generate(build_request(prompt, sampling))
         try:
             async for msg in call:
                 for token in msg.token_ids:

@@ -82,3 +82,29 @@ def test_bench_transfer_verifies_bytes_and_reports_both_layouts(tmp_path):
         assert r["raw_gb_s"] > 0 and r["contiguous_gb_s"] > 0 and r["scattered_gb_s"] > 0
     assert [r["prompt_tokens"] for r in report["ttft"]] == [64, 256]
     assert all(r["layerwise_s"] > 0 and r["after_prefill_s"] > 0 for r in report["ttft"])
+
+
+@pytest.mark.parametrize("load", [["--concurrency", "3"], ["--rate", "20"]])
+def test_bench_serve_reports_percentiles_without_errors(tmp_path, load):
+    out = tmp_path / "serve.json"
+    proc = run_cli(
+        "bench",
+        "serve",
+        "--model",
+        "tiny-llama",
+        "--requests",
+        "10",
+        "--num-kv-blocks",
+        "256",
+        *load,
+        "--json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    summary = report["summary"]
+    assert summary["requests"] == 10 and summary["errors"] == 0
+    assert summary["output_tokens"] == sum(s["output_tokens"] for s in report["samples"]) > 0
+    for key in ("ttft_s", "tpot_s", "e2e_s"):
+        assert 0 < summary[key]["p50"] <= summary[key]["p90"] <= summary[key]["p99"]
+    assert all(s["server"]["ttft_s"] <= s["server"]["e2e_s"] for s in report["samples"])

@@ -1,0 +1,191 @@
+"""`pdserve bench serve`: a client-side load generator against a router.
+
+Starts a local cluster (or uses `--address`), sends requests at a fixed concurrency or as a
+Poisson process, and reports throughput and TTFT/TPOT percentiles as the client saw them,
+plus the per-stage timings the cluster returned (router queue, prefill, KV transfer,
+decode-side TPOT). Router overhead per token = client-observed TPOT - decode-side TPOT of the
+same request (the decode worker timestamps its own emissions), reported at p50.
+
+Workloads: request lengths from `pdserve.bench.offline` (Azure 2023 conversation trace scaled
+to a small model, or uniform), prompt token ids drawn at random.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+
+from pdserve.bench.machine import machine_info
+from pdserve.bench.offline import make_workload
+from pdserve.progress import progress
+
+
+@dataclass
+class Sample:
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0  # client-observed mean time per output token after the first
+    e2e_s: float = 0.0
+    server: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+async def _one(client, prompt: list[int], max_tokens: int) -> Sample:
+    import grpc
+
+    from pdserve.client import build_request
+
+    sample = Sample(prompt_tokens=len(prompt))
+    start = time.perf_counter()
+    first = last = None
+    try:
+        result = None
+        params = dict(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        call = client.stub.Generate(build_request(prompt, params))
+        async for msg in call:
+            now = time.perf_counter()
+            if msg.token_ids:
+                sample.output_tokens += len(msg.token_ids)
+                first = first or now
+                last = now
+            if msg.finished:
+                result = msg.timings
+        sample.e2e_s = time.perf_counter() - start
+        sample.ttft_s = (first or start) - start
+        if sample.output_tokens > 1:
+            sample.tpot_s = (last - first) / (sample.output_tokens - 1)
+        if result is not None:
+            sample.server = {
+                k: getattr(result, k)
+                for k in ("queue_s", "prefill_s", "transfer_s", "ttft_s", "tpot_s", "e2e_s")
+            }
+    except grpc.RpcError as e:  # recorded per request and counted in the report
+        sample.error = f"{e.code().name}: {e.details()}"
+    return sample
+
+
+async def _drive(address, work, concurrency, rate, seed) -> tuple[list[Sample], float]:
+    from pdserve.client import AsyncClient
+
+    client = AsyncClient(address)
+    samples: list[Sample] = []
+    bar = progress(total=len(work.prompts), desc="bench serve", unit="req")
+    rng = random.Random(seed)
+    start = time.perf_counter()
+    if rate:
+        tasks = []
+        for prompt, max_tokens in zip(work.prompts, work.max_tokens):
+            tasks.append(asyncio.create_task(_one(client, prompt, max_tokens)))
+            tasks[-1].add_done_callback(lambda _: bar.update(1))
+            await asyncio.sleep(rng.expovariate(rate))
+        samples = list(await asyncio.gather(*tasks))
+    else:
+        queue = list(zip(work.prompts, work.max_tokens))
+
+        async def worker():
+            while queue:
+                prompt, max_tokens = queue.pop(0)
+                samples.append(await _one(client, prompt, max_tokens))
+                bar.update(1)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    await client.close()
+    return samples, elapsed
+
+
+def summarize(samples: list[Sample], elapsed: float) -> dict:
+    ok = [s for s in samples if s.error is None]
+    tokens = sum(s.output_tokens for s in ok)
+
+    def pcts(values):
+        return {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
+
+    overhead = [
+        s.tpot_s - s.server["tpot_s"] for s in ok if s.output_tokens > 1 and s.server.get("tpot_s")
+    ]
+    return {
+        "requests": len(samples),
+        "errors": len(samples) - len(ok),
+        "error_examples": sorted({s.error for s in samples if s.error})[:3],
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "throughput_tok_s": tokens / elapsed if elapsed else 0.0,
+        "ttft_s": pcts([s.ttft_s for s in ok]),
+        "tpot_s": pcts([s.tpot_s for s in ok if s.output_tokens > 1]),
+        "e2e_s": pcts([s.e2e_s for s in ok]),
+        "stages": {
+            key: pcts([s.server[key] for s in ok if s.server])
+            for key in ("queue_s", "prefill_s", "transfer_s", "tpot_s")
+        },
+        "router_overhead_per_token_s": pcts(overhead),
+    }
+
+
+def bench_serve(
+    model: str,
+    address: str | None = None,
+    prefill: int = 1,
+    decode: int = 1,
+    requests: int = 32,
+    concurrency: int = 8,
+    rate: float | None = None,
+    workload: str = "azure-conv",
+    seed: int = 0,
+    worker_args: list[str] | None = None,
+) -> dict:
+    from pdserve.launch import Cluster
+    from pdserve.weights import resolve
+
+    vocab = resolve(model).config.vocab_size
+    work = make_workload(requests, vocab, seed, workload)
+    cluster = None
+    if address is None:
+        cluster = Cluster(model, prefill, decode, worker_args=worker_args)
+        address = cluster.address
+    try:
+        samples, elapsed = asyncio.run(_drive(address, work, concurrency, rate, seed))
+    finally:
+        if cluster is not None:
+            cluster.close()
+    return {
+        "benchmark": "serve",
+        "model": model,
+        "cluster": {"prefill": prefill, "decode": decode, "address": address},
+        "load": {"requests": requests, "concurrency": None if rate else concurrency, "rate": rate},
+        "workload": {"kind": workload, "seed": seed},
+        "machine": machine_info(),
+        "summary": summarize(samples, elapsed),
+        "samples": [s.__dict__ for s in samples],
+    }
+
+
+def format_table(report: dict) -> str:
+    s = report["summary"]
+    load = report["load"]
+    mode = f"rate {load['rate']}/s" if load["rate"] else f"concurrency {load['concurrency']}"
+    ms = lambda d: " ".join(f"{k} {v * 1e3:8.2f}" for k, v in d.items())  # noqa: E731
+    lines = [
+        f"serve: {report['model']}, {report['cluster']['prefill']}P{report['cluster']['decode']}D, "
+        f"{s['requests']} requests at {mode} ({report['workload']['kind']})",
+        f"throughput {s['throughput_tok_s']:.1f} output tok/s over {s['elapsed_s']:.1f}s, "
+        f"errors {s['errors']}",
+        f"client  TTFT ms  {ms(s['ttft_s'])}",
+        f"client  TPOT ms  {ms(s['tpot_s'])}",
+        f"router  queue ms {ms(s['stages']['queue_s'])}",
+        f"prefill ms       {ms(s['stages']['prefill_s'])}",
+        f"transfer ms      {ms(s['stages']['transfer_s'])}",
+        f"decode  TPOT ms  {ms(s['stages']['tpot_s'])}",
+        f"router overhead per token ms {ms(s['router_overhead_per_token_s'])}",
+    ]
+    return "\n".join(lines)
