@@ -63,6 +63,8 @@ class DecodeWorker:
         self.reservations: dict[str, Reservation] = {}
         self.streams: dict[str, Stream] = {}
         self.arrived: set[bytes] = set()  # push-complete notifications (request ids)
+        self._in_step: set[str] = set()  # requests of the step whose model run is in flight
+        self._deferred_release: set[str] = set()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._loop = threading.Thread(target=self._run, name="decode-loop", daemon=True)
@@ -121,6 +123,9 @@ class DecodeWorker:
             if res is not None:
                 self.engine.allocator.free(res.request.block_ids)
                 return True
+            if request_id in self._in_step:
+                self._deferred_release.add(request_id)
+                return True
             req = self.engine.scheduler.abort(request_id)
             if req is not None:
                 self._close(req)
@@ -128,14 +133,13 @@ class DecodeWorker:
         return False
 
     def stats(self) -> dict:
-        with self.lock:
-            alloc = self.engine.allocator
-            return {
-                "free_blocks": alloc.num_free_blocks,
-                "total_blocks": alloc.num_blocks,
-                "running": len(self.engine.scheduler.running),
-                "reserved": len(self.reservations),
-            }
+        """For heartbeats: read without the lock (a momentarily stale count is fine)."""
+        alloc = self.engine.allocator
+        return {
+            "free_blocks": alloc.num_free_blocks,
+            "total_blocks": alloc.num_blocks,
+            "running": len(self.engine.scheduler.running),
+        }
 
     def check_integrity(self) -> None:
         with self.lock:
@@ -161,22 +165,39 @@ class DecodeWorker:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            with self.lock:
-                self._expire_leases()
-                busy = self.engine.scheduler.has_unfinished
-                if busy:
-                    self._step()
-            if not busy:
+            if not self._step():
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step. The lock is held to schedule and to account, not while the model
+        runs (the batch is plain data by then), so Reserve/Start/Release and heartbeats are
+        not starved by a busy loop."""
         engine = self.engine
-        batch = engine.scheduler.schedule()
-        if batch.empty:
-            return
-        engine.kv_cache.copy_blocks(batch.copies)
+        with self.lock:
+            self._expire_leases()
+            if not engine.scheduler.has_unfinished:
+                return False
+            batch = engine.scheduler.schedule()
+            if batch.empty:
+                return False
+            engine.kv_cache.copy_blocks(batch.copies)
+            self._in_step = {req.request_id for req in batch.requests}
         tokens, logprobs = engine.runner.execute(batch.chunks)
+        with self.lock:
+            self._account(batch, tokens, logprobs)
+            self._in_step = set()
+            # releases that arrived while the model ran: the step wrote into those blocks,
+            # so they are freed only now (a reservation made meanwhile cannot get them)
+            for request_id in self._deferred_release:
+                req = engine.scheduler.abort(request_id)
+                if req is not None:
+                    self._close(req)
+            self._deferred_release.clear()
+        return True
+
+    def _account(self, batch, tokens, logprobs) -> None:
+        engine = self.engine
         finished = engine.scheduler.update(batch, tokens, logprobs)
         k, now = 0, time.monotonic()
         for req, chunk in zip(batch.requests, batch.chunks):

@@ -36,6 +36,9 @@ class Cluster:
                 ["serve", "router", "--model", model, "--port", str(port), *(router_args or [])]
             )
             common = ["--model", model, "--router", self.address, "--transfer", transfer]
+            # workers sharing one machine's CPUs split them instead of oversubscribing
+            threads = max(1, (os.cpu_count() or 1) // max(1, prefill + decode))
+            common += ["--threads", str(threads)]
             for role, count in (("prefill", prefill), ("decode", decode)):
                 for _ in range(count):
                     self._spawn(["serve", role, *common, *(worker_args or [])])

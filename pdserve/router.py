@@ -24,7 +24,8 @@ from pdserve.serving.metrics import RouterMetrics
 from pdserve.serving.server import HEARTBEAT_S, health
 from pdserve.weights import resolve
 
-MISSED_HEARTBEATS = 3
+MISSED_HEARTBEATS = 5  # then the worker gets no new requests (its streams go on)
+FORGET_AFTER_S = 120.0  # then it leaves the registry and its channel is closed
 LEASE_S = 30.0
 
 
@@ -55,11 +56,17 @@ class Registry:
                 known.pending_blocks = known.pending_tokens = 0
 
     def alive(self, role: str) -> list[Worker]:
-        cutoff = time.monotonic() - MISSED_HEARTBEATS * HEARTBEAT_S
+        """Workers heard from recently. A worker that misses heartbeats (dead, or just slow
+        under load) gets no new requests, but its channel stays open for the streams it is
+        serving; only a long silence removes it."""
+        now = time.monotonic()
         with self.lock:
-            for wid in [w for w, x in self.workers.items() if x.last_seen < cutoff]:
+            for wid in [w for w, x in self.workers.items() if now - x.last_seen > FORGET_AFTER_S]:
                 self.workers.pop(wid).channel.close()
-            return [w for w in self.workers.values() if w.info.role == role]
+            cutoff = now - MISSED_HEARTBEATS * HEARTBEAT_S
+            return [
+                w for w in self.workers.values() if w.info.role == role and w.last_seen >= cutoff
+            ]
 
 
 class RouterService(rpc.RouterServicer):

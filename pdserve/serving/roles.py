@@ -61,12 +61,16 @@ def run_router(args: argparse.Namespace) -> int:
 
 
 def _run_worker(args: argparse.Namespace, role: str) -> int:
+    import torch
+
     from pdserve.rpc import pdserve_pb2 as pb
     from pdserve.rpc import pdserve_pb2_grpc as rpc
     from pdserve.serving.metrics import serve_metrics
     from pdserve.serving.server import Registration, start_server
 
     worker_id = args.worker_id or f"{role}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if role == "decode":
         from decode.service import DecodeService
         from decode.worker import DecodeWorker
@@ -131,4 +135,5 @@ def add_serve_parser(sub) -> None:
             p.add_argument("--dtype", default="auto")
             p.add_argument("--device", default="auto")
             p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+            p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
         p.set_defaults(func=func)
