@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Callable
 from concurrent import futures
 
@@ -64,8 +63,3 @@ def health(role: str, worker_id: str) -> pb.HealthResponse:
     return pb.HealthResponse(
         ok=True, role=role, worker_id=worker_id, protocol_version=PROTOCOL_VERSION
     )
-
-
-def wait_forever(stop: threading.Event) -> None:
-    while not stop.wait(1.0):
-        time.sleep(0)
