@@ -26,7 +26,10 @@ from pdserve.weights import resolve
 
 MISSED_HEARTBEATS = 5  # then the worker gets no new requests (its streams go on)
 FORGET_AFTER_S = 120.0  # then it leaves the registry and its channel is closed
-LEASE_S = 30.0
+PREFILL_TIMEOUT_S = 180.0
+# A lease must outlive the prefill that fills its blocks: blocks returned while a push is
+# still running could be handed to another request and overwritten by the late push.
+LEASE_S = PREFILL_TIMEOUT_S + 60.0
 
 
 @dataclass
@@ -212,7 +215,7 @@ class RouterService(rpc.RouterServicer):
                     dest_layout=reserved.layout,
                     dest_agent_metadata=reserved.agent_metadata,
                 ),
-                timeout=180,
+                timeout=PREFILL_TIMEOUT_S,
             )
         except grpc.RpcError as e:
             self._release(request_id)
