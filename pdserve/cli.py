@@ -17,6 +17,7 @@ import sys
 import time
 
 DEMO_MODEL = "smollm2-135m"
+WORKLOAD_CHOICES = ("azure-conv", "azure-code", "mooncake-conv", "uniform")
 DEMO_QUESTIONS = (
     "What is the capital of France?",
     "Name three primary colors.",
@@ -108,6 +109,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         workload=args.workload,
         seed=args.seed,
         worker_args=worker_args,
+        replay=args.replay,
+        time_scale=args.time_scale,
     )
     return _report(report, format_table, args.json)
 
@@ -163,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--model", default=DEMO_MODEL)
     off.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32])
     off.add_argument("--requests-at-batch-1", type=int, default=4)
-    off.add_argument("--workload", default="azure-conv", choices=("azure-conv", "uniform"))
+    off.add_argument("--workload", default="azure-conv", choices=WORKLOAD_CHOICES)
     off.add_argument("--seed", type=int, default=0)
     off.add_argument("--json", default=None, help="write the report here")
     off.set_defaults(func=cmd_bench_offline)
@@ -189,7 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--requests", type=int, default=32)
     srv.add_argument("--concurrency", type=int, default=8)
     srv.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
-    srv.add_argument("--workload", default="azure-conv", choices=("azure-conv", "uniform"))
+    srv.add_argument("--workload", default="azure-conv", choices=WORKLOAD_CHOICES)
+    srv.add_argument("--replay", action="store_true", help="use the trace's arrival times")
+    srv.add_argument("--time-scale", type=float, default=1.0, help="replay N times faster")
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--json", default=None)
     srv.set_defaults(func=cmd_bench_serve)

@@ -108,3 +108,35 @@ def test_bench_serve_reports_percentiles_without_errors(tmp_path, load):
     for key in ("ttft_s", "tpot_s", "e2e_s"):
         assert 0 < summary[key]["p50"] <= summary[key]["p90"] <= summary[key]["p99"]
     assert all(s["server"]["ttft_s"] <= s["server"]["e2e_s"] for s in report["samples"])
+
+
+def test_bench_serve_replays_a_trace_at_its_arrival_times(tmp_path):
+    out = tmp_path / "replay.json"
+    proc = run_cli(
+        "bench",
+        "serve",
+        "--model",
+        "tiny-llama",
+        "--requests",
+        "6",
+        "--num-kv-blocks",
+        "256",
+        "--workload",
+        "mooncake-conv",
+        "--replay",
+        "--time-scale",
+        "10",
+        "--json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["load"]["replay_time_scale"] == 10
+    assert report["summary"]["requests"] == 6 and report["summary"]["errors"] == 0
+    # Mooncake's first requests, lengths scaled x1/32 (prompt) and x1/2 (output), clipped
+    from pdserve.bench.offline import scale_lengths
+    from pdserve.bench.traces import trace_requests
+
+    first = trace_requests("mooncake-conv")[:6]
+    expected = [scale_lengths("mooncake-conv", r.prompt_tokens, r.output_tokens) for r in first]
+    assert [(s["prompt_tokens"], s["output_tokens"]) for s in report["samples"]] == expected

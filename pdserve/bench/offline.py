@@ -7,6 +7,8 @@ Workloads (seeded; prompt token ids drawn at random from the vocabulary):
   azure-conv  (default) prompt and output lengths of requests sampled from the Azure 2023
               conversation trace, scaled to a small model on a CPU: prompt x 1/8 and output
               x 1/2, clipped to [4, 512] and [4, 256] tokens.
+  azure-code, mooncake-conv  the same from the Azure code trace (x 1/8, x 1) and Mooncake's
+              conversation trace (x 1/32, x 1/2).
   uniform     prompt lengths log-uniform in [8, 256], max_tokens uniform in [16, 128].
 
 At batch size B, pdserve gets the B requests at once and batches them continuously (a request
@@ -29,7 +31,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.bench.machine import machine_info
-from pdserve.bench.traces import azure_lengths
+from pdserve.bench.traces import trace_requests
 from pdserve.config import ModelConfig
 from pdserve.progress import progress
 
@@ -44,23 +46,27 @@ class Workload:
         return sum(self.max_tokens)
 
 
-WORKLOADS = ("azure-conv", "uniform")
-TRACE_SCALE = (1 / 8, 1 / 2)  # prompt, output
+# Trace lengths scaled to a small model on a CPU: (prompt factor, output factor).
+TRACE_SCALES = {
+    "azure-conv": (1 / 8, 1 / 2),
+    "azure-code": (1 / 8, 1),
+    "mooncake-conv": (1 / 32, 1 / 2),
+}
 TRACE_CLIP = ((4, 512), (4, 256))
+WORKLOADS = (*TRACE_SCALES, "uniform")
+
+
+def scale_lengths(kind: str, prompt: int, output: int) -> tuple[int, int]:
+    (p_lo, p_hi), (o_lo, o_hi) = TRACE_CLIP
+    fp, fo = TRACE_SCALES[kind]
+    return min(max(round(prompt * fp), p_lo), p_hi), min(max(round(output * fo), o_lo), o_hi)
 
 
 def _lengths(kind: str, n: int, gen: torch.Generator) -> list[tuple[int, int]]:
-    if kind == "azure-conv":
-        trace = azure_lengths("azure-conv")
+    if kind in TRACE_SCALES:
+        trace = trace_requests(kind)
         picks = torch.randint(0, len(trace), (n,), generator=gen).tolist()
-        (p_lo, p_hi), (o_lo, o_hi) = TRACE_CLIP
-        return [
-            (
-                min(max(round(trace[i][0] * TRACE_SCALE[0]), p_lo), p_hi),
-                min(max(round(trace[i][1] * TRACE_SCALE[1]), o_lo), o_hi),
-            )
-            for i in picks
-        ]
+        return [scale_lengths(kind, trace[i].prompt_tokens, trace[i].output_tokens) for i in picks]
     if kind == "uniform":
         lo, hi = math.log(8), math.log(256)
         return [

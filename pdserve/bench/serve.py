@@ -6,8 +6,9 @@ plus the per-stage timings the cluster returned (router queue, prefill, KV trans
 decode-side TPOT). Router overhead per token = client-observed TPOT - decode-side TPOT of the
 same request (the decode worker timestamps its own emissions), reported at p50.
 
-Workloads: request lengths from `pdserve.bench.offline` (Azure 2023 conversation trace scaled
-to a small model, or uniform), prompt token ids drawn at random.
+Workloads: request lengths from `pdserve.bench.offline` (Azure 2023 or Mooncake traces scaled
+to a small model, or uniform), prompt token ids drawn at random. `--replay` sends a trace's
+requests at its recorded arrival times (divided by `--time-scale`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from pdserve.bench.machine import machine_info
-from pdserve.bench.offline import make_workload
+from pdserve.bench.offline import TRACE_SCALES, Workload, make_workload, scale_lengths
+from pdserve.bench.traces import trace_requests
 from pdserve.progress import progress
 
 
@@ -74,7 +78,8 @@ async def _one(client, prompt: list[int], max_tokens: int) -> Sample:
     return sample
 
 
-async def _drive(address, work, concurrency, rate, seed) -> tuple[list[Sample], float]:
+async def _drive(address, work, concurrency, rate, seed, arrivals=None):
+    """-> (samples, elapsed s). `arrivals` (seconds from start) replays a trace's timing."""
     from pdserve.client import AsyncClient
 
     client = AsyncClient(address)
@@ -82,12 +87,15 @@ async def _drive(address, work, concurrency, rate, seed) -> tuple[list[Sample], 
     bar = progress(total=len(work.prompts), desc="bench serve", unit="req")
     rng = random.Random(seed)
     start = time.perf_counter()
-    if rate:
+    if rate or arrivals is not None:
         tasks = []
-        for prompt, max_tokens in zip(work.prompts, work.max_tokens):
+        for i, (prompt, max_tokens) in enumerate(zip(work.prompts, work.max_tokens)):
+            if arrivals is not None:
+                await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
             tasks.append(asyncio.create_task(_one(client, prompt, max_tokens)))
             tasks[-1].add_done_callback(lambda _: bar.update(1))
-            await asyncio.sleep(rng.expovariate(rate))
+            if arrivals is None:
+                await asyncio.sleep(rng.expovariate(rate))
         samples = list(await asyncio.gather(*tasks))
     else:
         queue = list(zip(work.prompts, work.max_tokens))
@@ -143,18 +151,38 @@ def bench_serve(
     workload: str = "azure-conv",
     seed: int = 0,
     worker_args: list[str] | None = None,
+    replay: bool = False,
+    time_scale: float = 1.0,
 ) -> dict:
+    """`replay`: the trace's first `requests` requests, in order, at their recorded arrival
+    times divided by `time_scale` (lengths scaled as in the workload)."""
     from pdserve.launch import Cluster
     from pdserve.weights import resolve
 
     vocab = resolve(model).config.vocab_size
-    work = make_workload(requests, vocab, seed, workload)
+    arrivals = None
+    if replay:
+        if workload not in TRACE_SCALES:
+            raise ValueError(f"workload: replay needs a trace ({', '.join(TRACE_SCALES)})")
+        if time_scale <= 0:
+            raise ValueError(f"time_scale: must be > 0, got {time_scale}")
+        trace = trace_requests(workload)[:requests]
+        gen = torch.Generator().manual_seed(seed)
+        prompts, max_tokens = [], []
+        for r in trace:
+            p, o = scale_lengths(workload, r.prompt_tokens, r.output_tokens)
+            prompts.append(torch.randint(vocab // 4, vocab, (p,), generator=gen).tolist())
+            max_tokens.append(o)
+        work = Workload(prompts, max_tokens)
+        arrivals = [r.arrival_s / time_scale for r in trace]
+    else:
+        work = make_workload(requests, vocab, seed, workload)
     cluster = None
     if address is None:
         cluster = Cluster(model, prefill, decode, worker_args=worker_args)
         address = cluster.address
     try:
-        samples, elapsed = asyncio.run(_drive(address, work, concurrency, rate, seed))
+        samples, elapsed = asyncio.run(_drive(address, work, concurrency, rate, seed, arrivals))
     finally:
         if cluster is not None:
             cluster.close()
@@ -162,7 +190,12 @@ def bench_serve(
         "benchmark": "serve",
         "model": model,
         "cluster": {"prefill": prefill, "decode": decode, "address": address},
-        "load": {"requests": requests, "concurrency": None if rate else concurrency, "rate": rate},
+        "load": {
+            "requests": len(work.prompts),
+            "concurrency": None if (rate or replay) else concurrency,
+            "rate": rate,
+            "replay_time_scale": time_scale if replay else None,
+        },
         "workload": {"kind": workload, "seed": seed},
         "machine": machine_info(),
         "summary": summarize(samples, elapsed),
@@ -173,7 +206,12 @@ def bench_serve(
 def format_table(report: dict) -> str:
     s = report["summary"]
     load = report["load"]
-    mode = f"rate {load['rate']}/s" if load["rate"] else f"concurrency {load['concurrency']}"
+    if load["replay_time_scale"]:
+        mode = f"trace arrival times / {load['replay_time_scale']}"
+    elif load["rate"]:
+        mode = f"rate {load['rate']}/s"
+    else:
+        mode = f"concurrency {load['concurrency']}"
     ms = lambda d: " ".join(f"{k} {v * 1e3:8.2f}" for k, v in d.items())  # noqa: E731
     lines = [
         f"serve: {report['model']}, {report['cluster']['prefill']}P{report['cluster']['decode']}D, "
