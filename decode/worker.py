@@ -13,6 +13,7 @@ its own thread and hands tokens to each request's queue, which the gRPC stream d
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -51,9 +52,7 @@ class DecodeWorker:
     def __init__(self, model: str, worker_id: str, transfer: str, args: EngineArgs) -> None:
         # Reserved blocks are filled by prefill workers, so they must be private: no prefix
         # matching on this side (a later issue reuses cached prefixes here too).
-        self.engine = LLMEngine(
-            model, EngineArgs(**{**args.__dict__, "enable_prefix_caching": False})
-        )
+        self.engine = LLMEngine(model, dataclasses.replace(args, enable_prefix_caching=False))
         self.worker_id = worker_id
         endpoint = kv_endpoint(self.engine, model, worker_id, transfer)
         self.geometry, self.layout = endpoint.geometry, endpoint.layout

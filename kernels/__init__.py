@@ -9,11 +9,12 @@ triton is imported).
 from kernels.block_copy import pack_blocks, pack_blocks_ref, unpack_blocks, unpack_blocks_ref
 from kernels.kv_write import write_kv, write_kv_ref
 from kernels.paged_gqa_decode import paged_gqa_decode, paged_gqa_decode_ref
-from kernels.paged_mla_decode import paged_mla_decode, paged_mla_decode_ref
+from kernels.paged_mla_decode import latent_as_kv_head, paged_mla_decode, paged_mla_decode_ref
 from kernels.prefill_attention import prefill_attention_ref
 from kernels.split_reduce import split_reduce, split_reduce_ref
 
 __all__ = [
+    "latent_as_kv_head",
     "pack_blocks",
     "pack_blocks_ref",
     "paged_gqa_decode",

@@ -204,6 +204,12 @@ def paged_mla_decode(
     return out
 
 
+def latent_as_kv_head(latent_cache: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latent cache as one shared KV head, without copying: keys are whole latent rows
+    [N, bs, 1, rank + rope], values their first `rank` columns [N, bs, 1, rank]."""
+    return latent_cache.unsqueeze(2), latent_cache[..., :rank].unsqueeze(2)
+
+
 def paged_mla_decode_ref(
     q_latent: torch.Tensor,
     q_pe: torch.Tensor,
@@ -220,10 +226,8 @@ def paged_mla_decode_ref(
             f"latent_cache last dim {latent_cache.shape[-1]} != kv_lora_rank {rank} + "
             f"rope_dim {q_pe.shape[-1]}"
         )
-    # As one KV head: keys are the whole latent row, values its first kv_lora_rank columns.
     q = torch.cat([q_latent, q_pe], dim=-1)
-    k_cache = latent_cache.unsqueeze(2)  # [N, bs, 1, rank + rope]
-    v_cache = latent_cache[..., :rank].unsqueeze(2)  # [N, bs, 1, rank] (a view)
+    k_cache, v_cache = latent_as_kv_head(latent_cache, rank)
     return paged_gqa_decode_ref(
         q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=max_context_len
     )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import (
+    latent_as_kv_head,
     paged_gqa_decode,
     paged_gqa_decode_ref,
     paged_mla_decode,
@@ -84,8 +85,7 @@ class TorchAttentionBackend:
         if meta.num_prefill_tokens:
             # Prefill in the absorbed form too: one shared KV "head" holding the latent.
             q = torch.cat([q_latent[nd:], q_pe[nd:]], dim=-1)
-            k_cache = latent_cache.unsqueeze(2)
-            v_cache = latent_cache[..., :rank].unsqueeze(2)
+            k_cache, v_cache = latent_as_kv_head(latent_cache, rank)
             out[nd:] = self.prefill(q, k_cache, v_cache, meta, scale)
         return out
 

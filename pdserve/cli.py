@@ -39,7 +39,7 @@ def _int_list(text: str) -> list[int]:
 
 def _report(report: dict, format_table, json_path: str | None) -> int:
     """Every bench prints its table and, when asked, writes its JSON report."""
-    from pdserve.bench.offline import write_json
+    from pdserve.bench.report import write_json
 
     print(format_table(report))
     if json_path:
@@ -123,7 +123,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from pdserve import LLM, SamplingParams
-    from pdserve.bench.offline import bench_offline, format_table, write_json
+    from pdserve.bench.offline import bench_offline, format_table
+    from pdserve.bench.report import write_json
 
     print(f"== {DEMO_MODEL}: loading (SmolLM2-135M-Instruct, GGUF, Apache-2.0)")
     llm = LLM(DEMO_MODEL)

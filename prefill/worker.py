@@ -3,8 +3,9 @@ pushes each layer's KV into the decode worker's reserved blocks as soon as that 
 computed, overlapping the transfer of layer i with the compute of layer i + 1.
 
 Block ownership on this side: FREE -prefill-> COMPUTED -push done (or abort/failure)-> FREE.
-A prompt whose blocks cannot be allocated waits; prefill never computes KV with nowhere to go
-because the decode blocks were reserved before the request reached this worker.
+A prompt whose blocks cannot be allocated waits for the next batch (this batch's blocks are
+freed once its push is done); one larger than the whole pool is refused at submit. Prefill
+never computes KV with nowhere to go: the decode blocks were reserved before it arrived.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class PrefillWorker:
         # pass; kept for the benchmark that measures what layer-wise push buys)
         self.layerwise = True
         self.jobs: queue.Queue[PrefillJob | None] = queue.Queue()
+        self._carry: list[PrefillJob] = []  # jobs that waited for blocks, first in the next batch
         self.queued_tokens = 0
         self.lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
@@ -112,10 +114,13 @@ class PrefillWorker:
     # -- the loop -------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            first = self.jobs.get()
+            first = self._carry.pop(0) if self._carry else self.jobs.get()
             if first is None:
                 return
             batch, tokens = [first], len(first.request.token_ids)
+            while self._carry and tokens < self.budget:  # jobs that waited for blocks go first
+                batch.append(self._carry.pop(0))
+                tokens += len(batch[-1].request.token_ids)
             while tokens < self.budget:  # more prompts that fit the token budget
                 try:
                     job = self.jobs.get_nowait()
@@ -133,11 +138,14 @@ class PrefillWorker:
         runnable = []
         for job in batch:
             req = job.request
-            try:
-                req.block_ids, req.num_computed_tokens = alloc.allocate(req.token_ids)
-                runnable.append(job)
-            except Exception as e:  # NoFreeBlocks, or a prompt larger than the whole pool
-                job.done.set_exception(e)
+            if not alloc.can_allocate(req.token_ids):
+                # submit() admits only prompts that fit the whole pool, and every batch frees
+                # its blocks, so this prompt fits once the jobs ahead of it are done
+                assert runnable, "a lone prompt must fit the empty pool"
+                self._carry.append(job)
+                continue
+            req.block_ids, req.num_computed_tokens = alloc.allocate(req.token_ids)
+            runnable.append(job)
             with self.lock:
                 self.queued_tokens -= len(req.token_ids)
                 self.metrics.queued_tokens.set(self.queued_tokens)

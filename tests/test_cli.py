@@ -134,8 +134,8 @@ def test_bench_serve_replays_a_trace_at_its_arrival_times(tmp_path):
     assert report["load"]["replay_time_scale"] == 10
     assert report["summary"]["requests"] == 6 and report["summary"]["errors"] == 0
     # Mooncake's first requests, lengths scaled x1/32 (prompt) and x1/2 (output), clipped
-    from pdserve.bench.offline import scale_lengths
     from pdserve.bench.traces import trace_requests
+    from pdserve.bench.workload import scale_lengths
 
     first = trace_requests("mooncake-conv")[:6]
     expected = [scale_lengths("mooncake-conv", r.prompt_tokens, r.output_tokens) for r in first]

@@ -136,3 +136,31 @@ def test_reservation_refused_when_the_pool_is_full():
         decode.check_integrity()
     finally:
         decode.close()
+
+
+def test_prefill_prompts_that_do_not_fit_together_wait_for_the_next_batch():
+    args = EngineArgs(block_size=16, num_kv_blocks=4, enable_prefix_caching=False)
+    prefill = PrefillWorker("tiny-llama", "p-small", "nixl", args)
+    decode = DecodeWorker("tiny-llama", "d-big", "nixl", EngineArgs(num_kv_blocks=32))
+    try:
+        a, b = list(range(10, 58)), list(range(60, 100))  # 3 + 3 blocks > 4 in one batch
+        futures = []
+        for rid, prompt in (("a", a), ("b", b)):
+            blocks = decode.reserve(rid, prompt, GREEDY, lease_s=30)
+            futures.append(prefill.submit(rid, prompt, GREEDY, destination(decode, blocks)))
+        assert all(f.result(60).first_token >= 0 for f in futures)
+        too_big = list(range(5, 5 + 16 * 5))  # 5 blocks: never fits a 4-block pool
+        blocks = decode.reserve("c", too_big, GREEDY, lease_s=30)
+        with pytest.raises(ValueError, match="needs 6 KV blocks but the pool has 4"):
+            prefill.submit("c", too_big, GREEDY, destination(decode, blocks))
+        for rid in ("a", "b", "c"):
+            decode.release(rid)
+        decode.check_integrity()
+        deadline = time.monotonic() + 5
+        while prefill.stats()["free_blocks"] != 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        prefill.check_integrity()
+        assert prefill.stats()["queued_tokens"] == 0
+    finally:
+        prefill.close()
+        decode.close()

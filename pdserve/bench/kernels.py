@@ -27,7 +27,7 @@ from kernels import (
     unpack_blocks,
     unpack_blocks_ref,
 )
-from pdserve.bench.machine import machine_info
+from pdserve.bench.report import machine_info
 from pdserve.progress import progress
 
 

@@ -3,13 +3,7 @@
 Both run in this process on the same weights (transformers gets pdserve's loaded tensors) and
 the same greedy sampling with EOS ignored, so every request produces exactly its `max_tokens`.
 
-Workloads (seeded; prompt token ids drawn at random from the vocabulary):
-  azure-conv  (default) prompt and output lengths of requests sampled from the Azure 2023
-              conversation trace, scaled to a small model on a CPU: prompt x 1/8 and output
-              x 1/2, clipped to [4, 512] and [4, 256] tokens.
-  azure-code, mooncake-conv  the same from the Azure code trace (x 1/8, x 1) and Mooncake's
-              conversation trace (x 1/32, x 1/2).
-  uniform     prompt lengths log-uniform in [8, 256], max_tokens uniform in [16, 128].
+Workloads: see pdserve/bench/workload.py (default azure-conv).
 
 At batch size B, pdserve gets the B requests at once and batches them continuously (a request
 leaves the batch when it is done). transformers gets them as one left-padded batch and
@@ -21,72 +15,15 @@ Throughput = useful generated tokens / wall seconds, prefill included.
 
 from __future__ import annotations
 
-import json
-import math
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.bench.machine import machine_info
-from pdserve.bench.traces import trace_requests
+from pdserve.bench.report import machine_info
+from pdserve.bench.workload import Workload, make_workload
 from pdserve.config import ModelConfig
 from pdserve.progress import progress
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    max_tokens: list[int]
-
-    @property
-    def useful_tokens(self) -> int:
-        return sum(self.max_tokens)
-
-
-# Trace lengths scaled to a small model on a CPU: (prompt factor, output factor).
-TRACE_SCALES = {
-    "azure-conv": (1 / 8, 1 / 2),
-    "azure-code": (1 / 8, 1),
-    "mooncake-conv": (1 / 32, 1 / 2),
-}
-TRACE_CLIP = ((4, 512), (4, 256))
-WORKLOADS = (*TRACE_SCALES, "uniform")
-
-
-def scale_lengths(kind: str, prompt: int, output: int) -> tuple[int, int]:
-    (p_lo, p_hi), (o_lo, o_hi) = TRACE_CLIP
-    fp, fo = TRACE_SCALES[kind]
-    return min(max(round(prompt * fp), p_lo), p_hi), min(max(round(output * fo), o_lo), o_hi)
-
-
-def _lengths(kind: str, n: int, gen: torch.Generator) -> list[tuple[int, int]]:
-    if kind in TRACE_SCALES:
-        trace = trace_requests(kind)
-        picks = torch.randint(0, len(trace), (n,), generator=gen).tolist()
-        return [scale_lengths(kind, trace[i].prompt_tokens, trace[i].output_tokens) for i in picks]
-    if kind == "uniform":
-        lo, hi = math.log(8), math.log(256)
-        return [
-            (
-                int(math.exp(lo + (hi - lo) * torch.rand((), generator=gen).item())),
-                int(torch.randint(16, 129, (), generator=gen)),
-            )
-            for _ in range(n)
-        ]
-    raise ValueError(f"workload: unknown {kind!r}; choose one of {', '.join(WORKLOADS)}")
-
-
-def make_workload(n: int, vocab: int, seed: int, kind: str = "azure-conv") -> Workload:
-    gen = torch.Generator().manual_seed(seed)
-    prompts, max_tokens = [], []
-    for length, new in _lengths(kind, n, gen):
-        # ids from the upper part of the vocabulary: ordinary tokens, no special ones
-        prompts.append(torch.randint(vocab // 4, vocab, (length,), generator=gen).tolist())
-        max_tokens.append(new)
-    return Workload(prompts, max_tokens)
 
 
 def hf_model_from(llm: LLM):
@@ -233,12 +170,3 @@ def format_table(report: dict) -> str:
         )
     lines.append("ratio = pdserve tok/s / transformers tok/s, both measured in this run")
     return "\n".join(lines)
-
-
-def write_json(report: dict, path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
-
-
-__all__ = ["bench_offline", "format_table", "write_json"]

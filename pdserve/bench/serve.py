@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.bench.machine import machine_info
-from pdserve.bench.offline import TRACE_SCALES, Workload, make_workload, scale_lengths
+from pdserve.bench.report import machine_info
 from pdserve.bench.traces import trace_requests
+from pdserve.bench.workload import TRACE_SCALES, Workload, make_workload, scale_lengths
 from pdserve.progress import progress
 
 

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from pdserve.bench.machine import machine_info
+from pdserve.bench.report import machine_info
 from pdserve.engine.args import EngineArgs
 from pdserve.kv import KVCache
 from pdserve.progress import progress

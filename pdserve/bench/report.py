@@ -1,10 +1,12 @@
-"""What a benchmark ran on, recorded beside its numbers."""
+"""What every benchmark records beside its numbers: the machine, and the JSON report."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from importlib import metadata
+from pathlib import Path
 
 import torch
 
@@ -28,3 +30,9 @@ def machine_info() -> dict:
         "triton": _version("triton"),
         "transformers": _version("transformers"),
     }
+
+
+def write_json(report: dict, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
