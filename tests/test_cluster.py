@@ -81,8 +81,9 @@ def test_cluster_matches_the_colocated_engine(model, prefill, decode):
 
 @pytest.fixture(scope="module")
 def cluster():
+    # 512 blocks: room for two 4000-token streams that stay busy for seconds
     with Cluster(
-        "tiny-llama", 1, 1, worker_args=WORKER_ARGS, router_args=["--max-queue", "2"]
+        "tiny-llama", 1, 1, worker_args=["--num-kv-blocks", "512"], router_args=["--max-queue", "2"]
     ) as c:
         yield c
 
@@ -124,7 +125,7 @@ def test_bad_input_is_invalid_argument(cluster):
 def test_full_router_queue_answers_resource_exhausted(cluster):
     client = Client(cluster.address)
     holders = [
-        client.stream([6] * 8, max_tokens=400, temperature=0, ignore_eos=True) for _ in range(2)
+        client.stream([6] * 8, max_tokens=4000, temperature=0, ignore_eos=True) for _ in range(2)
     ]
     for h in holders:
         next(h)  # both admitted: the router's queue (2) is full
