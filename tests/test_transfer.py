@@ -96,7 +96,7 @@ def test_read_pulls_remote_ranges(backend):
         b.close()
 
 
-@pytest.mark.parametrize("backend", ["loopback", "nixl"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_descriptors_are_refused_before_any_byte_moves(backend):
     a, b = make_agent(backend, f"{backend}-x"), make_agent(backend, f"{backend}-y")
     try:
@@ -147,7 +147,7 @@ def test_handshake_refuses_layout_and_version_mismatches():
         check_handshake(ours, 99, ours.layout_hash())
 
 
-@pytest.mark.parametrize("backend", ["loopback", "nixl"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_prepared_tiles_move_the_indexed_blocks(backend):
     import numpy as np
 

@@ -139,7 +139,9 @@ def _nixl(name: str) -> TransferAgent:
 
 
 def _ucxx(name: str) -> TransferAgent:
-    raise ImportError("the ucxx backend is not implemented yet")
+    from transfer.ucxx_backend import UcxxAgent
+
+    return UcxxAgent(name)
 
 
 def _loopback(name: str) -> TransferAgent:

@@ -1,0 +1,339 @@
+"""ucxx backend (`ucxx-cu12`): the agent API over UCX tag messages, DRAM only.
+
+ucxx's Python bindings expose UCX's tag, stream and active-message operations but not its
+one-sided RMA (no memory keys, no put/get), so this backend keeps the one-sided *contract*
+with an active target: every agent runs a service thread that receives a transfer's header
+(operation, byte ranges, notification), posts receives straight into the registered memory
+the ranges name (WRITE) or sends from it (READ), and only then queues the notification and
+acknowledges. A transfer is DONE on the initiator when its payload has landed at the target
+(the acknowledgement arrived), the same completion NIXL gives.
+
+Tags (64 bits): kind (8) | initiator id (24) | transfer sequence (16) | message index (16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import json
+import logging
+import struct
+import threading
+import time
+import zlib
+
+import numpy as np
+import torch
+
+from transfer import metadata as md
+from transfer.agent import (
+    Desc,
+    Tiles,
+    Transfer,
+    TransferAgent,
+    XferState,
+    check_descs,
+)
+
+HDR, DATA, ACK = 1, 2, 3
+MAX_MESSAGES = 1 << 16  # message index field
+HEADER_BYTES = 2 << 20  # receive buffer for one header: JSON + 16 bytes per range
+_PREAMBLE = struct.Struct("<4sI")  # magic, JSON length
+_MAGIC = b"PDUX"
+_POLL_S = 0.0002
+log = logging.getLogger(__name__)
+
+
+def _tag(kind: int, sender: int, seq: int, idx: int = 0) -> int:
+    return (kind << 56) | (sender << 32) | ((seq & 0xFFFF) << 16) | idx
+
+
+def _view(addr: int, length: int) -> np.ndarray:
+    """A writable uint8 view of `length` bytes at `addr` (registered DRAM)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(addr))
+
+
+def _coalesce(pairs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Merge neighbouring (src, dst, length) ranges that are adjacent on both sides."""
+    out: list[list[int]] = []
+    for src, dst, length in pairs:
+        if out and out[-1][0] + out[-1][2] == src and out[-1][1] + out[-1][2] == dst:
+            out[-1][2] += length
+        else:
+            out.append([src, dst, length])
+    return [tuple(p) for p in out]
+
+
+class _Pending:
+    """Requests whose completion ends a transfer, plus the acknowledgement status word."""
+
+    def __init__(self, requests: list, ack: np.ndarray | None, keep: object = None) -> None:
+        self.requests = requests
+        self.ack = ack
+        self.keep = keep  # buffers that must outlive the requests
+
+    def poll(self) -> XferState:
+        for r in self.requests:
+            if not r.completed:
+                return XferState.PENDING
+        for r in self.requests:
+            try:
+                r.check_error()
+            except Exception:  # noqa: BLE001 - any UCX error fails the transfer
+                return XferState.FAILED
+        if self.ack is not None and int(self.ack[0]) != 0:
+            return XferState.FAILED
+        return XferState.DONE
+
+
+class UcxxTransfer(Transfer):
+    def __init__(self, pending: _Pending) -> None:
+        self._pending = pending
+        self._state = XferState.PENDING
+
+    def state(self) -> XferState:
+        if self._state is XferState.PENDING:
+            self._state = self._pending.poll()
+        return self._state
+
+    def release(self) -> None:
+        self._pending = _Pending([], None)
+
+
+class UcxxAgent(TransferAgent):
+    backend = "ucxx"
+
+    def __init__(self, name: str) -> None:
+        import ucxx._lib.libucxx as ucx
+        from ucxx._lib.arr import Array
+
+        super().__init__(name)
+        self._ucx, self._Array = ucx, Array
+        self._ctx = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+        self._worker = ucx.UCXWorker(self._ctx)
+        self._worker.init_blocking_progress_mode()
+        self._worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
+        self._address = bytes(self._worker.address.tobytes())
+        self._id = zlib.crc32(name.encode()) & 0xFFFFFF
+        self._seq = itertools.count(1)
+        self._ids = itertools.count()
+        self._regions: dict[int, md.Region] = {}
+        self._peers: dict[str, dict[int, md.Region]] = {}
+        self._eps: dict[bytes, object] = {}  # worker address -> endpoint
+        self._peer_addr: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+        self._inbox: dict[str, list[bytes]] = {}
+        self._closing = threading.Event()
+        self._server = threading.Thread(target=self._serve, name=f"ucxx-{name}", daemon=True)
+        self._server.start()
+
+    # -- memory and peers ------------------------------------------------------------------
+
+    def register(self, tensor: torch.Tensor) -> int:
+        region = md.region_of(tensor)
+        if region.mem != "DRAM":
+            raise ValueError("the ucxx backend moves DRAM only; use the nixl backend for VRAM")
+        rid = next(self._ids)
+        with self._lock:
+            self._regions[rid] = region
+        return rid
+
+    def deregister(self, region: int) -> None:
+        with self._lock:
+            del self._regions[region]
+
+    def metadata(self) -> bytes:
+        with self._lock:
+            return md.encode(self.name, self.backend, dict(self._regions), self._address)
+
+    def add_peer(self, metadata: bytes) -> str:
+        name, regions, address = md.decode(metadata, self.backend)
+        self._endpoint(address)
+        self._peers[name] = regions
+        self._peer_addr[name] = address
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        self._peers.pop(peer, None)
+        self._peer_addr.pop(peer, None)
+
+    def _endpoint(self, address: bytes):
+        with self._lock:
+            ep = self._eps.get(address)
+            if ep is None:
+                remote = self._ucx.UCXAddress.create_from_buffer(address)
+                ep = self._ucx.UCXEndpoint.create_from_worker_address(self._worker, remote, True)
+                self._eps[address] = ep
+            return ep
+
+    # -- initiator side --------------------------------------------------------------------
+
+    def _plan(self, peer: str, local: list[Desc], remote: list[Desc]):
+        check_descs(local, remote)
+        if peer not in self._peers:
+            raise ValueError(f"unknown peer {peer!r}; add_peer() its metadata first")
+        if not local:
+            raise ValueError("empty descriptor list")
+        with self._lock:
+            mine = dict(self._regions)
+        pairs = [
+            (
+                md.resolve(mine, a, "local")[0],
+                md.resolve(self._peers[peer], b, "remote")[0],
+                a.length,
+            )
+            for a, b in zip(local, remote)
+        ]
+        pairs = _coalesce(pairs)
+        if len(pairs) >= MAX_MESSAGES:
+            raise ValueError(f"{len(pairs)} ranges in one transfer; at most {MAX_MESSAGES - 1}")
+        return pairs
+
+    def _header(self, op: str, seq: int, notif: bytes, ranges: np.ndarray) -> np.ndarray:
+        meta = {"op": op, "from": self.name, "sender": self._id, "seq": seq, "n": len(ranges)}
+        meta["notif"] = notif.hex()
+        meta["reply"] = self._address.hex()
+        raw = json.dumps(meta).encode()
+        blob = _PREAMBLE.pack(_MAGIC, len(raw)) + raw + ranges.astype("<i8").tobytes()
+        if len(blob) > HEADER_BYTES:
+            raise ValueError(f"transfer header of {len(blob)} bytes exceeds {HEADER_BYTES}")
+        return np.frombuffer(blob, dtype=np.uint8).copy()
+
+    def _post(self, op: str, peer: str, local: list[Desc], remote: list[Desc], notif: bytes):
+        pairs = self._plan(peer, local, remote)
+        seq = next(self._seq) & 0xFFFF
+        ep = self._endpoint(self._peer_addr[peer])
+        Array, Tag, full = self._Array, self._ucx.UCXXTag, self._ucx.UCXXTagMaskFull
+        ack = np.ones(1, dtype=np.int64)
+        requests = [self._worker.tag_recv(Array(ack), Tag(_tag(ACK, self._id, seq)), full)]
+        remote_ranges = np.array([(dst, n) for _, dst, n in pairs], dtype=np.int64)
+        header = self._header(op, seq, notif, remote_ranges)
+        views = [_view(src, n) for src, _, n in pairs]
+        if op == "R":  # receives first, so that the target's data never waits unexpected
+            for i, v in enumerate(views):
+                requests.append(
+                    self._worker.tag_recv(Array(v), Tag(_tag(DATA, self._id, seq, i)), full)
+                )
+        requests.append(ep.tag_send(Array(header), Tag(_tag(HDR, self._id, seq))))
+        if op == "W":
+            for i, v in enumerate(views):
+                requests.append(ep.tag_send(Array(v), Tag(_tag(DATA, self._id, seq, i))))
+        return UcxxTransfer(_Pending(requests, ack, keep=(header, views)))
+
+    def write(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
+        return self._post("W", peer, local, remote, notif)
+
+    def read(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
+        return self._post("R", peer, local, remote, notif)
+
+    def prepare_tiles(self, peer: str | None, region: int, tile_bytes: int) -> Tiles:
+        regions = self._regions if peer is None else self._peers[peer]
+        if region not in regions:
+            raise ValueError(f"unknown region {region}")
+        return Tiles(region, regions[region].length // tile_bytes, tile_bytes)
+
+    def write_tiles(self, peer, local: Tiles, local_idx, remote: Tiles, remote_idx, notif):
+        if local.tile_bytes != remote.tile_bytes or local_idx.shape != remote_idx.shape:
+            raise ValueError("tile sizes or index counts differ")
+        local.check(local_idx, "local")
+        remote.check(remote_idx, "remote")
+        size = local.tile_bytes
+        src = [Desc(local.handle, int(i) * size, size) for i in local_idx]
+        dst = [Desc(remote.handle, int(i) * size, size) for i in remote_idx]
+        return self.write(peer, src, dst, notif)
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, {}
+        return inbox
+
+    # -- target side -----------------------------------------------------------------------
+
+    def _inside(self, addr: int, length: int) -> bool:
+        return any(
+            r.addr <= addr and addr + length <= r.addr + r.length for r in self._regions.values()
+        )
+
+    def _accept(self, raw: np.ndarray) -> tuple[dict, _Pending] | None:
+        """Act on one header: post the payload's receives (WRITE) or sends (READ)."""
+        magic, size = _PREAMBLE.unpack_from(raw)
+        if magic != _MAGIC:
+            return None
+        meta = json.loads(bytes(raw[_PREAMBLE.size : _PREAMBLE.size + size]))
+        start = _PREAMBLE.size + size
+        ranges = np.frombuffer(raw[start : start + 16 * meta["n"]], dtype="<i8").reshape(-1, 2)
+        with self._lock:
+            ok = all(self._inside(int(a), int(n)) for a, n in ranges)
+        ep = self._endpoint(bytes.fromhex(meta["reply"]))
+        Array, Tag, full = self._Array, self._ucx.UCXXTag, self._ucx.UCXXTagMaskFull
+        sender, seq = meta["sender"], meta["seq"]
+        requests, keep = [], []
+        for i, (addr, n) in enumerate(ranges):
+            # Out-of-bounds ranges still drain the payload (into scratch) and then fail.
+            view = _view(int(addr), int(n)) if ok else np.empty(int(n), dtype=np.uint8)
+            tag = Tag(_tag(DATA, sender, seq, i))
+            if meta["op"] == "W":
+                requests.append(self._worker.tag_recv(Array(view), tag, full))
+            elif ok:
+                requests.append(ep.tag_send(Array(view), tag))
+            keep.append(view)
+        meta["ok"] = ok
+        meta["ep"] = ep
+        return meta, _Pending(requests, None, keep=keep)
+
+    def _finish(self, meta: dict, pending: _Pending, state: XferState) -> object:
+        good = meta["ok"] and state is XferState.DONE
+        if good and meta["notif"]:
+            with self._lock:
+                self._inbox.setdefault(meta["from"], []).append(bytes.fromhex(meta["notif"]))
+        status = np.array([0 if good else 1], dtype=np.int64)
+        tag = self._ucx.UCXXTag(_tag(ACK, meta["sender"], meta["seq"]))
+        return meta["ep"].tag_send(self._Array(status), tag), status
+
+    def _serve(self) -> None:
+        Array, Tag = self._Array, self._ucx.UCXXTag
+        mask = self._ucx.UCXXTagMask(0xFF << 56)
+        buf = np.empty(HEADER_BYTES, dtype=np.uint8)
+        header = self._worker.tag_recv(Array(buf), Tag(HDR << 56), mask)
+        active: list[tuple[dict, _Pending]] = []
+        acks: list = []
+        while not self._closing.is_set():
+            busy = False
+            if header.completed:
+                busy = True
+                try:
+                    header.check_error()
+                    got = self._accept(buf.copy())
+                    if got is not None:
+                        active.append(got)
+                except Exception:  # noqa: BLE001 - a bad header must not stop the service
+                    log.exception("ucxx agent %s: dropped a malformed transfer header", self.name)
+                header = self._worker.tag_recv(Array(buf), Tag(HDR << 56), mask)
+            still = []
+            for meta, pending in active:
+                state = pending.poll()
+                if state is XferState.PENDING:
+                    still.append((meta, pending))
+                else:
+                    busy = True
+                    acks.append(self._finish(meta, pending, state))
+            active = still
+            acks = [a for a in acks if not a[0].completed]
+            if not busy:
+                time.sleep(_POLL_S)
+
+    def close(self) -> None:
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        self._server.join(timeout=5)
+        self._peers.clear()
+        self._regions.clear()
+        with self._lock:
+            eps, self._eps = list(self._eps.values()), {}
+        for ep in eps:
+            with contextlib.suppress(Exception):  # closing must not raise
+                ep.close()
+        with contextlib.suppress(Exception):
+            self._worker.stop_progress_thread()
