@@ -77,7 +77,7 @@ def test_revived_cached_blocks_leave_the_lru():
     blocks, _ = a.allocate(tokens)
     a.commit(blocks, tokens, 5)
     a.free(blocks)
-    assert list(a._free) == [2] and list(a._evictable) == [1, 0]
+    assert a._is_free.tolist() == [False, False, True] and list(a._evictable) == [1, 0]
     again, cached = a.allocate(tokens)
     assert (again, cached) == ([0, 1, 2], 4)
     assert a.num_free_blocks == 0
@@ -168,3 +168,35 @@ def test_random_operation_sequences_keep_integrity(ops, block_size, caching):
         a.free(blocks)
     a.check_integrity(owners_of([]))
     assert a.num_free_blocks == a.num_blocks
+
+
+def test_new_sequences_get_the_smallest_consecutive_run_that_fits():
+    a = BlockAllocator(num_blocks=12, block_size=1, enable_prefix_caching=False)
+    x, _ = a.allocate([1] * 3)  # 0-2
+    y, _ = a.allocate([1] * 2)  # 3-4
+    z, _ = a.allocate([1] * 4)  # 5-8
+    assert (x, y, z) == ([0, 1, 2], [3, 4], [5, 6, 7, 8])
+    a.free(x)  # free runs: 0-2 (3 long) and 9-11 (3 long)
+    a.free(z)  # free runs: 0-2, 5-11 (7 long)
+    a.check_integrity()
+    two, _ = a.allocate([1] * 2)
+    assert two == [0, 1]  # the 3-run is the smallest that fits
+    four, _ = a.allocate([1] * 4)
+    assert four == [5, 6, 7, 8]
+    a.check_integrity()
+    # no run of 4 left (2, then 9-11): lowest ids first
+    a.free(y)  # 2-4 now a run of 3
+    a.check_integrity()
+    scattered, _ = a.allocate([1] * 5)
+    assert scattered == [2, 3, 4, 9, 10]
+    a.check_integrity()
+
+
+def test_growth_takes_the_lowest_free_block():
+    a = BlockAllocator(num_blocks=6, block_size=2, enable_prefix_caching=False)
+    first, _ = a.allocate([1] * 4)  # 0, 1
+    second, _ = a.allocate([1] * 4)  # 2, 3
+    a.free(first)
+    a.check_integrity()
+    assert a.append_slots(second, 4, 1) == [] and second == [2, 3, 0]
+    a.check_integrity()

@@ -2,7 +2,7 @@
 
 Every block is in exactly one of three states:
 
-    FREE       ref 0, no hash         in `_free` (FIFO)
+    FREE       ref 0, no hash         `_is_free` (lowest id first; runs for new sequences)
     CACHED     ref 0, hashed          in `_evictable` (LRU: oldest freed first)
     USED       ref >= 1               owned by the sequences holding it
 
@@ -11,12 +11,18 @@ mean equal prefixes. A new sequence reuses the longest chain of cached full bloc
 prompt (never the block holding the prompt's last token, which must be computed to produce
 logits). Fresh blocks come from FREE first, then from CACHED in LRU order (dropping the
 hash). Freeing a sequence releases its blocks tail first, so its prefix stays cached longest.
+
+A new sequence's fresh blocks are taken as one run of consecutive ids when FREE has one
+(the smallest run that fits, so large runs survive); otherwise, like single blocks for a
+growing sequence, lowest ids first. Consecutive blocks are adjacent in the KV pool, so a
+handoff of them is one descriptor per layer plane instead of one per block.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,14 +49,16 @@ class BlockAllocator:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
-        self._free: deque[int] = deque(range(num_blocks))
+        self._is_free = np.ones(num_blocks, dtype=bool)
+        self._num_free = num_blocks
+        self._free_heap: list[int] = list(range(num_blocks))  # may hold stale ids
         self._evictable: OrderedDict[int, None] = OrderedDict()
 
     # -- queries --------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         """Blocks a new allocation can take (free plus evictable cached)."""
-        return len(self._free) + len(self._evictable)
+        return self._num_free + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
@@ -97,7 +105,7 @@ class BlockAllocator:
             if self.ref_counts[block] == 0:
                 del self._evictable[block]
             self.ref_counts[block] += 1
-        fresh = [self._take() for _ in range(self.blocks_needed(len(token_ids)) - len(hits))]
+        fresh = self._take_run(self.blocks_needed(len(token_ids)) - len(hits))
         return hits + fresh, len(hits) * self.block_size
 
     def append_slots(
@@ -160,29 +168,57 @@ class BlockAllocator:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 if self.block_hash[block] is None:
-                    self._free.append(block)
+                    self._release(block)
                 else:
                     self._evictable[block] = None
 
+    def _release(self, block: int) -> None:
+        self._is_free[block] = True
+        self._num_free += 1
+        heapq.heappush(self._free_heap, block)
+        if len(self._free_heap) > 2 * self.num_blocks:  # drop stale entries now and then
+            self._free_heap = np.flatnonzero(self._is_free).tolist()
+
+    def _claim(self, block: int) -> int:
+        assert self._is_free[block] and self.ref_counts[block] == 0
+        self._is_free[block] = False
+        self._num_free -= 1
+        self.ref_counts[block] = 1
+        return block
+
+    def _take_run(self, n: int) -> list[int]:
+        """`n` fresh blocks: the smallest run of consecutive FREE ids that fits, else `_take`."""
+        if n <= 0:
+            return []
+        if n > 1 and self._num_free >= n:
+            edges = np.diff(np.concatenate(([0], self._is_free.view(np.int8), [0])))
+            starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+            fits = np.flatnonzero(ends - starts >= n)
+            if fits.size:
+                best = fits[np.argmin((ends - starts)[fits])]
+                return [self._claim(b) for b in range(int(starts[best]), int(starts[best]) + n)]
+        return [self._take() for _ in range(n)]
+
     def _take(self) -> int:
-        if self._free:
-            block = self._free.popleft()
-        elif self._evictable:
+        while self._free_heap:
+            block = heapq.heappop(self._free_heap)
+            if self._is_free[block]:
+                return self._claim(block)
+        if self._evictable:
             block, _ = self._evictable.popitem(last=False)
             h = self.block_hash[block]
             assert h is not None
             del self.hash_to_block[h]
             self.block_hash[block] = None
-        else:
-            raise NoFreeBlocks("pool exhausted")
-        assert self.ref_counts[block] == 0
-        self.ref_counts[block] = 1
-        return block
+            assert self.ref_counts[block] == 0
+            self.ref_counts[block] = 1
+            return block
+        raise NoFreeBlocks("pool exhausted")
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; cached blocks become free."""
         for block in list(self._evictable):
-            self._free.append(block)
+            self._release(block)
         self._evictable.clear()
         self.hash_to_block.clear()
         for block in range(self.num_blocks):
@@ -195,8 +231,9 @@ class BlockAllocator:
         `owners` (block -> number of holders) lets a caller that knows every block table
         check the reference counts exactly.
         """
-        free, cached = set(self._free), set(self._evictable)
-        assert len(free) == len(self._free), "duplicate in free list"
+        free, cached = set(np.flatnonzero(self._is_free).tolist()), set(self._evictable)
+        assert len(free) == self._num_free, "free count drifted"
+        assert free <= set(self._free_heap), "free block missing from the heap"
         assert not (free & cached), "block both free and cached"
         used = {b for b in range(self.num_blocks) if self.ref_counts[b] > 0}
         assert not (used & (free | cached)), "used block on a free list"

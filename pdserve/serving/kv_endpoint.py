@@ -35,6 +35,48 @@ class PoolGeometry:
         return (planes[:, None] * self.num_blocks + blocks[None, :]).ravel()
 
 
+def block_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Pairs of block lists cut where either side stops being consecutive ->
+    rows (src start, dst start, length). One row when both sides are single runs."""
+    if src.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [src.size])))
+    return np.stack([src[starts], dst[starts], lengths], axis=1).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class PoolSide:
+    """One end of a push: the pool's geometry, its region id and its prepared tiles, all in
+    the pushing agent's terms (the peer's region and tiles for the remote side)."""
+
+    geometry: PoolGeometry
+    region: int
+    tiles: object  # transfer.Tiles
+
+
+def write_layer(agent, peer: str, layer: int, src: PoolSide, dst: PoolSide, blocks, notif: bytes):
+    """Post the WRITE of one layer's KV for one request; `blocks` = (src ids, dst ids, runs
+    from block_runs). One descriptor per run of blocks consecutive on both sides: NIXL does
+    not merge neighbouring prepared tiles, and a 12 KiB tile costs about as much to post as a
+    1 MiB run. When no two blocks line up, the prepared tiles are cheaper."""
+    from transfer import Desc
+
+    src_ids, dst_ids, runs = blocks
+    if len(runs) == len(src_ids):
+        local_idx = src.geometry.tile_indices(layer, src_ids)
+        remote_idx = dst.geometry.tile_indices(layer, dst_ids)
+        return agent.write_tiles(peer, src.tiles, local_idx, dst.tiles, remote_idx, notif)
+    gs, gd = src.geometry, dst.geometry
+    local, remote = [], []
+    for plane in gs.layer_planes(layer):
+        for s, d, n in runs.tolist():
+            local.append(Desc(src.region, gs.offset(plane, s), n * gs.block_bytes))
+            remote.append(Desc(dst.region, gd.offset(plane, d), n * gd.block_bytes))
+    return agent.write(peer, local, remote, notif)
+
+
 def pool_geometry(config: ModelConfig, kv_pool: torch.Tensor, block_dim: int) -> PoolGeometry:
     planes = 1
     for d in kv_pool.shape[:block_dim]:
