@@ -10,7 +10,7 @@ import grpc
 from decode.worker import FINISHED, DecodeWorker, ReservationError
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
-from pdserve.serving.convert import sampling_from_proto
+from pdserve.serving.convert import sampling_from_proto, spans_to_proto
 from pdserve.serving.server import health
 
 STREAM_IDLE_S = 60.0
@@ -59,7 +59,12 @@ class DecodeService(rpc.DecodeServicer):
                 tpot = elapsed / (produced - 1) if produced > 1 else 0.0
                 if produced > 1:
                     self.worker.metrics.tpot.observe(tpot)
-                yield pb.TokenChunk(finished=True, finish_reason=item[1], tpot_s=tpot)
+                yield pb.TokenChunk(
+                    finished=True,
+                    finish_reason=item[1],
+                    tpot_s=tpot,
+                    spans=spans_to_proto(stream.spans),
+                )
                 return
             produced += 1
             yield pb.TokenChunk(token_ids=[item])

@@ -25,6 +25,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
 from pdserve.serving.kv_endpoint import kv_endpoint
 from pdserve.serving.metrics import DecodeMetrics
+from pdserve.trace import Span, now
 from transfer import KV_WIRE_VERSION
 
 FINISHED = object()  # end-of-stream marker on a request's queue
@@ -43,9 +44,31 @@ class Reservation:
 
 @dataclass
 class Stream:
+    worker: str
     tokens: queue.Queue = field(default_factory=queue.Queue)
     started: float = field(default_factory=time.monotonic)
     last_token: float = field(default_factory=time.monotonic)
+    # trace (wall clock): Start received, first step, pending preemption, finished spans
+    received: float = field(default_factory=now)
+    first_step: float | None = None
+    preempted_at: float | None = None
+    spans: list[Span] = field(default_factory=list)
+
+    def stepped(self, start: float, end: float) -> None:
+        if self.first_step is None:
+            self.first_step = start
+            self.spans.append(Span("decode.admission", self.received, start, self.worker))
+        if self.preempted_at is not None:
+            self.spans.append(Span("decode.preempted", self.preempted_at, start, self.worker))
+            self.preempted_at = None
+        self.spans.append(Span("decode.step", start, end, self.worker))
+
+    def finished(self) -> None:
+        end = now()
+        if self.first_step is None:  # done at its first token: never stepped
+            self.spans.append(Span("decode.admission", self.received, end, self.worker))
+        else:
+            self.spans.append(Span("decode.run", self.first_step, end, self.worker))
 
 
 class DecodeWorker:
@@ -89,6 +112,7 @@ class DecodeWorker:
 
     def start(self, request_id: str, first_token: int, wait_s: float = 10.0) -> Stream:
         """The prompt's KV has been pushed: decode from `first_token` on."""
+        start_wall = now()
         self._await_kv(request_id.encode(), wait_s)
         with self.lock:
             res = self.reservations.pop(request_id, None)
@@ -103,7 +127,7 @@ class DecodeWorker:
             self.metrics.transfer_seconds.labels("received").observe(
                 req.metrics.first_token_time - res.reserved_at
             )
-            stream = Stream()
+            stream = Stream(self.worker_id, received=start_wall)
             self.streams[request_id] = stream
             req.append_token(first_token)
             stream.tokens.put(first_token)
@@ -182,8 +206,16 @@ class DecodeWorker:
                 return False
             engine.kv_cache.copy_blocks(batch.copies)
             self._in_step = {req.request_id for req in batch.requests}
+            for req in batch.preempted:
+                if (stream := self.streams.get(req.request_id)) is not None:
+                    stream.preempted_at = now()
+        step_start = now()
         tokens, logprobs = engine.runner.execute(batch.chunks)
+        step_end = now()
         with self.lock:
+            for req in batch.requests:
+                if (stream := self.streams.get(req.request_id)) is not None:
+                    stream.stepped(step_start, step_end)
             self._account(batch, tokens, logprobs)
             self._in_step = set()
             # releases that arrived while the model ran: the step wrote into those blocks,
@@ -216,6 +248,7 @@ class DecodeWorker:
     def _close(self, req: Request) -> None:
         stream = self.streams.pop(req.request_id, None)
         if stream is not None:
+            stream.finished()
             stream.tokens.put((FINISHED, req.status.value))
         if req.block_ids:  # finished at its first token: never entered the scheduler
             self.engine.allocator.free(req.block_ids)

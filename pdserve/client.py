@@ -20,9 +20,19 @@ from pdserve.rpc import PROTOCOL_VERSION
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.sampling_params import SamplingParams
-from pdserve.serving.convert import sampling_to_proto
+from pdserve.serving.convert import sampling_to_proto, spans_from_proto
+from pdserve.trace import Span
 
-TIMING_KEYS = ("queue_s", "prefill_s", "transfer_s", "ttft_s", "tpot_s", "e2e_s")
+TIMING_KEYS = (
+    "queue_s",
+    "prefill_s",
+    "transfer_s",
+    "ttft_s",
+    "tpot_s",
+    "e2e_s",
+    "arrival_unix",
+    "end_unix",
+)
 
 
 class PdserveError(RuntimeError):
@@ -59,6 +69,17 @@ class GenerateResult:
     text: str = ""
     finish_reason: str = ""
     timings: dict = field(default_factory=dict)
+    prompt_tokens: int = 0
+    trace: list[Span] = field(default_factory=list)  # every process's spans (pdserve.trace)
+
+    def trace_record(self) -> dict:
+        """This request's trace as one JSON-serialisable record (see pdserve.trace)."""
+        return {
+            "request_id": self.request_id,
+            "arrival": self.timings.get("arrival_unix", 0.0),
+            "end": self.timings.get("end_unix", 0.0),
+            "spans": [s.to_dict() for s in self.trace],
+        }
 
 
 def build_request(prompt: str | list[int], sampling: dict) -> pb.GenerateRequest:
@@ -81,6 +102,8 @@ def _absorb(result: GenerateResult, msg: pb.GenerateResponse) -> None:
         result.timings = {k: getattr(t, k) for k in TIMING_KEYS}
         result.timings["prefill_worker"] = t.prefill_worker
         result.timings["decode_worker"] = t.decode_worker
+        result.prompt_tokens = msg.prompt_tokens
+        result.trace = spans_from_proto(msg.trace)
 
 
 class Client:

@@ -19,9 +19,10 @@ import grpc
 from pdserve.rpc import PROTOCOL_VERSION
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
-from pdserve.serving.convert import sampling_from_proto
+from pdserve.serving.convert import sampling_from_proto, spans_from_proto, spans_to_proto
 from pdserve.serving.metrics import RouterMetrics
 from pdserve.serving.server import HEARTBEAT_S, health
+from pdserve.trace import Span, hops, now
 from pdserve.weights import resolve
 
 MISSED_HEARTBEATS = 5  # then the worker gets no new requests (its streams go on)
@@ -95,6 +96,9 @@ class RouterService(rpc.RouterServicer):
                 f"protocol version {request.protocol_version} != router's {PROTOCOL_VERSION}",
             )
         self.registry.upsert(request.worker)
+        w = request.worker
+        if w.role == "decode" and w.total_blocks > 0:
+            self.metrics.kv_usage.labels(w.worker_id).set(1 - w.free_blocks / w.total_blocks)
         return pb.RegisterResponse(accepted=True, heartbeat_interval_s=HEARTBEAT_S)
 
     def ListWorkers(self, request, context) -> pb.ListWorkersResponse:
@@ -141,9 +145,9 @@ class RouterService(rpc.RouterServicer):
         return prompt, params
 
     def Generate(self, request: pb.GenerateRequest, context):
-        arrival = time.monotonic()
+        arrival, arrival_wall = time.monotonic(), now()
         try:
-            prompt, params = self._validate(request)
+            prompt, _ = self._validate(request)
         except ValueError as e:
             self.metrics.requests.labels("invalid").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -152,11 +156,15 @@ class RouterService(rpc.RouterServicer):
             self.metrics.requests.labels("rejected").inc()
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "router queue is full; retry later")
         try:
-            yield from self._serve(request_id, prompt, request.sampling, params, arrival, context)
+            yield from self._serve(
+                request_id, prompt, request.sampling, (arrival, arrival_wall), context
+            )
         finally:
             self.admission.release()
 
-    def _reserve(self, request_id, prompt, sampling, context):
+    def _reserve(self, request_id, prompt, sampling, context, spans: list[Span], since: float):
+        """Reserve blocks on the decode worker with the most headroom; records router.queue
+        (`since` -> the call that succeeded) and decode.reserve (that call)."""
         deadline = time.monotonic() + self.queue_timeout_s
         while True:
             decodes = self.registry.alive("decode")
@@ -165,6 +173,7 @@ class RouterService(rpc.RouterServicer):
             # most projected headroom first: free blocks minus what this router reserved since
             decodes.sort(key=lambda w: w.info.free_blocks - w.pending_blocks, reverse=True)
             for worker in decodes:
+                asked = now()
                 try:
                     reply = worker.stub.Reserve(
                         pb.ReserveRequest(
@@ -176,6 +185,8 @@ class RouterService(rpc.RouterServicer):
                         timeout=10,
                     )
                     worker.pending_blocks += len(reply.block_ids)
+                    spans.append(Span("router.queue", since, asked, "router"))
+                    spans.append(Span("decode.reserve", asked, now(), worker.info.worker_id))
                     return worker, reply
                 except grpc.RpcError as e:
                     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -193,8 +204,12 @@ class RouterService(rpc.RouterServicer):
                 )
             time.sleep(0.01)
 
-    def _serve(self, request_id, prompt, sampling, params, arrival, context):
-        decode, reserved = self._reserve(request_id, prompt, sampling, context)
+    def _serve(self, request_id, prompt, sampling, arrived, context):
+        arrival, arrival_wall = arrived
+        spans: list[Span] = []
+        decode, reserved = self._reserve(
+            request_id, prompt, sampling, context, spans, since=arrival_wall
+        )
         self.inflight[request_id] = decode
         context.add_callback(lambda: self._release(request_id))
         queued = time.monotonic()
@@ -204,6 +219,7 @@ class RouterService(rpc.RouterServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill worker is registered")
         prefill = min(prefills, key=lambda w: w.info.queued_tokens + w.pending_tokens)
         prefill.pending_tokens += len(prompt)
+        prefill_sent = now()
         try:
             done = prefill.stub.Prefill(
                 pb.PrefillRequest(
@@ -220,6 +236,7 @@ class RouterService(rpc.RouterServicer):
         except grpc.RpcError as e:
             self._release(request_id)
             context.abort(e.code(), f"prefill failed: {e.details()}")
+        prefill_back = start_sent = now()
         stream = decode.stub.Start(
             pb.StartRequest(request_id=request_id, first_token=done.first_token), timeout=3600
         )
@@ -234,7 +251,7 @@ class RouterService(rpc.RouterServicer):
                         first_at = time.monotonic()
                     yield pb.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids)
                 if chunk.finished:
-                    end = time.monotonic()
+                    end, end_wall = time.monotonic(), now()
                     timings = pb.Timings(
                         queue_s=queued - arrival,
                         prefill_s=done.prefill_s,
@@ -244,11 +261,17 @@ class RouterService(rpc.RouterServicer):
                         e2e_s=end - arrival,
                         prefill_worker=done.worker_id,
                         decode_worker=reserved.worker_id,
+                        arrival_unix=arrival_wall,
+                        end_unix=end_wall,
                     )
                     text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
                     self.metrics.queue.observe(timings.queue_s)
                     self.metrics.ttft.observe(timings.ttft_s)
                     self.metrics.e2e.observe(timings.e2e_s)
+                    self.metrics.transfer.observe(timings.transfer_s)
+                    self.metrics.transfer_bytes.inc(done.transfer_bytes)
+                    if len(tokens) > 1:
+                        self.metrics.tpot.observe(timings.tpot_s)
                     self.metrics.requests.labels(chunk.finish_reason).inc()
                     yield pb.GenerateResponse(
                         request_id=request_id,
@@ -256,6 +279,19 @@ class RouterService(rpc.RouterServicer):
                         finish_reason=chunk.finish_reason,
                         timings=timings,
                         text=text,
+                        trace=[
+                            *spans_to_proto(spans),
+                            *done.spans,
+                            *chunk.spans,
+                            *spans_to_proto(
+                                hops(
+                                    (prefill_sent, prefill_back, start_sent, end_wall),
+                                    spans_from_proto(done.spans),
+                                    spans_from_proto(chunk.spans),
+                                )
+                            ),
+                        ],
+                        prompt_tokens=len(prompt),
                     )
                     return
         except grpc.RpcError as e:

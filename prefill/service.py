@@ -6,7 +6,7 @@ import grpc
 
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
-from pdserve.serving.convert import sampling_from_proto
+from pdserve.serving.convert import sampling_from_proto, spans_to_proto
 from pdserve.serving.kv_endpoint import PoolGeometry
 from pdserve.serving.server import health
 from prefill.worker import Destination, PrefillWorker
@@ -60,6 +60,7 @@ class PrefillService(rpc.PrefillServicer):
             transfer_s=result.transfer_s,
             transfer_bytes=result.transfer_bytes,
             worker_id=self.worker.worker_id,
+            spans=spans_to_proto(result.spans),
         )
 
     def Health(self, request, context) -> pb.HealthResponse:

@@ -23,9 +23,18 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.sampling_params import SamplingParams
-from pdserve.serving.kv_endpoint import PoolGeometry, kv_endpoint
+from pdserve.serving.kv_endpoint import (
+    PoolGeometry,
+    PoolSide,
+    block_runs,
+    kv_endpoint,
+    write_layer,
+)
 from pdserve.serving.metrics import PrefillMetrics
-from transfer import Tiles, Transfer, TransferFailed, check_handshake
+from pdserve.trace import Span, now
+from transfer import Tiles, Transfer, TransferFailed, XferState, check_handshake
+
+PUSH_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,7 @@ class PrefillJob:
     dest: Destination
     done: Future = field(default_factory=Future)  # -> PrefillResult
     enqueued: float = field(default_factory=time.monotonic)
+    enqueued_wall: float = field(default_factory=now)
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,49 @@ class PrefillResult:
     prefill_s: float
     transfer_s: float  # push tail: last layer computed -> every layer's write done
     transfer_bytes: int
+    spans: tuple[Span, ...] = ()
+
+
+class LayerPushes:
+    """Each layer's writes with the wall-clock time they were posted and first seen complete
+    (polled at every later layer boundary and while waiting for the tail)."""
+
+    def __init__(self, worker: str) -> None:
+        self.worker = worker
+        self.layers: list[tuple[int, float, list[Transfer]]] = []
+        self.done_at: dict[int, float] = {}
+
+    def posted(self, layer: int, transfers: list[Transfer]) -> None:
+        self.layers.append((layer, now(), transfers))
+        self.poll()
+
+    def poll(self) -> bool:
+        """True when every posted write is complete; raises TransferFailed on a failed one."""
+        for layer, _, transfers in self.layers:
+            if layer in self.done_at:
+                continue
+            states = [t.state() for t in transfers]
+            if XferState.FAILED in states:
+                raise TransferFailed(f"the push of layer {layer} failed")
+            if all(s is XferState.DONE for s in states):
+                self.done_at[layer] = now()
+        return len(self.done_at) == len(self.layers)
+
+    def wait(self, timeout_s: float = PUSH_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.poll():
+            if time.monotonic() > deadline:
+                raise TransferFailed(f"KV push not complete after {timeout_s}s")
+            time.sleep(0.0001)
+
+    def spans(self) -> list[Span]:
+        return [
+            Span("push.layer", start, self.done_at[layer], self.worker, layer)
+            for layer, start, _ in self.layers
+        ]
+
+    def all(self) -> list[Transfer]:
+        return [t for _, _, transfers in self.layers for t in transfers]
 
 
 class PrefillWorker:
@@ -152,8 +205,8 @@ class PrefillWorker:
         if not runnable:
             return
         self.metrics.batch_tokens.observe(sum(len(j.request.token_ids) for j in runnable))
-        started = time.monotonic()
-        transfers: list[Transfer] = []
+        started, started_wall = time.monotonic(), now()
+        pushes = LayerPushes(self.worker_id)
         nbytes = [0]
         try:
             peers = [self._peer(job.dest) for job in runnable]
@@ -166,29 +219,44 @@ class PrefillWorker:
                 )
                 for j in runnable
             ]
+            runs = [block_runs(src, dst) for src, dst in blocks]
 
             def push(layer: int) -> None:
                 last = layer == self.engine.model_config.num_layers - 1
-                for job, (peer, tiles), (src, dst) in zip(runnable, peers, blocks):
-                    local = self.geometry.tile_indices(layer, src)
-                    remote = job.dest.geometry.tile_indices(layer, dst)
+                posted: list[Transfer] = []
+                for job, (peer, tiles), (src, dst), r in zip(runnable, peers, blocks, runs):
                     notif = job.request.request_id.encode() if last else b""
-                    transfers.append(
-                        self.agent.write_tiles(peer, self.tiles, local, tiles, remote, notif)
+                    posted.append(
+                        write_layer(
+                            self.agent,
+                            peer,
+                            layer,
+                            PoolSide(self.geometry, self.region, self.tiles),
+                            PoolSide(job.dest.geometry, job.dest.region, tiles),
+                            (src, dst, r),
+                            notif,
+                        )
                     )
-                    nbytes[0] += local.size * self.geometry.block_bytes
+                    nbytes[0] += (
+                        src.size * self.geometry.planes_per_layer * self.geometry.block_bytes
+                    )
+                pushes.posted(layer, posted)
 
             layerwise = self.layerwise
             tokens, _ = self.engine.runner.execute(
                 chunks, on_layer_done=push if layerwise else None
             )
-            computed = time.monotonic()
+            computed, computed_wall = time.monotonic(), now()
             if not layerwise:
                 for layer in range(self.engine.model_config.num_layers):
                     push(layer)
-            for xfer in transfers:
-                xfer.wait(timeout_s=30)
-            pushed = time.monotonic()
+            pushes.wait()
+            pushed, pushed_wall = time.monotonic(), now()
+            shared = [
+                Span("prefill.compute", started_wall, computed_wall, self.worker_id),
+                Span("transfer.tail", computed_wall, pushed_wall, self.worker_id),
+                *pushes.spans(),
+            ]
             self.metrics.prefill.observe(computed - started)
             self.metrics.transfer_seconds.labels("sent").observe(pushed - computed)
             self.metrics.transfer_bytes.labels("sent").inc(nbytes[0])
@@ -200,6 +268,10 @@ class PrefillWorker:
                         prefill_s=computed - started,
                         transfer_s=pushed - computed,
                         transfer_bytes=nbytes[0] // len(runnable),
+                        spans=(
+                            Span("prefill.queue", job.enqueued_wall, started_wall, self.worker_id),
+                            *shared,
+                        ),
                     )
                 )
         except (TransferFailed, ValueError, RuntimeError) as e:
@@ -207,7 +279,7 @@ class PrefillWorker:
                 if not job.done.done():
                     job.done.set_exception(e)
         finally:
-            for xfer in transfers:
+            for xfer in pushes.all():
                 xfer.release()
             for job in runnable:
                 req = job.request

@@ -10,6 +10,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.client import Client, InvalidRequest, Overloaded
+from pdserve import trace
 from pdserve.launch import Cluster
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
@@ -46,6 +47,21 @@ def wait_all_blocks_free(client: Client, timeout_s: float = 10.0) -> None:
     )
 
 
+def assert_trace_tiles(result) -> None:
+    """The top-level spans follow one another and cover the request's life within 5%."""
+    spans = trace.stages(result.trace)
+    assert [s.name for s in spans] == list(trace.STAGES), [s.name for s in spans]
+    for a, b in zip(spans, spans[1:]):
+        assert a.end <= b.start + 1e-3, f"{a.name} overlaps {b.name}"
+    t = result.timings
+    assert abs(spans[0].start - t["arrival_unix"]) < 1e-3
+    assert 0.95 <= trace.coverage(result.trace, t["arrival_unix"], t["end_unix"]) <= 1.0
+    layers = [s.layer for s in result.trace if s.name == "push.layer"]
+    assert layers == list(range(len(layers))) and layers, layers
+    steps = [s for s in result.trace if s.name == "decode.step"]
+    assert len(steps) == len(result.token_ids) - 1  # the first token came from prefill
+
+
 def assert_gone(pids: list[int]) -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
@@ -53,12 +69,17 @@ def assert_gone(pids: list[int]) -> None:
 
 
 @pytest.mark.parametrize(
-    "model,prefill,decode",
-    [("tiny-llama", 1, 1), ("tiny-llama", 2, 2), ("tiny-deepseek", 1, 1)],
+    "model,prefill,decode,transfer",
+    [
+        ("tiny-llama", 1, 1, "nixl"),
+        ("tiny-llama", 2, 2, "nixl"),
+        ("tiny-deepseek", 1, 1, "nixl"),
+        ("tiny-llama", 1, 1, "ucxx"),
+    ],
 )
-def test_cluster_matches_the_colocated_engine(model, prefill, decode):
+def test_cluster_matches_the_colocated_engine(model, prefill, decode, transfer):
     expected = colocated(model)
-    with Cluster(model, prefill, decode, worker_args=WORKER_ARGS) as cluster:
+    with Cluster(model, prefill, decode, transfer=transfer, worker_args=WORKER_ARGS) as cluster:
         pids = [p.pid for p in cluster.procs]
         client = Client(cluster.address)
         results = [
@@ -71,6 +92,7 @@ def test_cluster_matches_the_colocated_engine(model, prefill, decode):
             assert t["tpot_s"] > 0
             assert t["prefill_worker"].startswith("prefill-")
             assert t["decode_worker"].startswith("decode-")
+            assert_trace_tiles(r)
         if prefill > 1:
             used = {r.timings["prefill_worker"] for r in results}
             assert len(used) >= 1

@@ -32,12 +32,20 @@ def destination(decode: DecodeWorker, blocks: list[int]) -> Destination:
     )
 
 
-@pytest.fixture(params=["tiny-llama", "tiny-deepseek"])
+@pytest.fixture(
+    params=[
+        ("tiny-llama", "nixl"),
+        ("tiny-deepseek", "nixl"),
+        ("tiny-llama", "ucxx"),
+        ("tiny-deepseek", "ucxx"),
+    ],
+    ids=lambda p: "-".join(p),
+)
 def pair(request):
     args = EngineArgs(block_size=16, num_kv_blocks=32)
-    name = request.param
-    prefill = PrefillWorker(name, f"p-{name}", "nixl", args)
-    decode = DecodeWorker(name, f"d-{name}", "nixl", args)
+    name, backend = request.param
+    prefill = PrefillWorker(name, f"p-{name}-{backend}", backend, args)
+    decode = DecodeWorker(name, f"d-{name}-{backend}", backend, args)
     yield prefill, decode
     prefill.close()
     decode.close()

@@ -2,9 +2,13 @@
 TTFT with layer-wise push against push-after-prefill.
 
 Part 1 (same process, two NIXL agents, the model's real KV pool layout): for n blocks, the
-handoff writes one prepared tile per (layer plane, block), one WRITE per layer, as the
-prefill worker does; the raw baseline writes the same number of bytes as one contiguous
-descriptor.
+handoff posts one WRITE per layer exactly as the prefill worker does (serving.kv_endpoint.
+write_layer: one descriptor per run of blocks consecutive on both sides, else prepared
+tiles); the raw baseline writes the same number of bytes as one contiguous
+descriptor. Block ids on each side come from three layouts: a fresh pool (consecutive ids),
+the real allocator after churn (a pool twice the size filled with requests of random sizes,
+half of them freed in random order, then the n blocks allocated as a new sequence) and a
+random permutation (the worst case: no two blocks adjacent by design).
 Throughput = bytes / (first post -> every transfer DONE), median of `reps`.
 
 Part 2 (a real prefill worker and decode worker in this process): time from submitting a
@@ -23,11 +27,14 @@ import torch
 from pdserve.bench.report import machine_info
 from pdserve.engine.args import EngineArgs
 from pdserve.kv import KVCache
+from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.progress import progress
 from pdserve.sampling_params import SamplingParams
-from pdserve.serving.kv_endpoint import pool_geometry
+from pdserve.serving.kv_endpoint import PoolSide, block_runs, pool_geometry, write_layer
 from pdserve.weights import resolve
 from transfer import Desc, make_agent
+
+LAYOUTS = ("contiguous", "allocator", "scattered")
 
 
 def _timed(post, reps: int) -> float:
@@ -43,9 +50,29 @@ def _timed(post, reps: int) -> float:
     return statistics.median(times)
 
 
+def churned_ids(num_blocks: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Block ids the real allocator gives a new n-block sequence in a long-running pool."""
+    alloc = BlockAllocator(num_blocks, 1, enable_prefix_caching=False)
+    held = []
+    while alloc.num_free_blocks > n:  # fill with requests of 1-32 blocks
+        size = int(rng.integers(1, 33))
+        if size > alloc.num_free_blocks - n:
+            break
+        held.append(alloc.allocate([0] * size)[0])
+    for i in rng.permutation(len(held))[: len(held) // 2]:
+        alloc.free(held[i])
+    ids, _ = alloc.allocate([0] * n)
+    return np.array(ids)
+
+
+def _runs(ids: np.ndarray) -> int:
+    """Number of runs of consecutive ids (1 = one contiguous range)."""
+    return int(1 + np.count_nonzero(np.diff(ids) != 1)) if ids.size else 0
+
+
 def handoff_vs_raw(model: str, counts: list[int], backend: str, reps: int) -> list[dict]:
     config = resolve(model).config
-    blocks = max(counts)
+    blocks = 2 * max(counts)
     src_kv = KVCache(config, blocks, 16, torch.float32, torch.device("cpu"))
     dst_kv = KVCache(config, blocks, 16, torch.float32, torch.device("cpu"))
     src_kv.pool.normal_()
@@ -59,11 +86,14 @@ def handoff_vs_raw(model: str, counts: list[int], backend: str, reps: int) -> li
         local_tiles = src.prepare_tiles(None, rs, geometry.block_bytes)
         remote_tiles = src.prepare_tiles(peer, rd, geometry.block_bytes)
         gen = torch.Generator().manual_seed(0)
+        rng = np.random.default_rng(0)
         for n in progress(counts, desc="bench transfer", unit="size"):
             nbytes = n * planes * geometry.block_bytes
             layouts = {
                 # a fresh pool hands out consecutive blocks: NIXL merges adjacent tiles
                 "contiguous": (np.arange(n), np.arange(n) + (blocks - n)),
+                # the allocator after churn: runs where it found them
+                "allocator": (churned_ids(blocks, n, rng), churned_ids(blocks, n, rng)),
                 # a long-running pool's blocks are scattered: one descriptor per tile
                 "scattered": (
                     torch.randperm(blocks, generator=gen)[:n].numpy(),
@@ -77,6 +107,7 @@ def handoff_vs_raw(model: str, counts: list[int], backend: str, reps: int) -> li
             t_raw = _timed(raw, reps)
             row = {
                 "blocks": n,
+                "allocator_runs": [_runs(ids) for ids in layouts["allocator"]],
                 "bytes": nbytes,
                 "descriptors": n * planes,
                 "raw_s": t_raw,
@@ -85,14 +116,16 @@ def handoff_vs_raw(model: str, counts: list[int], backend: str, reps: int) -> li
             for name, (ids_src, ids_dst) in layouts.items():
 
                 def handoff(ids_src=ids_src, ids_dst=ids_dst):
-                    # what the prefill worker does: one write of prepared tiles per layer
+                    # what the prefill worker does: one write per layer, as it posts them
+                    runs = block_runs(ids_src, ids_dst)
                     return [
-                        src.write_tiles(
+                        write_layer(
+                            src,
                             peer,
-                            local_tiles,
-                            geometry.tile_indices(layer, ids_src),
-                            remote_tiles,
-                            geometry.tile_indices(layer, ids_dst),
+                            layer,
+                            PoolSide(geometry, rs, local_tiles),
+                            PoolSide(geometry, rd, remote_tiles),
+                            (ids_src, ids_dst, runs),
                             b"",
                         )
                         for layer in range(config.num_layers)
@@ -187,16 +220,17 @@ def format_table(report: dict) -> str:
     lines = [
         f"KV handoff vs raw {report['backend']} WRITE, {report['model']} pool layout "
         f"(same process, same bytes; GB/s and fraction of raw)",
-        f"{'blocks':>6} {'MiB':>8} {'tiles':>6} {'raw':>7} {'contiguous':>16} {'scattered':>16} "
-        f"{'verified':>8}",
+        f"{'blocks':>6} {'MiB':>8} {'tiles':>6} {'raw':>7} {'contiguous':>16} {'allocator':>16} "
+        f"{'runs':>7} {'scattered':>16} {'verified':>8}",
     ]
     for r in report["handoff"]:
-        ok = r["contiguous_verified"] and r["scattered_verified"]
-        cont = f"{r['contiguous_gb_s']:>8.2f} ({r['contiguous_fraction_of_raw']:>4.0%})"
-        scat = f"{r['scattered_gb_s']:>8.2f} ({r['scattered_fraction_of_raw']:>4.0%})"
+        ok = all(r[f"{k}_verified"] for k in LAYOUTS)
+        cells = {k: f"{r[f'{k}_gb_s']:>8.2f} ({r[f'{k}_fraction_of_raw']:>4.0%})" for k in LAYOUTS}
+        runs = "/".join(str(x) for x in r["allocator_runs"])
         lines.append(
             f"{r['blocks']:>6} {r['bytes'] / 2**20:>8.2f} {r['descriptors']:>6} "
-            f"{r['raw_gb_s']:>7.2f} {cont} {scat} {str(ok):>8}"
+            f"{r['raw_gb_s']:>7.2f} {cells['contiguous']} {cells['allocator']} {runs:>7} "
+            f"{cells['scattered']} {str(ok):>8}"
         )
     lines.append("")
     lines.append("time to prefill + push (first token ready on the decode side)")

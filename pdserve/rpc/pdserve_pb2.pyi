@@ -36,6 +36,20 @@ class Empty(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class Span(_message.Message):
+    __slots__ = ("name", "start", "end", "worker", "layer")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    start: float
+    end: float
+    worker: str
+    layer: int
+    def __init__(self, name: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., worker: _Optional[str] = ..., layer: _Optional[int] = ...) -> None: ...
+
 class HealthResponse(_message.Message):
     __slots__ = ("ok", "role", "worker_id", "protocol_version")
     OK_FIELD_NUMBER: _ClassVar[int]
@@ -75,7 +89,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "transfer_s", "ttft_s", "tpot_s", "e2e_s", "prefill_worker", "decode_worker")
+    __slots__ = ("queue_s", "prefill_s", "transfer_s", "ttft_s", "tpot_s", "e2e_s", "prefill_worker", "decode_worker", "arrival_unix", "end_unix")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +98,8 @@ class Timings(_message.Message):
     E2E_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_UNIX_FIELD_NUMBER: _ClassVar[int]
+    END_UNIX_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     transfer_s: float
@@ -92,23 +108,29 @@ class Timings(_message.Message):
     e2e_s: float
     prefill_worker: str
     decode_worker: str
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ...) -> None: ...
+    arrival_unix: float
+    end_unix: float
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., arrival_unix: _Optional[float] = ..., end_unix: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finished", "finish_reason", "timings", "text")
+    __slots__ = ("request_id", "token_ids", "finished", "finish_reason", "timings", "text", "trace", "prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
     finish_reason: str
     timings: Timings
     text: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
+    trace: _containers.RepeatedCompositeFieldContainer[Span]
+    prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., text: _Optional[str] = ..., trace: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "metrics_address", "free_blocks", "total_blocks", "queued_tokens", "running", "last_heartbeat_age_s")
@@ -203,16 +225,18 @@ class StartRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "finished", "finish_reason", "tpot_s")
+    __slots__ = ("token_ids", "finished", "finish_reason", "tpot_s", "spans")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TPOT_S_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
     finish_reason: str
     tpot_s: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., tpot_s: _Optional[float] = ...) -> None: ...
+    spans: _containers.RepeatedCompositeFieldContainer[Span]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., tpot_s: _Optional[float] = ..., spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "dest_worker_id", "dest_block_ids", "dest_layout", "dest_agent_metadata")
@@ -233,17 +257,19 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., dest_worker_id: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., dest_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dest_agent_metadata: _Optional[bytes] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "queue_s", "prefill_s", "transfer_s", "transfer_bytes", "worker_id")
+    __slots__ = ("first_token", "queue_s", "prefill_s", "transfer_s", "transfer_bytes", "worker_id", "spans")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     queue_s: float
     prefill_s: float
     transfer_s: float
     transfer_bytes: int
     worker_id: str
-    def __init__(self, first_token: _Optional[int] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    spans: _containers.RepeatedCompositeFieldContainer[Span]
+    def __init__(self, first_token: _Optional[int] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ...) -> None: ...

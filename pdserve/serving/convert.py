@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.sampling_params import SamplingParams
+from pdserve.trace import Span
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
@@ -30,3 +31,14 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
     )
+
+
+def spans_to_proto(spans) -> list[pb.Span]:
+    return [
+        pb.Span(name=s.name, start=s.start, end=s.end, worker=s.worker, layer=s.layer)
+        for s in spans
+    ]
+
+
+def spans_from_proto(msgs) -> list[Span]:
+    return [Span(m.name, m.start, m.end, m.worker, m.layer) for m in msgs]

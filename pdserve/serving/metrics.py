@@ -1,7 +1,9 @@
 """Prometheus metrics of each role, each in its own registry, served over HTTP.
 
 router:  pdserve_router_ttft_seconds, pdserve_router_queue_seconds, pdserve_router_e2e_seconds,
-         pdserve_router_requests_total{outcome}
+         pdserve_router_tpot_seconds, pdserve_router_transfer_seconds (push tail per request),
+         pdserve_router_transfer_bytes_total, pdserve_router_requests_total{outcome},
+         pdserve_router_kv_usage_ratio{worker} (each decode worker, from its heartbeats)
 prefill: pdserve_prefill_seconds, pdserve_prefill_queued_tokens, pdserve_prefill_batch_tokens,
          pdserve_transfer_bytes_total{direction="sent"}, pdserve_transfer_seconds{direction="sent"}
 decode:  pdserve_decode_tpot_seconds, pdserve_decode_inter_token_seconds,
@@ -57,6 +59,29 @@ class RouterMetrics:
         )
         self.requests = Counter(
             "pdserve_router_requests", "requests by outcome", ["outcome"], registry=r
+        )
+        self.tpot = Histogram(
+            "pdserve_router_tpot_seconds",
+            "decode time per output token of a request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.transfer = Histogram(
+            "pdserve_router_transfer_seconds",
+            "KV push tail per request (last layer computed -> KV in the decode blocks)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.transfer_bytes = Counter(
+            "pdserve_router_transfer_bytes",
+            "KV bytes pushed for this router's requests",
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "pdserve_router_kv_usage_ratio",
+            "used / total KV blocks of each decode worker (last heartbeat)",
+            ["worker"],
+            registry=r,
         )
 
 
