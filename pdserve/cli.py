@@ -4,7 +4,8 @@ pdserve generate --model M --prompt "..." [--chat] [--max-tokens N] [--temperatu
 pdserve bench offline --model M [--batch-sizes 1,8,32] [--workload azure-conv] --json out.json
 pdserve bench kernels [--quick] --json out.json
 pdserve bench transfer [--model M] [--quick] --json out.json
-pdserve bench serve [--model M] [--concurrency N | --rate R] --json out.json
+pdserve bench serve [--model M] [--concurrency N | --rate R] --json out.json [--trace t.jsonl]
+pdserve trace t.jsonl --plot timeline.png
 pdserve launch --model M --prefill N --decode M
 pdserve serve router|prefill|decode --model M ...
 pdserve demo
@@ -111,8 +112,25 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         worker_args=worker_args,
         replay=args.replay,
         time_scale=args.time_scale,
+        trace_path=args.trace,
     )
+    if args.trace:
+        print(f"wrote per-request traces to {args.trace} (plot: pdserve trace {args.trace} --plot)")
     return _report(report, format_table, args.json)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from pdserve.bench.timeline import plot_timeline, stage_table
+    from pdserve.trace import read_jsonl
+
+    records = read_jsonl(args.file)
+    if not records:
+        raise ValueError(f"{args.file}: no trace records")
+    print(stage_table(records))
+    if args.plot:
+        plot_timeline(records, args.plot, args.max_requests)
+        print(f"wrote {args.plot}")
+    return 0
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -198,7 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--time-scale", type=float, default=1.0, help="replay N times faster")
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--json", default=None)
+    srv.add_argument("--trace", default=None, help="write each request's spans (JSON lines)")
     srv.set_defaults(func=cmd_bench_serve)
+
+    tr = sub.add_parser("trace", help="summarize and plot per-request traces")
+    tr.add_argument("file", help="JSON lines from `pdserve bench serve --trace`")
+    tr.add_argument("--plot", default=None, help="write a timeline PNG here")
+    tr.add_argument("--max-requests", type=int, default=64, help="rows in the timeline")
+    tr.set_defaults(func=cmd_trace)
 
     from pdserve.serving.roles import add_serve_parser
 
@@ -209,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--decode", type=int, default=1)
     launch.add_argument("--port", type=int, default=0)
     launch.add_argument("--transfer", default="nixl", help="nixl | ucxx | loopback")
+    launch.add_argument(
+        "--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port (0: free)"
+    )
     launch.add_argument("--num-kv-blocks", type=int, default=None)
     launch.set_defaults(func=cmd_launch)
 

@@ -28,13 +28,16 @@ class Cluster:
         worker_args: list[str] | None = None,
         router_args: list[str] | None = None,
         startup_timeout_s: float = 180.0,
+        http_port: int | None = None,
     ) -> None:
         self.procs: list[subprocess.Popen] = []
         self.metrics: dict[str, str] = {}  # role-index -> host:port of /metrics
+        self.http_address: str | None = None  # host:port of the OpenAI API, when asked for
         try:
-            self.address = self._spawn(
-                ["serve", "router", "--model", model, "--port", str(port), *(router_args or [])]
-            )
+            router = ["serve", "router", "--model", model, "--port", str(port)]
+            if http_port is not None:
+                router += ["--http-port", str(http_port)]
+            self.address = self._spawn([*router, *(router_args or [])])
             common = ["--model", model, "--router", self.address, "--transfer", transfer]
             # workers sharing one machine's CPUs split them instead of oversubscribing
             threads = max(1, (os.cpu_count() or 1) // max(1, prefill + decode))
@@ -62,7 +65,9 @@ class Cluster:
             raise RuntimeError(
                 f"`pdserve {' '.join(argv[:2])}` failed to start (exit {proc.poll()})"
             )
-        _, role, address, metrics = line.split()
+        _, role, address, metrics, *http = line.split()
+        if http:
+            self.http_address = http[0]
         index = sum(key.startswith(role) for key in self.metrics)
         self.metrics[f"{role}-{index}"] = metrics
         return address
@@ -117,8 +122,18 @@ def run_launch(args) -> int:
     print(
         f"starting router, {args.prefill} prefill and {args.decode} decode workers ...", flush=True
     )
-    with Cluster(args.model, args.prefill, args.decode, args.port, args.transfer, worker_args) as c:
+    with Cluster(
+        args.model,
+        args.prefill,
+        args.decode,
+        args.port,
+        args.transfer,
+        worker_args,
+        http_port=args.http_port,
+    ) as c:
         print(f"cluster ready: router at {c.address}  (Ctrl-C stops everything)", flush=True)
+        if c.http_address:
+            print(f"OpenAI API at http://{c.http_address}/v1", flush=True)
         while not stop["now"] and all(p.poll() is None for p in c.procs):
             time.sleep(0.2)
     print("cluster stopped", flush=True)

@@ -23,7 +23,8 @@ The rpc.* and router.stream spans are the router's own clock readings around a c
 the worker's spans inside it: RPC transit, serialisation and (first call) connection set-up.
 
 Detail spans sit inside those and are not part of the tiling: `push.layer` (one per layer:
-the write posted -> seen complete), `decode.step` (each step the request took part in) and
+the write posted -> seen complete; `push.all` when every layer goes in one write after the
+forward pass), `decode.step` (each step the request took part in) and
 `decode.preempted` (preempted -> running again). What is left between top-level spans is
 thread hand-offs inside the router; `coverage` measures how much of the request is spanned.
 """
@@ -48,7 +49,7 @@ STAGES = (
     "decode.run",
     "router.stream",
 )
-DETAILS = ("push.layer", "decode.step", "decode.preempted")
+DETAILS = ("push.layer", "push.all", "decode.step", "decode.preempted")
 
 
 def now() -> float:

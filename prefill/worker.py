@@ -28,7 +28,7 @@ from pdserve.serving.kv_endpoint import (
     PoolSide,
     block_runs,
     kv_endpoint,
-    write_layer,
+    write_layers,
 )
 from pdserve.serving.metrics import PrefillMetrics
 from pdserve.trace import Span, now
@@ -68,16 +68,17 @@ class PrefillResult:
 
 
 class LayerPushes:
-    """Each layer's writes with the wall-clock time they were posted and first seen complete
-    (polled at every later layer boundary and while waiting for the tail)."""
+    """Each push's writes (one layer, or all layers at once) with the wall-clock time they
+    were posted and first seen complete (polled at every later layer boundary and while
+    waiting for the tail)."""
 
     def __init__(self, worker: str) -> None:
         self.worker = worker
-        self.layers: list[tuple[int, float, list[Transfer]]] = []
+        self.layers: list[tuple[int, float, list[Transfer]]] = []  # (layer or -1 for all, ...)
         self.done_at: dict[int, float] = {}
 
-    def posted(self, layer: int, transfers: list[Transfer]) -> None:
-        self.layers.append((layer, now(), transfers))
+    def posted(self, layers: range, transfers: list[Transfer]) -> None:
+        self.layers.append((layers.start if len(layers) == 1 else -1, now(), transfers))
         self.poll()
 
     def poll(self) -> bool:
@@ -101,7 +102,13 @@ class LayerPushes:
 
     def spans(self) -> list[Span]:
         return [
-            Span("push.layer", start, self.done_at[layer], self.worker, layer)
+            Span(
+                "push.layer" if layer >= 0 else "push.all",
+                start,
+                self.done_at[layer],
+                self.worker,
+                layer,
+            )
             for layer, start, _ in self.layers
         ]
 
@@ -221,16 +228,16 @@ class PrefillWorker:
             ]
             runs = [block_runs(src, dst) for src, dst in blocks]
 
-            def push(layer: int) -> None:
-                last = layer == self.engine.model_config.num_layers - 1
+            def push(layers: range) -> None:
+                last = layers.stop == self.engine.model_config.num_layers
                 posted: list[Transfer] = []
                 for job, (peer, tiles), (src, dst), r in zip(runnable, peers, blocks, runs):
                     notif = job.request.request_id.encode() if last else b""
                     posted.append(
-                        write_layer(
+                        write_layers(
                             self.agent,
                             peer,
-                            layer,
+                            layers,
                             PoolSide(self.geometry, self.region, self.tiles),
                             PoolSide(job.dest.geometry, job.dest.region, tiles),
                             (src, dst, r),
@@ -238,18 +245,20 @@ class PrefillWorker:
                         )
                     )
                     nbytes[0] += (
-                        src.size * self.geometry.planes_per_layer * self.geometry.block_bytes
+                        len(layers)
+                        * src.size
+                        * self.geometry.planes_per_layer
+                        * self.geometry.block_bytes
                     )
-                pushes.posted(layer, posted)
+                pushes.posted(layers, posted)
 
             layerwise = self.layerwise
             tokens, _ = self.engine.runner.execute(
-                chunks, on_layer_done=push if layerwise else None
+                chunks, on_layer_done=(lambda x: push(range(x, x + 1))) if layerwise else None
             )
             computed, computed_wall = time.monotonic(), now()
-            if not layerwise:
-                for layer in range(self.engine.model_config.num_layers):
-                    push(layer)
+            if not layerwise:  # every layer in one WRITE per request
+                push(range(self.engine.model_config.num_layers))
             pushes.wait()
             pushed, pushed_wall = time.monotonic(), now()
             shared = [

@@ -88,7 +88,7 @@ def test_bench_transfer_verifies_bytes_and_reports_every_layout(tmp_path):
 
 @pytest.mark.parametrize("load", [["--concurrency", "3"], ["--rate", "20"]])
 def test_bench_serve_reports_percentiles_without_errors(tmp_path, load):
-    out = tmp_path / "serve.json"
+    out, traces, png = tmp_path / "serve.json", tmp_path / "t.jsonl", tmp_path / "t.png"
     proc = run_cli(
         "bench",
         "serve",
@@ -101,9 +101,19 @@ def test_bench_serve_reports_percentiles_without_errors(tmp_path, load):
         *load,
         "--json",
         str(out),
+        "--trace",
+        str(traces),
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
+    # one trace per request; its stages cover the request (router clock) within 5%
+    lines = traces.read_text().splitlines()
+    assert len(lines) == 10
+    assert report["trace_coverage"]["p0"] >= 0.95 and report["trace_coverage"]["p100"] <= 1.0
+    plotted = run_cli("trace", str(traces), "--plot", str(png))
+    assert plotted.returncode == 0, plotted.stderr
+    assert "prefill.compute" in plotted.stdout and "spans cover" in plotted.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = report["summary"]
     assert summary["requests"] == 10 and summary["errors"] == 0
     assert summary["output_tokens"] == sum(s["output_tokens"] for s in report["samples"]) > 0
@@ -142,3 +152,11 @@ def test_bench_serve_replays_a_trace_at_its_arrival_times(tmp_path):
     first = trace_requests("mooncake-conv")[:6]
     expected = [scale_lengths("mooncake-conv", r.prompt_tokens, r.output_tokens) for r in first]
     assert [(s["prompt_tokens"], s["output_tokens"]) for s in report["samples"]] == expected
+
+
+def test_trace_of_a_malformed_file_is_one_clear_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"request_id": "a", "spans": []}\n')
+    proc = run_cli("trace", str(bad))
+    assert proc.returncode == 2 and "bad.jsonl:1: not a trace record" in proc.stderr
+    assert "Traceback" not in proc.stderr

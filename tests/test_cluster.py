@@ -8,9 +8,8 @@ import time
 import grpc
 import pytest
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM, SamplingParams, trace
 from pdserve.client import Client, InvalidRequest, Overloaded
-from pdserve import trace
 from pdserve.launch import Cluster
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc

@@ -51,10 +51,12 @@ def pair(request):
     decode.close()
 
 
-def test_kv_bytes_arrive_block_for_block_and_decoding_matches(pair):
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "after-prefill"])
+def test_kv_bytes_arrive_block_for_block_and_decoding_matches(pair, layerwise):
     from pdserve import LLM
 
     prefill, decode = pair
+    prefill.layerwise = layerwise
     prompt = list(range(3, 60))  # 57 tokens: 4 blocks, the last one partial
     blocks = decode.reserve("r1", prompt, GREEDY, lease_s=30)
     assert len(blocks) == 4

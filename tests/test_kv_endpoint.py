@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.serving.kv_endpoint import PoolGeometry, PoolSide, block_runs, write_layer
+from pdserve.serving.kv_endpoint import PoolGeometry, PoolSide, block_runs, write_layers
 from transfer import make_agent
 
 
@@ -28,7 +28,7 @@ def test_block_runs_cut_where_either_side_breaks():
         ([7, 2, 9], [1, 8, 4]),  # nothing lines up: prepared tiles
     ],
 )
-def test_write_layer_moves_exactly_one_layers_blocks(backend, src_ids, dst_ids):
+def test_write_layers_moves_exactly_those_layers_blocks(backend, src_ids, dst_ids):
     layers, planes, nblocks, block_elems = 3, 2, 12, 24
     src_pool = torch.randn(layers * planes, nblocks, block_elems)
     dst_pool = torch.zeros(layers * planes, 14, block_elems)  # pools may differ in size
@@ -41,10 +41,14 @@ def test_write_layer_moves_exactly_one_layers_blocks(backend, src_ids, dst_ids):
         src_side = PoolSide(gs, ra, a.prepare_tiles(None, ra, bb))
         dst_side = PoolSide(gd, rb, a.prepare_tiles(peer, rb, bb))
         s, d = np.array(src_ids), np.array(dst_ids)
-        write_layer(a, peer, 1, src_side, dst_side, (s, d, block_runs(s, d)), b"l1").wait()
+        blocks = (s, d, block_runs(s, d))
+        write_layers(a, peer, range(1, 2), src_side, dst_side, blocks, b"l1").wait()
         expected = torch.zeros_like(dst_pool)
         for plane in (2, 3):  # layer 1's K and V planes only
             expected[plane, d] = src_pool[plane, s]
+        assert torch.equal(dst_pool, expected)
+        write_layers(a, peer, range(0, 3), src_side, dst_side, blocks, b"all").wait()
+        expected[:, d] = src_pool[:, s]  # every layer
         assert torch.equal(dst_pool, expected)
     finally:
         a.close()

@@ -24,6 +24,8 @@ from pdserve.bench.report import machine_info
 from pdserve.bench.traces import trace_requests
 from pdserve.bench.workload import TRACE_SCALES, Workload, make_workload, scale_lengths
 from pdserve.progress import progress
+from pdserve.trace import Span, write_jsonl
+from pdserve.trace import coverage as trace_coverage
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Sample:
     e2e_s: float = 0.0
     server: dict = field(default_factory=dict)
     error: str | None = None
+    trace: dict | None = None  # pdserve.trace record; written to --trace, not to the JSON
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -48,6 +51,7 @@ async def _one(client, prompt: list[int], max_tokens: int) -> Sample:
     import grpc
 
     from pdserve.client import build_request
+    from pdserve.serving.convert import spans_from_proto
 
     sample = Sample(prompt_tokens=len(prompt))
     start = time.perf_counter()
@@ -64,6 +68,12 @@ async def _one(client, prompt: list[int], max_tokens: int) -> Sample:
                 last = now
             if msg.finished:
                 result = msg.timings
+                sample.trace = {
+                    "request_id": msg.request_id,
+                    "arrival": result.arrival_unix,
+                    "end": result.end_unix,
+                    "spans": [s.to_dict() for s in spans_from_proto(msg.trace)],
+                }
         sample.e2e_s = time.perf_counter() - start
         sample.ttft_s = (first or start) - start
         if sample.output_tokens > 1:
@@ -153,9 +163,11 @@ def bench_serve(
     worker_args: list[str] | None = None,
     replay: bool = False,
     time_scale: float = 1.0,
+    trace_path: str | None = None,
 ) -> dict:
     """`replay`: the trace's first `requests` requests, in order, at their recorded arrival
-    times divided by `time_scale` (lengths scaled as in the workload)."""
+    times divided by `time_scale` (lengths scaled as in the workload). `trace_path`: write
+    every request's spans there as JSON lines (see pdserve.trace; `pdserve trace` plots)."""
     from pdserve.launch import Cluster
     from pdserve.weights import resolve
 
@@ -186,6 +198,12 @@ def bench_serve(
     finally:
         if cluster is not None:
             cluster.close()
+    records = [s.trace for s in samples if s.trace is not None]
+    if trace_path is not None:
+        write_jsonl(trace_path, records)
+    coverage = [
+        trace_coverage([Span(**x) for x in r["spans"]], r["arrival"], r["end"]) for r in records
+    ]
     return {
         "benchmark": "serve",
         "model": model,
@@ -199,7 +217,8 @@ def bench_serve(
         "workload": {"kind": workload, "seed": seed},
         "machine": machine_info(),
         "summary": summarize(samples, elapsed),
-        "samples": [s.__dict__ for s in samples],
+        "trace_coverage": {f"p{q}": percentile(coverage, q) for q in (0, 50, 100)},
+        "samples": [{k: v for k, v in s.__dict__.items() if k != "trace"} for s in samples],
     }
 
 

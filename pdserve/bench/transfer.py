@@ -2,14 +2,17 @@
 TTFT with layer-wise push against push-after-prefill.
 
 Part 1 (same process, two NIXL agents, the model's real KV pool layout): for n blocks, the
-handoff posts one WRITE per layer exactly as the prefill worker does (serving.kv_endpoint.
-write_layer: one descriptor per run of blocks consecutive on both sides, else prepared
-tiles); the raw baseline writes the same number of bytes as one contiguous
+handoff posts what the prefill worker posts (serving.kv_endpoint.write_layers: one
+descriptor per plane and run of blocks consecutive on both sides, else prepared tiles):
+every layer in one WRITE, and, for the allocator layout, also one WRITE per layer as the
+layer-wise push does. The raw baseline writes the same number of bytes as one contiguous
 descriptor. Block ids on each side come from three layouts: a fresh pool (consecutive ids),
 the real allocator after churn (a pool twice the size filled with requests of random sizes,
 half of them freed in random order, then the n blocks allocated as a new sequence) and a
 random permutation (the worst case: no two blocks adjacent by design).
-Throughput = bytes / (first post -> every transfer DONE), median of `reps`.
+Throughput = bytes / (first post -> every transfer DONE), median of `reps` rounds; each
+round times raw and every layout back to back, and a fraction of raw is the median over
+rounds of the two times' ratio.
 
 Part 2 (a real prefill worker and decode worker in this process): time from submitting a
 prompt to the prefill result (KV in the decode blocks, first token known), with the KV pushed
@@ -30,24 +33,37 @@ from pdserve.kv import KVCache
 from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.progress import progress
 from pdserve.sampling_params import SamplingParams
-from pdserve.serving.kv_endpoint import PoolSide, block_runs, pool_geometry, write_layer
+from pdserve.serving.kv_endpoint import PoolSide, block_runs, pool_geometry, write_layers
 from pdserve.weights import resolve
 from transfer import Desc, make_agent
 
 LAYOUTS = ("contiguous", "allocator", "scattered")
 
 
-def _timed(post, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        transfers = post()
-        for t in transfers:
-            t.wait(timeout_s=60)
-        times.append(time.perf_counter() - start)
-        for t in transfers:
-            t.release()
-    return statistics.median(times)
+def _once(post) -> float:
+    start = time.perf_counter()
+    transfers = post()
+    for t in transfers:
+        t.wait(timeout_s=60)
+    elapsed = time.perf_counter() - start
+    for t in transfers:
+        t.release()
+    return elapsed
+
+
+def _rounds(posts: dict, reps: int) -> dict[str, list[float]]:
+    """Seconds per round for each candidate. Every round times all of them back to back (in
+    an order that rotates), so that a fraction of raw compares runs made moments apart on a
+    machine whose memory bandwidth drifts."""
+    names = list(posts)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(reps + 1):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            t = _once(posts[name])
+            if r:  # round 0 warms up
+                times[name].append(t)
+    return times
 
 
 def churned_ids(num_blocks: int, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -104,7 +120,25 @@ def handoff_vs_raw(model: str, counts: list[int], backend: str, reps: int) -> li
             def raw(nbytes=nbytes):
                 return [src.write(peer, [Desc(rs, 0, nbytes)], [Desc(rd, 0, nbytes)], b"")]
 
-            t_raw = _timed(raw, reps)
+            def handoff(ids_src, ids_dst, layerwise=False):
+                # what the prefill worker posts: every layer in one WRITE (push after
+                # prefill), or one WRITE per layer as each is computed (layer-wise)
+                blocks = (ids_src, ids_dst, block_runs(ids_src, ids_dst))
+                src_side = PoolSide(geometry, rs, local_tiles)
+                dst_side = PoolSide(geometry, rd, remote_tiles)
+                groups = (
+                    [range(x, x + 1) for x in range(config.num_layers)]
+                    if layerwise
+                    else [range(config.num_layers)]
+                )
+                return [write_layers(src, peer, g, src_side, dst_side, blocks, b"") for g in groups]
+
+            posts = {"raw": raw}
+            for name, ids in layouts.items():
+                posts[name] = lambda ids=ids: handoff(*ids)
+            posts["layerwise"] = lambda ids=layouts["allocator"]: handoff(*ids, layerwise=True)
+            times = _rounds(posts, reps)
+            t_raw = statistics.median(times["raw"])
             row = {
                 "blocks": n,
                 "allocator_runs": [_runs(ids) for ids in layouts["allocator"]],
@@ -113,37 +147,25 @@ def handoff_vs_raw(model: str, counts: list[int], backend: str, reps: int) -> li
                 "raw_s": t_raw,
                 "raw_gb_s": nbytes / t_raw / 1e9,
             }
+            for name in posts:
+                if name == "raw":
+                    continue
+                t = statistics.median(times[name])
+                row[f"{name}_s"] = t
+                row[f"{name}_gb_s"] = nbytes / t / 1e9
+                row[f"{name}_fraction_of_raw"] = statistics.median(
+                    r / x for r, x in zip(times["raw"], times[name])
+                )
             for name, (ids_src, ids_dst) in layouts.items():
-
-                def handoff(ids_src=ids_src, ids_dst=ids_dst):
-                    # what the prefill worker does: one write per layer, as it posts them
-                    runs = block_runs(ids_src, ids_dst)
-                    return [
-                        write_layer(
-                            src,
-                            peer,
-                            layer,
-                            PoolSide(geometry, rs, local_tiles),
-                            PoolSide(geometry, rd, remote_tiles),
-                            (ids_src, ids_dst, runs),
-                            b"",
-                        )
-                        for layer in range(config.num_layers)
-                    ]
-
-                dst_kv.pool.zero_()
-                t = _timed(handoff, reps)
-                verified = all(
+                dst_kv.pool.zero_()  # the rounds overwrote each other's blocks: once more alone
+                _once(posts[name])
+                row[f"{name}_verified"] = all(
                     torch.equal(
                         src_kv.pool.select(src_kv.block_dim, int(s)),
                         dst_kv.pool.select(dst_kv.block_dim, int(d)),
                     )
                     for s, d in zip(ids_src, ids_dst)
                 )
-                row[f"{name}_s"] = t
-                row[f"{name}_gb_s"] = nbytes / t / 1e9
-                row[f"{name}_fraction_of_raw"] = t_raw / t
-                row[f"{name}_verified"] = verified
             rows.append(row)
     finally:
         src.close()
@@ -204,15 +226,17 @@ def ttft_layerwise(model: str, prompt_lens: list[int], backend: str, reps: int) 
 
 
 def bench_transfer(model: str = "smollm2-135m", backend: str = "nixl", quick: bool = False) -> dict:
-    counts = [1, 4, 16, 64] if quick else [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    reps = 3 if quick else 7
+    counts = [1, 4, 16, 64] if quick else [1, 2, 4, 6, 8, 16, 32, 64, 128, 256]
+    reps = 3 if quick else 15
     return {
         "benchmark": "transfer",
         "model": model,
         "backend": backend,
         "machine": machine_info(),
         "handoff": handoff_vs_raw(model, counts, backend, reps),
-        "ttft": ttft_layerwise(model, [64, 256, 1024] if not quick else [64, 256], backend, reps),
+        "ttft": ttft_layerwise(
+            model, [64, 256, 1024] if not quick else [64, 256], backend, 3 if quick else 5
+        ),
     }
 
 
@@ -221,16 +245,17 @@ def format_table(report: dict) -> str:
         f"KV handoff vs raw {report['backend']} WRITE, {report['model']} pool layout "
         f"(same process, same bytes; GB/s and fraction of raw)",
         f"{'blocks':>6} {'MiB':>8} {'tiles':>6} {'raw':>7} {'contiguous':>16} {'allocator':>16} "
-        f"{'runs':>7} {'scattered':>16} {'verified':>8}",
+        f"{'runs':>7} {'scattered':>16} {'per-layer':>16} {'verified':>8}",
     ]
     for r in report["handoff"]:
         ok = all(r[f"{k}_verified"] for k in LAYOUTS)
         cells = {k: f"{r[f'{k}_gb_s']:>8.2f} ({r[f'{k}_fraction_of_raw']:>4.0%})" for k in LAYOUTS}
         runs = "/".join(str(x) for x in r["allocator_runs"])
+        per_layer = f"{r['layerwise_gb_s']:>8.2f} ({r['layerwise_fraction_of_raw']:>4.0%})"
         lines.append(
             f"{r['blocks']:>6} {r['bytes'] / 2**20:>8.2f} {r['descriptors']:>6} "
             f"{r['raw_gb_s']:>7.2f} {cells['contiguous']} {cells['allocator']} {runs:>7} "
-            f"{cells['scattered']} {str(ok):>8}"
+            f"{cells['scattered']} {per_layer} {str(ok):>8}"
         )
     lines.append("")
     lines.append("time to prefill + push (first token ready on the decode side)")

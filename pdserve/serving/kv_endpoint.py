@@ -56,21 +56,24 @@ class PoolSide:
     tiles: object  # transfer.Tiles
 
 
-def write_layer(agent, peer: str, layer: int, src: PoolSide, dst: PoolSide, blocks, notif: bytes):
-    """Post the WRITE of one layer's KV for one request; `blocks` = (src ids, dst ids, runs
-    from block_runs). One descriptor per run of blocks consecutive on both sides: NIXL does
-    not merge neighbouring prepared tiles, and a 12 KiB tile costs about as much to post as a
-    1 MiB run. When no two blocks line up, the prepared tiles are cheaper."""
+def write_layers(
+    agent, peer: str, layers: range, src: PoolSide, dst: PoolSide, blocks, notif: bytes
+):
+    """Post one WRITE of `layers`' KV for one request; `blocks` = (src ids, dst ids, runs from
+    block_runs). One descriptor per (plane, run of blocks consecutive on both sides): NIXL
+    does not merge neighbouring prepared tiles, and a 12 KiB tile costs about as much to post
+    as a 1 MiB run. When no two blocks line up, the prepared tiles are cheaper."""
     from transfer import Desc
 
     src_ids, dst_ids, runs = blocks
     if len(runs) == len(src_ids):
-        local_idx = src.geometry.tile_indices(layer, src_ids)
-        remote_idx = dst.geometry.tile_indices(layer, dst_ids)
+        local_idx = np.concatenate([src.geometry.tile_indices(x, src_ids) for x in layers])
+        remote_idx = np.concatenate([dst.geometry.tile_indices(x, dst_ids) for x in layers])
         return agent.write_tiles(peer, src.tiles, local_idx, dst.tiles, remote_idx, notif)
     gs, gd = src.geometry, dst.geometry
     local, remote = [], []
-    for plane in gs.layer_planes(layer):
+    planes = range(layers.start * gs.planes_per_layer, layers.stop * gs.planes_per_layer)
+    for plane in planes:
         for s, d, n in runs.tolist():
             local.append(Desc(src.region, gs.offset(plane, s), n * gs.block_bytes))
             remote.append(Desc(dst.region, gd.offset(plane, d), n * gd.block_bytes))

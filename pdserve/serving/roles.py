@@ -26,8 +26,10 @@ def _stop_event() -> threading.Event:
     return stop
 
 
-def _ready(role: str, host: str, port: int, metrics_port: int) -> None:
-    print(f"READY {role} {host}:{port} {host}:{metrics_port}", flush=True)
+def _ready(role: str, host: str, port: int, metrics_port: int, http_port: int | None = None):
+    """`READY role grpc-address metrics-address [http-address]` (pdserve launch reads it)."""
+    http = f" {host}:{http_port}" if http_port is not None else ""
+    print(f"READY {role} {host}:{port} {host}:{metrics_port}{http}", flush=True)
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
@@ -53,9 +55,16 @@ def run_router(args: argparse.Namespace) -> int:
         lambda s: rpc.add_RouterServicer_to_server(service, s), args.host, args.port
     )
     metrics_port = serve_metrics(service.metrics.registry, args.host, args.metrics_port)
+    http = None
+    if args.http_port is not None:
+        from pdserve.openai.server import start_http
+
+        http = start_http(service, port, args.host, args.http_port, args.model)
     stop = _stop_event()
-    _ready("router", args.host, port, metrics_port)
+    _ready("router", args.host, port, metrics_port, http.port if http else None)
     stop.wait()
+    if http is not None:
+        http.close()
     server.stop(grace=2).wait()
     return 0
 
@@ -123,6 +132,12 @@ def add_serve_parser(sub) -> None:
         p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port")
         p.add_argument("--max-model-len", type=int, default=None)
         if role == "router":
+            p.add_argument(
+                "--http-port",
+                type=int,
+                default=None,
+                help="serve the OpenAI-compatible HTTP API on this port (0: a free one)",
+            )
             p.add_argument("--max-queue", type=int, default=256)
             p.add_argument("--queue-timeout", type=float, default=30.0)
         else:

@@ -1,0 +1,294 @@
+"""OpenAI request bodies -> one plain `OpenAIRequest`, and the response bodies back.
+
+Validation raises `BadRequest(param, message)` for anything wrong; the server answers 400
+with the field named. Fields this server does not know are ignored (load tools send extras
+such as `user`); known fields are checked for type and range, and options it cannot honour
+(`n` > 1, `echo`, `logprobs`, `best_of` > 1, non-zero penalties) are refused rather than
+silently dropped. `ignore_eos` is accepted as the vLLM extension that `vllm bench serve` uses.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+MAX_STOP = 4
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class BadRequest(ValueError):
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+@dataclass
+class OpenAIRequest:
+    chat: bool
+    prompt: str | list[int]  # text (templated for chat) or token ids
+    max_tokens: int | None  # None: fill the context (chat without a limit)
+    sampling: dict = field(default_factory=dict)  # SamplingParams keywords besides max_tokens
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise BadRequest(name, f"{name}: expected an integer, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise BadRequest(name, f"{name}: must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _num(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_num(v):
+        raise BadRequest(name, f"{name}: expected a number, got {type(v).__name__}")
+    if not (lo < v if lo_open else lo <= v) or not v <= hi:
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise BadRequest(name, f"{name}: must be in {interval}, got {v}")
+    return float(v)
+
+
+def _bool(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise BadRequest(name, f"{name}: expected true or false, got {type(v).__name__}")
+    return v
+
+
+def _refuse_unsupported(body: dict) -> None:
+    if _int(body, "n", 1, INT32_MAX) not in (None, 1):
+        raise BadRequest("n", "n: only n=1 is supported")
+    if _int(body, "best_of", 1, INT32_MAX) not in (None, 1):
+        raise BadRequest("best_of", "best_of: only best_of=1 is supported")
+    if _bool(body, "echo"):
+        raise BadRequest("echo", "echo: not supported")
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, False, 0):
+        raise BadRequest("logprobs", "logprobs: not supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _num(body, name, -2.0, 2.0) not in (None, 0.0):
+            raise BadRequest(name, f"{name}: only 0 is supported")
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest("stop", "stop: expected a non-empty string or a list of them")
+    if len(stops) > MAX_STOP:
+        raise BadRequest("stop", f"stop: at most {MAX_STOP} sequences, got {len(stops)}")
+    return stops
+
+
+def _common(body: dict, chat: bool, prompt, vocab_size: int) -> OpenAIRequest:
+    _refuse_unsupported(body)
+    max_tokens = _int(body, "max_tokens", 1, INT32_MAX)
+    if chat and max_tokens is None:
+        max_tokens = _int(body, "max_completion_tokens", 1, INT32_MAX)
+    if not chat and max_tokens is None:
+        max_tokens = DEFAULT_COMPLETION_TOKENS
+    sampling: dict = {}
+    temperature = _num(body, "temperature", 0.0, 2.0)
+    if temperature is not None:
+        sampling["temperature"] = temperature
+    top_p = _num(body, "top_p", 0.0, 1.0, lo_open=True)
+    if top_p is not None:
+        sampling["top_p"] = top_p
+    seed = _int(body, "seed", -INT64_MAX, INT64_MAX)
+    if seed is not None:
+        sampling["seed"] = seed
+    if _bool(body, "ignore_eos"):
+        sampling["ignore_eos"] = True
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("stream_options", "stream_options: expected an object")
+    include_usage = _bool(options or {}, "include_usage")
+    stream = _bool(body, "stream")
+    if include_usage and not stream:
+        raise BadRequest("stream_options", "stream_options: only allowed when stream is true")
+    if isinstance(prompt, list) and any(not 0 <= t < vocab_size for t in prompt):
+        raise BadRequest("prompt", f"prompt: token ids must be in [0, {vocab_size})")
+    return OpenAIRequest(
+        chat=chat,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=_stop(body),
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def _check_model(body: dict) -> None:
+    """Any model name is accepted (this server serves one model; /v1/models names it)."""
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise BadRequest("model", f"model: expected a string, got {type(model).__name__}")
+
+
+def parse_completion(body, vocab_size: int) -> OpenAIRequest:
+    """POST /v1/completions: `prompt` is a string, token ids, or a one-element list of either."""
+    if not isinstance(body, dict):
+        raise BadRequest(None, "the request body must be a JSON object")
+    _check_model(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("prompt", "prompt: must not be empty")
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        pass
+    elif isinstance(prompt, list) and not prompt:
+        raise BadRequest("prompt", "prompt: must not be empty")
+    elif prompt is None:
+        raise BadRequest("prompt", "prompt: required")
+    else:
+        raise BadRequest(
+            "prompt", "prompt: expected a string or a list of token ids (batches of one only)"
+        )
+    return _common(body, False, prompt, vocab_size)
+
+
+def messages_of(body: dict) -> list[dict[str, str]]:
+    """`messages` -> [{"role", "content"}] with text content (text parts are joined)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages", "messages: expected a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadRequest("messages", f"messages[{i}]: expected an object")
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise BadRequest("messages", f"messages[{i}].role: unknown role {role!r}")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise BadRequest(
+                        "messages", f"messages[{i}].content[{j}]: only text parts are supported"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise BadRequest("messages", f"messages[{i}].content[{j}].text: not a string")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise BadRequest("messages", f"messages[{i}].content: expected a string")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def parse_chat(body, vocab_size: int, render) -> OpenAIRequest:
+    """POST /v1/chat/completions; `render(messages) -> str` applies the chat template."""
+    if not isinstance(body, dict):
+        raise BadRequest(None, "the request body must be a JSON object")
+    _check_model(body)
+    messages = messages_of(body)
+    try:
+        prompt = render(messages)
+    except ValueError as e:
+        raise BadRequest("messages", f"messages: {e}") from None
+    return _common(body, True, prompt, vocab_size)
+
+
+# -- responses -----------------------------------------------------------------------------
+
+
+def new_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_body(
+    rid: str, model: str, chat: bool, text: str, finish: str, use: dict, extra: dict
+) -> dict:
+    if chat:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish,
+            "logprobs": None,
+        }
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+        "pdserve": extra,
+    }
+
+
+def chunk_body(rid: str, model: str, chat: bool, text: str | None, finish: str | None) -> dict:
+    """One streamed chunk: `text` None with a finish reason is the closing chunk; for chat,
+    text "" with no finish opens the assistant message."""
+    if chat:
+        delta: dict = {}
+        if text == "" and finish is None:
+            delta = {"role": "assistant", "content": ""}
+        elif text:
+            delta = {"content": text}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def usage_chunk(rid: str, model: str, chat: bool, use: dict) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": use,
+    }
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None):
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -1,0 +1,266 @@
+"""The OpenAI-compatible HTTP front door, driven by the official `openai` package against a
+launched cluster (real processes on 127.0.0.1), checked against the gRPC SDK."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from pdserve.client import Client
+from pdserve.launch import Cluster
+from pdserve.weights import resolve
+
+PROMPTS = ["Hello there", "The capital of France is", "a", "1 2 3 4 5 6 7 8 9 10 11 12"]
+GREEDY = {"max_tokens": 12, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(
+        "tiny-llama",
+        1,
+        1,
+        worker_args=["--num-kv-blocks", "512"],
+        router_args=["--max-queue", "3"],
+        http_port=0,
+    ) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(cluster):
+    return openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def sdk(cluster):
+    with Client(cluster.address) as client:
+        yield client
+
+
+def http(cluster, method: str, path: str, body: bytes | None = None):
+    """(status, headers, parsed JSON or text) without raising on 4xx/5xx."""
+    req = urllib.request.Request(f"http://{cluster.http_address}{path}", data=body, method=method)
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            status, headers, raw = resp.status, resp.headers, resp.read()
+    except urllib.error.HTTPError as e:
+        status, headers, raw = e.code, e.headers, e.read()
+    text = raw.decode()
+    try:
+        return status, headers, json.loads(text)
+    except json.JSONDecodeError:
+        return status, headers, text
+
+
+def test_completions_match_the_sdk(oai, sdk):
+    for prompt in PROMPTS:
+        want = sdk.generate(prompt, ignore_eos=True, **GREEDY)
+        got = oai.completions.create(
+            model="tiny-llama", prompt=prompt, extra_body={"ignore_eos": True}, **GREEDY
+        )
+        assert got.choices[0].text == want.text
+        assert got.choices[0].finish_reason == "length"
+        assert got.usage.prompt_tokens == want.prompt_tokens > 0
+        assert got.usage.completion_tokens == len(want.token_ids) == 12
+        assert got.usage.total_tokens == want.prompt_tokens + 12
+    # token-id prompts too
+    want = sdk.generate([5, 6, 7, 8], ignore_eos=True, **GREEDY)
+    got = oai.completions.create(
+        model="tiny-llama", prompt=[5, 6, 7, 8], extra_body={"ignore_eos": True}, **GREEDY
+    )
+    assert got.choices[0].text == want.text and got.usage.prompt_tokens == 4
+
+
+def test_streamed_completion_equals_the_whole_one(oai):
+    whole = oai.completions.create(model="tiny-llama", prompt=PROMPTS[1], **GREEDY)
+    chunks = list(
+        oai.completions.create(
+            model="tiny-llama",
+            prompt=PROMPTS[1],
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_chat_matches_the_sdk_on_the_rendered_template(oai, sdk):
+    tokenizer = resolve("tiny-llama").tokenizer
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    want = sdk.generate(tokenizer.apply_chat_template(messages), ignore_eos=True, **GREEDY)
+    got = oai.chat.completions.create(
+        model="tiny-llama", messages=messages, extra_body={"ignore_eos": True}, **GREEDY
+    )
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.text
+    assert got.usage.prompt_tokens == want.prompt_tokens
+    assert got.usage.completion_tokens == 12
+    stream = oai.chat.completions.create(
+        model="tiny-llama",
+        messages=messages,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+        **GREEDY,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_stop_strings_cut_the_text_before_them(oai):
+    full = oai.completions.create(model="tiny-llama", prompt=PROMPTS[0], **GREEDY)
+    text = full.choices[0].text
+    # a character from the middle of the greedy output (not a replacement character)
+    k = next(i for i in range(3, len(text)) if text[i] != "\ufffd")
+    stop = text[k]
+    cut = oai.completions.create(model="tiny-llama", prompt=PROMPTS[0], stop=[stop], **GREEDY)
+    assert cut.choices[0].text == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = oai.completions.create(
+        model="tiny-llama", prompt=PROMPTS[0], stop=stop, stream=True, **GREEDY
+    )
+    assert "".join(c.choices[0].text for c in streamed) == text[: text.find(stop)]
+
+
+BAD = [
+    (b"{not json", None),
+    (b"[1, 2]", None),
+    (b'{"prompt": ""}', "prompt"),
+    (b'{"prompt": 5}', "prompt"),
+    (b'{"prompt": ["a", "b"]}', "prompt"),
+    (b'{"prompt": [1, -3]}', "prompt"),
+    (b'{"prompt": [1, 99999999]}', "prompt"),
+    (b'{"prompt": "x", "max_tokens": 0}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": "ten"}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": 1.5}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": 1e40}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": 99999999}', "max_tokens"),
+    (b'{"prompt": "x", "temperature": "hot"}', "temperature"),
+    (b'{"prompt": "x", "temperature": 2.5}', "temperature"),
+    (b'{"prompt": "x", "temperature": true}', "temperature"),
+    (b'{"prompt": "x", "top_p": 0}', "top_p"),
+    (b'{"prompt": "x", "top_p": [1]}', "top_p"),
+    (b'{"prompt": "x", "seed": "s"}', "seed"),
+    (b'{"prompt": "x", "seed": 1e100}', "seed"),
+    (b'{"prompt": "x", "n": 2}', "n"),
+    (b'{"prompt": "x", "n": "1"}', "n"),
+    (b'{"prompt": "x", "stop": 3}', "stop"),
+    (b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
+    (b'{"prompt": "x", "stop": [""]}', "stop"),
+    (b'{"prompt": "x", "stream": "yes"}', "stream"),
+    (b'{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options"),
+    (b'{"prompt": "x", "stream": true, "stream_options": 1}', "stream_options"),
+    (b'{"prompt": "x", "echo": true}', "echo"),
+    (b'{"prompt": "x", "logprobs": 2}', "logprobs"),
+    (b'{"prompt": "x", "presence_penalty": 1}', "presence_penalty"),
+    (b'{"prompt": "x", "model": 7}', "model"),
+    (b'{"prompt": "x", "ignore_eos": "no"}', "ignore_eos"),
+]
+
+BAD_CHAT = [
+    (b'{"messages": []}', "messages"),
+    (b'{"messages": "hi"}', "messages"),
+    (b'{"messages": [{"role": "wizard", "content": "x"}]}', "messages"),
+    (b'{"messages": [{"role": "user", "content": 5}]}', "messages"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "messages"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}', None),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 4096}', "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD, ids=[b.decode()[:48] for b, _ in BAD])
+def test_bad_completion_requests_are_400_naming_the_field(cluster, body, param):
+    status, _, reply = http(cluster, "POST", "/v1/completions", body)
+    assert status == 400, reply
+    assert reply["error"]["type"] == "invalid_request_error"
+    assert reply["error"]["message"]
+    assert reply["error"]["param"] == param
+
+
+@pytest.mark.parametrize("body,param", BAD_CHAT, ids=[b.decode()[:48] for b, _ in BAD_CHAT])
+def test_bad_chat_requests_are_400(cluster, body, param):
+    status, _, reply = http(cluster, "POST", "/v1/chat/completions", body)
+    assert status == 400, reply
+    if param is not None:
+        assert reply["error"]["param"] == param
+
+
+def test_wrong_routes_and_methods_are_json_errors(cluster):
+    status, _, reply = http(cluster, "GET", "/v1/completions")
+    assert status == 405 and "error" in reply
+    status, _, reply = http(cluster, "GET", "/v1/nothing")
+    assert status == 404 and "error" in reply
+
+
+def test_models_health_and_metrics(cluster, oai):
+    assert [m.id for m in oai.models.list().data] == ["tiny-llama"]
+    status, _, reply = http(cluster, "GET", "/health")
+    assert status == 200 and reply["status"] == "ok"
+    from prometheus_client.parser import text_string_to_metric_families
+
+    oai.completions.create(model="tiny-llama", prompt="metrics", max_tokens=4, temperature=0)
+    time.sleep(1.5)  # a heartbeat carries the decode worker's KV usage
+    status, _, body = http(cluster, "GET", "/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    for name in (
+        "pdserve_router_ttft_seconds",
+        "pdserve_router_tpot_seconds",
+        "pdserve_router_kv_usage_ratio",
+        "pdserve_router_transfer_seconds",
+        "pdserve_router_transfer_bytes",
+    ):
+        assert name in families, name
+    ttft = {s.name: s.value for s in families["pdserve_router_ttft_seconds"].samples}
+    assert ttft["pdserve_router_ttft_seconds_count"] >= 1
+    usage = families["pdserve_router_kv_usage_ratio"].samples
+    assert usage and all(0 <= s.value <= 1 for s in usage)
+
+
+def test_overload_is_429_with_retry_after(cluster, sdk):
+    holders = [
+        sdk.stream([6] * 8, max_tokens=4000, temperature=0, ignore_eos=True) for _ in range(3)
+    ]
+    try:
+        for h in holders:
+            next(h)  # all three admitted: the router's queue (3) is full
+        status, headers, reply = http(cluster, "POST", "/v1/completions", b'{"prompt": "x"}')
+        assert status == 429, reply
+        assert headers["Retry-After"] == "1"
+        assert reply["error"]["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(
+                base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0
+            ).completions.create(model="tiny-llama", prompt="x", max_tokens=2)
+    finally:
+        for h in holders:
+            h.close()
+
+
+def test_no_workers_is_503():
+    with Cluster("tiny-llama", 0, 0, http_port=0) as lonely:
+        status, _, reply = http(lonely, "GET", "/health")
+        assert status == 503 and reply["status"] == "unavailable"
+        status, _, reply = http(lonely, "POST", "/v1/completions", b'{"prompt": "x"}')
+        assert status == 503, reply
+        assert "no decode worker" in reply["error"]["message"]
