@@ -27,6 +27,7 @@ class Cluster:
         transfer: str = "nixl",
         worker_args: list[str] | None = None,
         router_args: list[str] | None = None,
+        prefill_args: list[str] | None = None,
         startup_timeout_s: float = 180.0,
         http_port: int | None = None,
     ) -> None:
@@ -44,7 +45,8 @@ class Cluster:
             common += ["--threads", str(threads)]
             for role, count in (("prefill", prefill), ("decode", decode)):
                 for _ in range(count):
-                    self._spawn(["serve", role, *common, *(worker_args or [])])
+                    extra = prefill_args if role == "prefill" else None
+                    self._spawn(["serve", role, *common, *(worker_args or []), *(extra or [])])
             self._await_registered(prefill, decode, startup_timeout_s)
         except BaseException:
             self.close()

@@ -35,6 +35,7 @@ from pdserve.trace import Span, now
 from transfer import Tiles, Transfer, TransferFailed, XferState, check_handshake
 
 PUSH_TIMEOUT_S = 30.0
+KV_PUSH = ("auto", "layerwise", "after")
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,11 @@ class LayerPushes:
 
 
 class PrefillWorker:
-    def __init__(self, model: str, worker_id: str, transfer: str, args: EngineArgs) -> None:
+    def __init__(
+        self, model: str, worker_id: str, transfer: str, args: EngineArgs, kv_push: str = "auto"
+    ) -> None:
+        if kv_push not in KV_PUSH:
+            raise ValueError(f"kv_push: {kv_push!r} is not one of {', '.join(KV_PUSH)}")
         self.engine = LLMEngine(model, args)
         self.worker_id = worker_id
         endpoint = kv_endpoint(self.engine, model, worker_id, transfer)
@@ -127,9 +132,13 @@ class PrefillWorker:
         self.metrics = PrefillMetrics()
         self.peers: dict[str, tuple[str, Tiles]] = {}  # decode id -> (peer name, its pool tiles)
         self.budget = args.max_num_batched_tokens
-        # push each layer as soon as it is computed (False: all layers after the forward
-        # pass; kept for the benchmark that measures what layer-wise push buys)
-        self.layerwise = True
+        # Push each layer as soon as it is computed, or every layer in one WRITE after the
+        # forward pass. "auto" is layer-wise on CUDA, where copy engines and the NIC move
+        # bytes while the SMs compute; on CPU the push competes with the forward pass for the
+        # same cores and measured no gain, while 30 small WRITEs cost more than one
+        # (docs/benchmarks.md, bench transfer).
+        cuda = self.engine.kv_cache.pool.device.type == "cuda"
+        self.layerwise = kv_push == "layerwise" or (kv_push == "auto" and cuda)
         self.jobs: queue.Queue[PrefillJob | None] = queue.Queue()
         self._carry: list[PrefillJob] = []  # jobs that waited for blocks, first in the next batch
         self.queued_tokens = 0

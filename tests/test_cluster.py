@@ -56,7 +56,10 @@ def assert_trace_tiles(result) -> None:
     assert abs(spans[0].start - t["arrival_unix"]) < 1e-3
     assert 0.95 <= trace.coverage(result.trace, t["arrival_unix"], t["end_unix"]) <= 1.0
     layers = [s.layer for s in result.trace if s.name == "push.layer"]
-    assert layers == list(range(len(layers))) and layers, layers
+    whole = [s for s in result.trace if s.name == "push.all"]
+    assert (layers == list(range(len(layers))) and layers and not whole) or (
+        not layers and len(whole) == 1
+    ), (layers, whole)
     steps = [s for s in result.trace if s.name == "decode.step"]
     assert len(steps) == len(result.token_ids) - 1  # the first token came from prefill
 
@@ -68,17 +71,25 @@ def assert_gone(pids: list[int]) -> None:
 
 
 @pytest.mark.parametrize(
-    "model,prefill,decode,transfer",
+    "model,prefill,decode,transfer,push",
     [
-        ("tiny-llama", 1, 1, "nixl"),
-        ("tiny-llama", 2, 2, "nixl"),
-        ("tiny-deepseek", 1, 1, "nixl"),
-        ("tiny-llama", 1, 1, "ucxx"),
+        ("tiny-llama", 1, 1, "nixl", "layerwise"),
+        ("tiny-llama", 2, 2, "nixl", "auto"),
+        ("tiny-deepseek", 1, 1, "nixl", "layerwise"),
+        ("tiny-llama", 1, 1, "ucxx", "layerwise"),
+        ("tiny-llama", 1, 1, "ucxx", "after"),
     ],
 )
-def test_cluster_matches_the_colocated_engine(model, prefill, decode, transfer):
+def test_cluster_matches_the_colocated_engine(model, prefill, decode, transfer, push):
     expected = colocated(model)
-    with Cluster(model, prefill, decode, transfer=transfer, worker_args=WORKER_ARGS) as cluster:
+    with Cluster(
+        model,
+        prefill,
+        decode,
+        transfer=transfer,
+        worker_args=WORKER_ARGS,
+        prefill_args=["--kv-push", push],
+    ) as cluster:
         pids = [p.pid for p in cluster.procs]
         client = Client(cluster.address)
         results = [

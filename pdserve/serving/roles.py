@@ -91,7 +91,9 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         from prefill.service import PrefillService
         from prefill.worker import PrefillWorker
 
-        worker = PrefillWorker(args.model, worker_id, args.transfer, engine_args(args))
+        worker = PrefillWorker(
+            args.model, worker_id, args.transfer, engine_args(args), kv_push=args.kv_push
+        )
         service = PrefillService(worker)
         add = lambda s: rpc.add_PrefillServicer_to_server(service, s)  # noqa: E731
     server, port = start_server(add, args.host, args.port)
@@ -151,4 +153,12 @@ def add_serve_parser(sub) -> None:
             p.add_argument("--device", default="auto")
             p.add_argument("--max-num-batched-tokens", type=int, default=2048)
             p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+            if role == "prefill":
+                p.add_argument(
+                    "--kv-push",
+                    default="auto",
+                    choices=["auto", "layerwise", "after"],
+                    help="push each layer as it is computed, or all after the forward pass "
+                    "(auto: layer-wise on CUDA)",
+                )
         p.set_defaults(func=func)
