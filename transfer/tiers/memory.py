@@ -1,0 +1,135 @@
+"""Memory tiers: host DRAM (pinned on CUDA machines, so reloads are asynchronous DMA) and
+CXL-attached memory.
+
+Both keep one preallocated byte pool cut into block slots; an entry occupies any free slots
+(a slot table per key), so the pool never fragments. The CXL tier is a second such pool
+with its own capacity. It is backed by a file or DAX device path (`path`, mapped
+shared) where a CXL memory device exists; without one it is an anonymous buffer and reports
+`emulated = True`. Its `bandwidth_gb_s` and `latency_us` model the slower memory: each put
+and get takes at least latency + bytes / bandwidth (the copy itself, then a sleep for the
+rest), so policies see the cost a real CXL expander would have.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+
+import torch
+
+from transfer.tiers.base import Tier, TierError
+
+
+class MemoryTier(Tier):
+    name = "host"
+
+    def __init__(
+        self,
+        capacity_blocks: int,
+        block_bytes: int,
+        pin: bool | None = None,
+        buffer: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(capacity_blocks, block_bytes)
+        if buffer is None:
+            pin = torch.cuda.is_available() if pin is None else pin
+            buffer = torch.empty(capacity_blocks * block_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.slots = buffer.view(capacity_blocks, block_bytes)
+        self._free = list(range(capacity_blocks - 1, -1, -1))  # pop() gives the lowest
+        self._entries: dict[str, tuple[list[int], torch.Size, torch.dtype]] = {}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    @property
+    def used_blocks(self) -> int:
+        return self.capacity_blocks - len(self._free)
+
+    def put(self, key: str, staging: torch.Tensor) -> None:
+        n = self._check_put(key, staging)
+        slots = [self._free.pop() for _ in range(n)]
+        rows = staging.reshape(n, -1).view(torch.uint8) if n else staging
+        if n:
+            self.slots[torch.tensor(slots)] = rows.cpu()
+        self._entries[key] = (slots, staging.shape, staging.dtype)
+        self.stats.spills += 1
+        self.stats.spilled_bytes += n * self.block_bytes
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self._entries:
+            raise TierError(f"{self.name} tier holds no entry {key!r}")
+        slots, shape, dtype = self._entries[key]
+        data = self.slots[torch.tensor(slots, dtype=torch.long)] if slots else self.slots[:0]
+        self.stats.reloads += 1
+        self.stats.reloaded_bytes += len(slots) * self.block_bytes
+        return data.view(dtype).reshape(shape)
+
+    def discard(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._free.extend(entry[0])
+            self._free.sort(reverse=True)
+
+    def check_integrity(self) -> None:
+        held = [s for slots, _, _ in self._entries.values() for s in slots]
+        assert len(held) == len(set(held)), "a slot belongs to two entries"
+        assert not set(held) & set(self._free), "a held slot is on the free list"
+        assert len(held) + len(self._free) == self.capacity_blocks, "a slot is lost"
+
+
+class CXLTier(MemoryTier):
+    name = "cxl"
+
+    def __init__(
+        self,
+        capacity_blocks: int,
+        block_bytes: int,
+        path: str | None = None,
+        bandwidth_gb_s: float = 32.0,
+        latency_us: float = 0.4,
+    ) -> None:
+        if bandwidth_gb_s <= 0 or latency_us < 0:
+            raise ValueError("bandwidth_gb_s must be > 0 and latency_us >= 0")
+        self.path = path
+        self.emulated = path is None
+        self.bandwidth_gb_s, self.latency_us = bandwidth_gb_s, latency_us
+        self._map = None
+        buffer = None
+        if path is not None:
+            size = capacity_blocks * block_bytes
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    if os.fstat(fd).st_size < size:
+                        os.ftruncate(fd, size)
+                    self._map = mmap.mmap(fd, size, mmap.MAP_SHARED)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                raise TierError(f"cxl tier: cannot map {path}: {e}") from None
+            buffer = torch.frombuffer(self._map, dtype=torch.uint8)
+        super().__init__(capacity_blocks, block_bytes, pin=False, buffer=buffer)
+
+    def _pace(self, start: float, nbytes: int) -> None:
+        due = start + self.latency_us * 1e-6 + nbytes / (self.bandwidth_gb_s * 1e9)
+        rest = due - time.perf_counter()
+        if rest > 0:
+            time.sleep(rest)
+
+    def put(self, key: str, staging: torch.Tensor) -> None:
+        start = time.perf_counter()
+        super().put(key, staging)
+        self._pace(start, staging.numel() * staging.element_size())
+
+    def get(self, key: str) -> torch.Tensor:
+        start = time.perf_counter()
+        data = super().get(key)  # gathered out of the device's memory into DRAM
+        self._pace(start, data.numel() * data.element_size())
+        return data
+
+    def close(self) -> None:
+        self.slots = None  # the only view of the mapping
+        if self._map is not None:
+            self._map.close()
+            self._map = None
