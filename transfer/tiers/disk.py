@@ -118,12 +118,20 @@ class DiskTier(Tier):
             raise TierError(entry.error)
         try:
             with open(entry.path, "rb") as f:
-                magic, size = _HEAD.unpack(f.read(_HEAD.size))
-                header = json.loads(f.read(size)) if magic == _MAGIC else None
-                body = f.read()
-        except (OSError, ValueError, struct.error) as e:
+                blob = f.read()
+        except OSError as e:
             self.stats.failures += 1
             raise TierError(f"disk tier: reading {entry.path} failed: {e}") from None
+        header, body = None, b""
+        if len(blob) >= _HEAD.size:
+            magic, size = _HEAD.unpack_from(blob)
+            try:
+                header = (
+                    json.loads(blob[_HEAD.size : _HEAD.size + size]) if magic == _MAGIC else None
+                )
+            except ValueError:
+                header = None
+            body = blob[_HEAD.size + size :]
         expected = entry.nblocks * self.block_bytes
         if header is None or len(body) != expected or len(header.get("crc32", [])) != entry.nblocks:
             self.stats.failures += 1

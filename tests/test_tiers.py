@@ -1,0 +1,202 @@
+"""Spill tiers: bit-exact round trips, exact slot accounting, checksums, failures that fall
+back instead of crashing, and a spill directory that is private and gone after close."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import time
+
+import pytest
+import torch
+
+from transfer.tiers import (
+    CorruptBlock,
+    CXLTier,
+    DiskTier,
+    MemoryTier,
+    ReloadFailed,
+    SpillFailed,
+    TieredStore,
+    TierError,
+    TierFull,
+)
+
+PLANES, ELEMS = 6, 40  # a staging row: one block of every layer plane
+
+
+def staging(n: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, PLANES, ELEMS, generator=g).to(dtype)
+
+
+def block_bytes(dtype=torch.float32) -> int:
+    return PLANES * ELEMS * torch.empty((), dtype=dtype).element_size()
+
+
+def make(kind: str, capacity: int, tmp_path, dtype=torch.float32):
+    bb = block_bytes(dtype)
+    if kind == "host":
+        return MemoryTier(capacity, bb)
+    if kind == "cxl":
+        return CXLTier(capacity, bb)  # emulated
+    if kind == "cxl-file":
+        return CXLTier(capacity, bb, path=str(tmp_path / "cxl.mem"))
+    return DiskTier(capacity, bb, root=str(tmp_path))
+
+
+KINDS = ["host", "cxl", "cxl-file", "disk"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_is_bit_exact(kind, dtype, tmp_path):
+    tier = make(kind, 8, tmp_path, dtype)
+    try:
+        a, b = staging(3, dtype, seed=1), staging(5, dtype, seed=2)
+        tier.put("a", a)
+        tier.put("b", b)
+        tier.check_integrity()
+        assert tier.used_blocks == 8
+        got_b, got_a = tier.get("b"), tier.get("a")
+        assert got_a.dtype == dtype and torch.equal(got_a.view(torch.uint8), a.view(torch.uint8))
+        assert torch.equal(got_b.view(torch.uint8), b.view(torch.uint8))
+        tier.discard("a")
+        tier.check_integrity()
+        assert tier.used_blocks == 5 and "a" not in tier and "b" in tier
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_capacity_is_exact_and_freed_space_is_reused(kind, tmp_path):
+    tier = make(kind, 4, tmp_path)
+    try:
+        tier.put("x", staging(3))
+        with pytest.raises(TierFull):
+            tier.put("y", staging(2))
+        tier.check_integrity()
+        assert tier.used_blocks == 3
+        tier.put("y", staging(1, seed=5))
+        assert tier.used_blocks == 4
+        tier.discard("x")
+        tier.put("z", staging(3, seed=6))
+        tier.check_integrity()
+        assert torch.equal(tier.get("z"), staging(3, seed=6))
+        assert torch.equal(tier.get("y"), staging(1, seed=5))
+        with pytest.raises(ValueError, match="already stored"):
+            tier.put("z", staging(1))
+    finally:
+        tier.close()
+
+
+def test_memory_slots_are_taken_lowest_first():
+    tier = MemoryTier(6, block_bytes())
+    tier.put("a", staging(2))
+    tier.put("b", staging(2))
+    tier.discard("a")
+    tier.put("c", staging(3))
+    assert tier._entries["c"][0] == [0, 1, 4]
+    tier.check_integrity()
+
+
+def test_store_fills_host_then_cxl_then_disk_and_reloads_bit_exact(tmp_path):
+    bb = block_bytes()
+    store = TieredStore([MemoryTier(2, bb), CXLTier(2, bb), DiskTier(8, bb, root=str(tmp_path))])
+    try:
+        data = {k: staging(2, seed=i) for i, k in enumerate("abcd")}
+        assert [store.spill(k, v) for k, v in data.items()] == ["host", "cxl", "disk", "disk"]
+        store.check_integrity()
+        for k in "dbca":
+            assert torch.equal(store.reload(k), data[k])
+            assert k not in store
+            store.check_integrity()
+        stats = store.stats()
+        assert stats["host"]["spilled_bytes"] == stats["host"]["reloaded_bytes"] == 2 * bb
+        assert stats["disk"]["spills"] == 2 and stats["disk"]["used_blocks"] == 0
+        with pytest.raises(ReloadFailed, match="not spilled"):
+            store.reload("a")
+    finally:
+        store.close()
+
+
+def test_no_room_anywhere_is_spill_failed(tmp_path):
+    store = TieredStore([MemoryTier(1, block_bytes())])
+    with pytest.raises(SpillFailed, match="no tier took 'big'"):
+        store.spill("big", staging(2))
+    store.check_integrity()
+
+
+def test_corrupted_spill_file_is_detected_by_its_checksum(tmp_path):
+    tier = DiskTier(8, block_bytes(), root=str(tmp_path))
+    store = TieredStore([tier])
+    try:
+        store.spill("r", staging(3))
+        entry = tier._entries["r"]
+        entry.written.wait()
+        with open(entry.path, "r+b") as f:  # flip the bits of one byte of the last block
+            f.seek(-5, os.SEEK_END)
+            byte = f.read(1)[0]
+            f.seek(-5, os.SEEK_END)
+            f.write(bytes([byte ^ 0xFF]))
+        with pytest.raises(CorruptBlock, match="block 2 of 'r' fails its checksum"):
+            tier.get("r")
+        with pytest.raises(ReloadFailed, match="checksum"):
+            store.reload("r")
+        assert "r" not in store and tier.used_blocks == 0  # the bad entry is dropped
+        store.spill("r2", staging(1))
+        tier._entries["r2"].written.wait()
+        open(tier._entries["r2"].path, "wb").close()  # truncated to nothing
+        with pytest.raises(ReloadFailed, match="truncated"):
+            store.reload("r2")
+    finally:
+        store.close()
+
+
+def test_a_full_file_system_is_tier_full_and_the_store_moves_on(tmp_path, monkeypatch):
+    disk = DiskTier(8, block_bytes(), root=str(tmp_path))
+    store = TieredStore([disk])
+    full = shutil._ntuple_diskusage(total=1 << 30, used=1 << 30, free=1024)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: full)
+    with pytest.raises(TierFull, match="is full"):
+        disk.put("x", staging(1))
+    with pytest.raises(SpillFailed, match="is full"):
+        store.spill("x", staging(1))
+    store.close()
+
+
+def test_an_unwritable_spill_directory_warns_and_falls_back(tmp_path, caplog):
+    disk = DiskTier(8, block_bytes(), root=str(tmp_path))
+    shutil.rmtree(disk.directory)  # e.g. cleaned away under us
+    store = TieredStore([disk, MemoryTier(4, block_bytes())])
+    assert store.spill("x", staging(1)) == "host"
+    assert "not writable" in caplog.text
+    with pytest.raises(TierError, match="not writable"):
+        disk.put("y", staging(1))
+    store.close()
+    with pytest.raises(TierError, match="cannot create a spill directory"):
+        DiskTier(8, block_bytes(), root=str(tmp_path / "no" / "such" / "dir"))
+
+
+def test_spill_directory_is_private_and_gone_after_close(tmp_path):
+    tier = DiskTier(8, block_bytes(), root=str(tmp_path))
+    tier.put("a", staging(2))
+    entry = tier._entries["a"]
+    entry.written.wait()
+    assert stat.S_IMODE(os.stat(tier.directory).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(entry.path).st_mode) == 0o600
+    tier.close()
+    assert not os.path.exists(tier.directory)
+
+
+def test_emulated_cxl_takes_at_least_its_modelled_time():
+    bb = block_bytes()
+    tier = CXLTier(64, bb, bandwidth_gb_s=0.001, latency_us=1000)  # 1 MB/s, 1 ms
+    assert tier.emulated
+    data = staging(32)
+    start = time.perf_counter()
+    tier.put("a", data)
+    spent = time.perf_counter() - start
+    assert spent >= 1e-3 + data.numel() * 4 / 1e6
+    tier.close()
