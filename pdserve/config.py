@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+PREEMPTION = ("recompute", "swap", "tiered")
 
 
 def _require(ok: bool, field_name: str, message: str) -> None:
@@ -217,8 +218,16 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     # Token budget of one engine step; longer prompts are prefilled in chunks of this size.
     max_num_batched_tokens: int = 2048
+    # What a preempted request's KV becomes: "recompute" (dropped, computed again later),
+    # "swap" or "tiered" (kept in spill tiers and reloaded; see pdserve/kv/spill.py)
+    preemption: str = "recompute"
 
     def __post_init__(self) -> None:
+        _require(
+            self.preemption in PREEMPTION,
+            "preemption",
+            f"{self.preemption!r}; choose one of {', '.join(PREEMPTION)}",
+        )
         _require(self.max_model_len > 0, "max_model_len", f"must be > 0, got {self.max_model_len}")
         _require(self.max_num_seqs > 0, "max_num_seqs", f"must be > 0, got {self.max_num_seqs}")
         _require(

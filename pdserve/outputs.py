@@ -14,6 +14,8 @@ class RequestMetrics:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
     preemptions: int = 0
+    recomputed_tokens: int = 0  # KV dropped at preemptions and computed again
+    spills: int = 0  # preemptions whose KV went to a spill tier (and came back)
 
     @property
     def ttft_s(self) -> float | None:

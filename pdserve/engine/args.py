@@ -27,6 +27,16 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     attention_backend: str = "auto"  # triton on CUDA, torch elsewhere
     seed: int = 0
+    # Preemption: recompute | swap (host tier) | tiered (host -> CXL -> disk). Tier sizes in
+    # blocks; None: 4x the device pool for host and CXL, 64x for disk.
+    preemption: str = "recompute"
+    spill_host_blocks: int | None = None
+    spill_cxl_blocks: int | None = None
+    spill_disk_blocks: int | None = None
+    spill_dir: str | None = None  # the disk tier's private directory is made under this
+    cxl_path: str | None = None  # a file or DAX device backing the CXL tier; None: emulated
+    cxl_bandwidth_gb_s: float = 32.0
+    cxl_latency_us: float = 0.4
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -37,6 +47,10 @@ class EngineArgs:
             raise ValueError(f"num_kv_blocks: must be > 0, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory: must be > 0 bytes, got {self.kv_cache_memory}")
+        for name in ("spill_host_blocks", "spill_cxl_blocks", "spill_disk_blocks"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name}: must be >= 0, got {value}")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -64,6 +78,7 @@ class EngineArgs:
             max_model_len=max_len,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            preemption=self.preemption,
         )
 
     def cache_config(

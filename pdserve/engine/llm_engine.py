@@ -42,9 +42,39 @@ class LLMEngine:
         self.kv_cache = KVCache(
             self.model_config, cc.num_blocks, cc.block_size, self.dtype, self.device
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.allocator)
+        self.spiller = self._spiller(args) if args.preemption != "recompute" else None
+        self.scheduler = Scheduler(self.scheduler_config, self.allocator, self.spiller)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, self.device, args.seed)
         self._ids = itertools.count()
+
+    def _spiller(self, args: EngineArgs):
+        from pdserve.kv.spill import KVSpiller
+        from transfer.tiers import CXLTier, DiskTier, MemoryTier, TieredStore
+
+        blocks = self.cache_config.num_blocks
+        block_bytes = self.kv_cache.nbytes // blocks
+        host = args.spill_host_blocks if args.spill_host_blocks is not None else 4 * blocks
+        tiers = [MemoryTier(host, block_bytes)]
+        if args.preemption == "tiered":
+            cxl = args.spill_cxl_blocks if args.spill_cxl_blocks is not None else 4 * blocks
+            disk = args.spill_disk_blocks if args.spill_disk_blocks is not None else 64 * blocks
+            tiers.append(
+                CXLTier(
+                    cxl,
+                    block_bytes,
+                    path=args.cxl_path,
+                    bandwidth_gb_s=args.cxl_bandwidth_gb_s,
+                    latency_us=args.cxl_latency_us,
+                )
+            )
+            tiers.append(DiskTier(disk, block_bytes, root=args.spill_dir))
+        return KVSpiller(self.kv_cache, TieredStore(tiers))
+
+    def close(self) -> None:
+        """Release the spill tiers (the disk tier's directory goes with them)."""
+        if self.spiller is not None:
+            self.spiller.close()
+            self.spiller = None
 
     # -- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt, field: str = "prompt") -> list[int]:
@@ -126,7 +156,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if batch.empty:
-            if self.scheduler.waiting:
+            if self.scheduler.waiting or self.scheduler.swapped:
                 raise RuntimeError("scheduler made no progress with requests waiting")
             return []
         self.kv_cache.copy_blocks(batch.copies)
@@ -149,3 +179,7 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity(self.scheduler.block_owners())
+        if self.spiller is not None:
+            self.spiller.store.check_integrity()
+            parked = {r.request_id for r in self.scheduler.swapped}
+            assert set(self.spiller.store.where) == parked, "spilled KV without its request"

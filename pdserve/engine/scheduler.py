@@ -3,8 +3,15 @@
 Each step: every running request gets its next tokens (one for decoding requests, the rest of
 its prompt up to the budget for prefilling ones), in admission order; then waiting requests
 are admitted while the budget, `max_num_seqs` and free KV blocks allow. A running request that
-cannot get a block preempts the most recently admitted one (its KV is dropped and it is
-recomputed later, from its prefix-cache hits where they survive).
+cannot get a block preempts the most recently admitted one (the victim: it has made the least
+progress since admission, and LIFO keeps the oldest requests moving).
+
+What happens to the victim's KV is the preemption policy (`SchedulerConfig.preemption`):
+`recompute` drops it and the request waits to be computed again (from its prefix-cache hits
+where they survive); `swap`/`tiered` hand its blocks to the spiller (host, then CXL, then
+disk), free them, and park the request in `swapped`; parked requests come back, their KV
+reloaded into fresh blocks, before any new request is admitted. A spill no tier can take, or
+a reload that fails (lost, checksum), falls back to recompute.
 
 The runner gets plain data (`ScheduledChunk`), never the scheduler's own objects.
 """
@@ -46,18 +53,23 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, spiller=None) -> None:
         self.config = config
         self.allocator = allocator
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()  # preempted, KV parked in a spill tier
+        # pdserve.kv.spill.KVSpiller (or anything with spill/reload/discard)
+        self.spiller = spiller if config.preemption != "recompute" else None
+        self.preemptions = 0
+        self.recomputed_tokens = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
@@ -75,7 +87,8 @@ class Scheduler:
                 idx += 1
             else:
                 break  # req itself was preempted; everything after it is gone too
-        while self.waiting and budget > 0 and not batch.preempted:
+        budget = self._swap_in(batch, budget)
+        while self.waiting and budget > 0 and not batch.preempted and not self.swapped:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
@@ -104,13 +117,55 @@ class Scheduler:
                 return False
         return True
 
+    def _swap_in(self, batch: ScheduledBatch, budget: int) -> int:
+        """Bring parked requests back, oldest first, while their KV and next token fit."""
+        while self.swapped and budget > 0 and not batch.preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            req = self.swapped[0]
+            if self.allocator.blocks_needed(req.num_tokens) > self.allocator.num_free_blocks:
+                break
+            self.swapped.popleft()
+            blocks = self.allocator.allocate_fresh(
+                self.allocator.blocks_needed(req.num_computed_tokens)
+            )
+            if not self.spiller.reload(req.request_id, blocks):
+                self.allocator.free(blocks)
+                self._drop_kv(req)
+                self.waiting.appendleft(req)
+                continue
+            req.block_ids = blocks
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            batch.copies += self.allocator.append_slots(req.block_ids, req.num_computed_tokens, n)
+            self._add_chunk(batch, req, n)
+            budget -= n
+        return budget
+
     def _preempt(self, req: Request) -> None:
+        req.metrics.preemptions += 1
+        self.preemptions += 1
+        req.status = RequestStatus.WAITING
+        computed = req.num_computed_tokens
+        if self.spiller is not None and computed > 0:
+            held = req.block_ids[: self.allocator.blocks_needed(computed)]
+            if self.spiller.spill(req.request_id, held) is not None:
+                self.allocator.free(req.block_ids)
+                req.block_ids = []
+                req.metrics.spills += 1
+                self.swapped.append(req)
+                return
         self.allocator.free(req.block_ids)
         req.block_ids = []
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        req.metrics.preemptions += 1
+        self._drop_kv(req)
         self.waiting.appendleft(req)
+
+    def _drop_kv(self, req: Request) -> None:
+        """The request's KV is gone: everything computed so far will be computed again."""
+        req.metrics.recomputed_tokens += req.num_computed_tokens
+        self.recomputed_tokens += req.num_computed_tokens
+        req.num_computed_tokens = 0
 
     @staticmethod
     def _add_chunk(batch: ScheduledBatch, req: Request, n: int) -> None:
@@ -149,10 +204,12 @@ class Scheduler:
         return finished
 
     def abort(self, request_id: str) -> Request | None:
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.waiting, self.swapped):
             for req in queue:
                 if req.request_id == request_id:
                     queue.remove(req)
+                    if queue is self.swapped:
+                        self.spiller.discard(request_id)
                     req.status = RequestStatus.FINISHED_ABORTED
                     self._release(req, time.monotonic())
                     return req

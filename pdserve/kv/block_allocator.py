@@ -108,6 +108,12 @@ class BlockAllocator:
         fresh = self._take_run(self.blocks_needed(len(token_ids)) - len(hits))
         return hits + fresh, len(hits) * self.block_size
 
+    def allocate_fresh(self, n: int) -> list[int]:
+        """`n` private blocks with no prefix (a reloaded sequence's KV goes there)."""
+        if n > self.num_free_blocks:
+            raise NoFreeBlocks(f"{n} blocks needed, {self.num_free_blocks} free")
+        return self._take_run(n)
+
     def append_slots(
         self, block_ids: list[int], num_tokens: int, new_tokens: int
     ) -> list[tuple[int, int]]:
