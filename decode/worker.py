@@ -19,7 +19,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from pdserve.engine.admission import Admission, Held
 from pdserve.engine.args import EngineArgs
+from pdserve.engine.length_estimator import OutputLengthEstimator
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
@@ -72,7 +74,15 @@ class Stream:
 
 
 class DecodeWorker:
-    def __init__(self, model: str, worker_id: str, transfer: str, args: EngineArgs) -> None:
+    def __init__(
+        self,
+        model: str,
+        worker_id: str,
+        transfer: str,
+        args: EngineArgs,
+        admission: str = "greedy",
+        admission_margin: float = 0.05,
+    ) -> None:
         # Reserved blocks are filled by prefill workers, so they must be private: no prefix
         # matching on this side (a later issue reuses cached prefixes here too).
         self.engine = LLMEngine(model, dataclasses.replace(args, enable_prefix_caching=False))
@@ -81,6 +91,10 @@ class DecodeWorker:
         self.geometry, self.layout = endpoint.geometry, endpoint.layout
         self.agent, self.region = endpoint.agent, endpoint.region
         self.metrics = DecodeMetrics()
+        self.estimator = OutputLengthEstimator()
+        self.admission = Admission(
+            admission, self.engine.allocator, self.estimator, admission_margin
+        )
         self.lock = threading.Lock()
         self.reservations: dict[str, Reservation] = {}
         self.streams: dict[str, Stream] = {}
@@ -100,13 +114,11 @@ class DecodeWorker:
         with self.lock:
             if request_id in self.reservations or request_id in self.streams:
                 raise ValueError(f"request_id: {request_id!r} is already known here")
-            alloc = self.engine.allocator
-            if not alloc.can_allocate(prompt):
-                raise ReservationError(
-                    f"{alloc.blocks_needed(len(prompt))} KV blocks needed, "
-                    f"{alloc.num_free_blocks} free"
-                )
-            req.block_ids, _ = alloc.allocate(prompt)
+            refused = self.admission.check(prompt, params.max_tokens, self._held())
+            if refused is not None:
+                self.metrics.refused.inc()
+                raise ReservationError(refused)
+            req.block_ids, _ = self.engine.allocator.allocate(prompt)
             self.reservations[request_id] = Reservation(req, time.monotonic() + lease_s)
             return list(req.block_ids)
 
@@ -155,6 +167,20 @@ class DecodeWorker:
                 return True
         return False
 
+    def _held(self) -> list[Held]:
+        """Every request whose KV this pool holds or will hold again (lock held)."""
+        sched = self.engine.scheduler
+        held = [
+            Held(r.num_tokens, r.num_output_tokens, r.params.max_tokens)
+            for queue in (sched.running, sched.waiting, sched.swapped)
+            for r in queue
+        ]
+        held += [
+            Held(res.request.num_tokens, 0, res.request.params.max_tokens)
+            for res in self.reservations.values()
+        ]
+        return held
+
     def stats(self) -> dict:
         """For heartbeats: read without the lock (a momentarily stale count is fine)."""
         alloc = self.engine.allocator
@@ -171,6 +197,8 @@ class DecodeWorker:
                 for b in res.request.block_ids:
                     owners[b] = owners.get(b, 0) + 1
             self.engine.allocator.check_integrity(owners)
+            if self.engine.spiller is not None:
+                self.engine.spiller.store.check_integrity()
 
     # -- data plane -------------------------------------------------------------------------
     def _await_kv(self, key: bytes, wait_s: float) -> None:
@@ -244,8 +272,11 @@ class DecodeWorker:
         alloc = engine.allocator
         self.metrics.running.set(len(engine.scheduler.running))
         self.metrics.kv_usage.set(alloc.num_used_blocks / alloc.num_blocks)
+        self.metrics.account_preemption(engine.scheduler, engine.spiller)
 
     def _close(self, req: Request) -> None:
+        if req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.estimator.observe(req.num_output_tokens)
         stream = self.streams.pop(req.request_id, None)
         if stream is not None:
             stream.finished()
@@ -275,3 +306,4 @@ class DecodeWorker:
         self._wake.set()
         self._loop.join(timeout=5)
         self.agent.close()
+        self.engine.close()

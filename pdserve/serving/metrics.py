@@ -9,7 +9,11 @@ prefill: pdserve_prefill_seconds, pdserve_prefill_queued_tokens, pdserve_prefill
 decode:  pdserve_decode_tpot_seconds, pdserve_decode_inter_token_seconds,
          pdserve_decode_running, pdserve_decode_kv_usage_ratio,
          pdserve_transfer_bytes_total{direction="received"},
-         pdserve_transfer_seconds{direction="received"} (reserve -> KV arrived)
+         pdserve_transfer_seconds{direction="received"} (reserve -> KV arrived),
+         pdserve_decode_preemptions_total, pdserve_decode_recomputed_tokens_total,
+         pdserve_decode_admission_refused_total,
+         pdserve_decode_spilled_bytes_total{tier}, pdserve_decode_reloaded_bytes_total{tier},
+         pdserve_decode_spill_used_blocks{tier}
 """
 
 from __future__ import annotations
@@ -124,3 +128,44 @@ class DecodeMetrics:
         self.running = Gauge("pdserve_decode_running", "requests in the running batch", registry=r)
         self.kv_usage = Gauge("pdserve_decode_kv_usage_ratio", "used / total KV blocks", registry=r)
         self.transfer_bytes, self.transfer_seconds = _transfer(r)
+        self.preemptions = Counter(
+            "pdserve_decode_preemptions", "running requests preempted", registry=r
+        )
+        self.recomputed = Counter(
+            "pdserve_decode_recomputed_tokens",
+            "tokens whose KV was dropped and computed again",
+            registry=r,
+        )
+        self.refused = Counter(
+            "pdserve_decode_admission_refused", "reservations refused by admission", registry=r
+        )
+        self.spilled = Counter(
+            "pdserve_decode_spilled_bytes", "KV bytes spilled, per tier", ["tier"], registry=r
+        )
+        self.reloaded = Counter(
+            "pdserve_decode_reloaded_bytes", "KV bytes reloaded, per tier", ["tier"], registry=r
+        )
+        self.spill_used = Gauge(
+            "pdserve_decode_spill_used_blocks",
+            "blocks held in each spill tier",
+            ["tier"],
+            registry=r,
+        )
+        self._seen: dict[str, float] = {}
+
+    def _advance(self, counter, key: str, total: float) -> None:
+        """Counters follow totals kept elsewhere: add what is new since the last call."""
+        delta = total - self._seen.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+            self._seen[key] = total
+
+    def account_preemption(self, scheduler, spiller) -> None:
+        self._advance(self.preemptions, "preemptions", scheduler.preemptions)
+        self._advance(self.recomputed, "recomputed", scheduler.recomputed_tokens)
+        if spiller is None:
+            return
+        for tier, st in spiller.store.stats().items():
+            self._advance(self.spilled.labels(tier), f"spilled:{tier}", st["spilled_bytes"])
+            self._advance(self.reloaded.labels(tier), f"reloaded:{tier}", st["reloaded_bytes"])
+            self.spill_used.labels(tier).set(st["used_blocks"])

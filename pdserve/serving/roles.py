@@ -41,6 +41,12 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         dtype=args.dtype,
         device=args.device,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        preemption=getattr(args, "preemption", "recompute"),
+        spill_host_blocks=getattr(args, "spill_host_blocks", None),
+        spill_cxl_blocks=getattr(args, "spill_cxl_blocks", None),
+        spill_disk_blocks=getattr(args, "spill_disk_blocks", None),
+        spill_dir=getattr(args, "spill_dir", None),
+        cxl_path=getattr(args, "cxl_path", None),
     )
 
 
@@ -84,7 +90,14 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         from decode.service import DecodeService
         from decode.worker import DecodeWorker
 
-        worker = DecodeWorker(args.model, worker_id, args.transfer, engine_args(args))
+        worker = DecodeWorker(
+            args.model,
+            worker_id,
+            args.transfer,
+            engine_args(args),
+            admission=args.admission,
+            admission_margin=args.admission_margin,
+        )
         service = DecodeService(worker)
         add = lambda s: rpc.add_DecodeServicer_to_server(service, s)  # noqa: E731
     else:
@@ -153,6 +166,17 @@ def add_serve_parser(sub) -> None:
             p.add_argument("--device", default="auto")
             p.add_argument("--max-num-batched-tokens", type=int, default=2048)
             p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+            if role == "decode":
+                p.add_argument("--admission", default="greedy", choices=["greedy", "kv-aware"])
+                p.add_argument("--admission-margin", type=float, default=0.05)
+                p.add_argument(
+                    "--preemption", default="recompute", choices=["recompute", "swap", "tiered"]
+                )
+                p.add_argument("--spill-host-blocks", type=int, default=None)
+                p.add_argument("--spill-cxl-blocks", type=int, default=None)
+                p.add_argument("--spill-disk-blocks", type=int, default=None)
+                p.add_argument("--spill-dir", default=None, help="parent of the spill directory")
+                p.add_argument("--cxl-path", default=None, help="file/DAX device for the CXL tier")
             if role == "prefill":
                 p.add_argument(
                     "--kv-push",

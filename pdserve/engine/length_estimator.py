@@ -1,0 +1,44 @@
+"""An online estimate of how many more tokens a running request will generate.
+
+Observations are the output lengths L of the last `window` requests that finished (by a stop
+token or their length cap). For a request that has generated g tokens and may generate at
+most M, the expected remaining output is
+
+    E_rem(g, M) = mean over observed l > g of (min(l, M) - g)
+
+(the observed lengths conditioned on having outlived g, capped by this request's own limit).
+When nothing observed has outlived g, or nothing has been observed yet, the estimate is the
+cap itself, M - g: a request the history cannot explain is assumed to run to its limit.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+
+class OutputLengthEstimator:
+    def __init__(self, window: int = 1000) -> None:
+        if window <= 0:
+            raise ValueError(f"window: must be > 0, got {window}")
+        self._recent: deque[int] = deque(maxlen=window)
+        self._sorted: np.ndarray | None = np.zeros(0, dtype=np.int64)
+
+    def observe(self, output_tokens: int) -> None:
+        self._recent.append(int(output_tokens))
+        self._sorted = None  # re-sorted lazily
+
+    @property
+    def count(self) -> int:
+        return len(self._recent)
+
+    def remaining(self, generated: int, max_tokens: int) -> float:
+        """E_rem(g, M) above; never negative, never above M - g."""
+        cap = max(0, max_tokens - generated)
+        if self._sorted is None:
+            self._sorted = np.sort(np.fromiter(self._recent, dtype=np.int64))
+        tail = self._sorted[np.searchsorted(self._sorted, generated, side="right") :]
+        if tail.size == 0:
+            return float(cap)
+        return float(np.minimum(tail, max_tokens).mean() - generated)

@@ -1,0 +1,61 @@
+"""Output-length estimator and admission policies: exact expectations on small pools."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.admission import Admission, Held
+from pdserve.engine.length_estimator import OutputLengthEstimator
+from pdserve.kv import BlockAllocator
+
+
+def test_estimator_conditions_on_tokens_generated_and_caps_at_max_tokens():
+    est = OutputLengthEstimator()
+    assert est.remaining(0, 100) == 100  # nothing observed: assume the cap
+    for n in (10, 20, 30, 200):
+        est.observe(n)
+    assert est.remaining(0, 1000) == (10 + 20 + 30 + 200) / 4
+    assert est.remaining(0, 50) == (10 + 20 + 30 + 50) / 4  # capped by this request's limit
+    assert est.remaining(15, 1000) == (20 + 30 + 200) / 3 - 15  # outlived 10 already
+    assert est.remaining(25, 1000) == (30 + 200) / 2 - 25
+    assert est.remaining(250, 300) == 50  # outlived everything seen: assume the cap
+    assert est.remaining(300, 300) == 0
+
+
+def test_estimator_window_forgets_old_lengths():
+    est = OutputLengthEstimator(window=2)
+    for n in (1000, 10, 20):
+        est.observe(n)
+    assert est.count == 2 and est.remaining(0, 5000) == 15
+
+
+def test_greedy_admits_while_blocks_are_free_now():
+    alloc = BlockAllocator(10, 4, enable_prefix_caching=False)
+    adm = Admission("greedy", alloc, OutputLengthEstimator())
+    held = [Held(4, 0, 1000)] * 5  # would need far more than 10 blocks later
+    assert adm.check([1] * 8, 1000, held) is None
+    alloc.allocate([1] * 36)  # 9 of 10 blocks now in use
+    assert "2 KV blocks needed, 1 free" in adm.check([1] * 8, 10, [])
+
+
+def test_kv_aware_counts_expected_growth_of_everyone_held():
+    alloc = BlockAllocator(20, 4, enable_prefix_caching=False)
+    est = OutputLengthEstimator()
+    for _ in range(10):
+        est.observe(16)  # requests tend to generate 16 tokens
+    adm = Admission("kv-aware", alloc, est, margin=0.1)  # budget: 18 blocks
+    # each held request: 8 tokens now + 16 expected = 24 tokens = 6 blocks
+    two = [Held(8, 0, 64), Held(8, 0, 64)]
+    assert adm.projected_blocks(two) == 12
+    # a new 8-token prompt: 12 + 6 = 18 <= 18
+    assert adm.check([1] * 8, 64, two) is None
+    # a third held request: 24 > 18
+    reason = adm.check([1] * 8, 64, [*two, Held(8, 0, 64)])
+    assert reason == "projected KV demand 24 blocks exceeds 18 (kv-aware admission)"
+    # requests past the typical length are expected to run to their cap
+    assert adm.projected_blocks([Held(40, 32, 64)]) == 18  # 40 + (64 - 32) = 72 tokens
+
+
+def test_unknown_policy_names_the_choices():
+    with pytest.raises(ValueError, match="admission: 'lucky'; choose one of greedy, kv-aware"):
+        Admission("lucky", BlockAllocator(4, 4), OutputLengthEstimator())
