@@ -6,6 +6,8 @@ pdserve bench kernels [--quick] --json out.json
 pdserve bench transfer [--model M] [--quick] --json out.json
 pdserve bench serve [--model M] [--concurrency N | --rate R] --json out.json [--trace t.jsonl]
 pdserve trace t.jsonl --plot timeline.png
+pdserve bench sweep [--quick] --concurrency 1,2,4,8 --policy greedy+recompute,kv-aware+tiered
+    --json out.json --plot DIR
 pdserve launch --model M --prefill N --decode M
 pdserve serve router|prefill|decode --model M ...
 pdserve demo
@@ -18,7 +20,7 @@ import sys
 import time
 
 DEMO_MODEL = "smollm2-135m"
-WORKLOAD_CHOICES = ("azure-conv", "azure-code", "mooncake-conv", "uniform")
+WORKLOAD_CHOICES = ("azure-conv", "azure-code", "mooncake-conv", "uniform", "reasoning")
 DEMO_QUESTIONS = (
     "What is the capital of France?",
     "Name three primary colors.",
@@ -117,6 +119,43 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.trace:
         print(f"wrote per-request traces to {args.trace} (plot: pdserve trace {args.trace} --plot)")
     return _report(report, format_table, args.json)
+
+
+def _int_list(text: str, field: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise ValueError(f"{field}: expected comma-separated integers, got {text!r}") from None
+
+
+def cmd_bench_sweep(args: argparse.Namespace) -> int:
+    from pdserve.bench.report import write_json
+    from pdserve.bench.sweep import bench_sweep, format_table
+    from pdserve.bench.sweep_plots import plot_sweep
+
+    concurrency = _int_list(args.concurrency, "concurrency")
+    policies = [p for p in args.policy.split(",") if p]
+    report = bench_sweep(
+        args.model,
+        policies,
+        concurrency,
+        prefill=args.prefill,
+        decode=args.decode,
+        num_kv_blocks=args.num_kv_blocks,
+        requests_per_client=1 if args.quick else args.requests_per_client,
+        min_requests=3 if args.quick else 4,
+        mean_output=args.mean_output,
+        seed=args.seed,
+        spill_dir=args.spill_dir,
+    )
+    print(format_table(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        for path in plot_sweep(report, args.plot):
+            print(f"wrote {path}")
+    return 0
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -218,6 +257,31 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--json", default=None)
     srv.add_argument("--trace", default=None, help="write each request's spans (JSON lines)")
     srv.set_defaults(func=cmd_bench_serve)
+
+    sw = bench_sub.add_parser("sweep", help="throughput and latency vs concurrency per policy")
+    sw.add_argument("--model", default=DEMO_MODEL)
+    sw.add_argument("--concurrency", default="1,2,4,8,16")
+    sw.add_argument(
+        "--policy",
+        default="greedy+recompute,kv-aware+tiered",
+        help="comma-separated admission+preemption pairs",
+    )
+    sw.add_argument("--prefill", type=int, default=1)
+    sw.add_argument("--decode", type=int, default=1)
+    sw.add_argument("--num-kv-blocks", type=int, default=48, help="per decode worker")
+    sw.add_argument(
+        "--mean-output",
+        type=int,
+        default=None,
+        help="mean output tokens (default: a quarter of the KV budget)",
+    )
+    sw.add_argument("--requests-per-client", type=int, default=3)
+    sw.add_argument("--spill-dir", default=None)
+    sw.add_argument("--quick", action="store_true", help="one request per client per point")
+    sw.add_argument("--seed", type=int, default=0)
+    sw.add_argument("--json", default=None)
+    sw.add_argument("--plot", default=None, help="directory for the PNG plots")
+    sw.set_defaults(func=cmd_bench_sweep)
 
     tr = sub.add_parser("trace", help="summarize and plot per-request traces")
     tr.add_argument("file", help="JSON lines from `pdserve bench serve --trace`")

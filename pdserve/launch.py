@@ -28,6 +28,7 @@ class Cluster:
         worker_args: list[str] | None = None,
         router_args: list[str] | None = None,
         prefill_args: list[str] | None = None,
+        decode_args: list[str] | None = None,
         startup_timeout_s: float = 180.0,
         http_port: int | None = None,
     ) -> None:
@@ -45,7 +46,7 @@ class Cluster:
             common += ["--threads", str(threads)]
             for role, count in (("prefill", prefill), ("decode", decode)):
                 for _ in range(count):
-                    extra = prefill_args if role == "prefill" else None
+                    extra = prefill_args if role == "prefill" else decode_args
                     self._spawn(["serve", role, *common, *(worker_args or []), *(extra or [])])
             self._await_registered(prefill, decode, startup_timeout_s)
         except BaseException:

@@ -160,3 +160,54 @@ def test_trace_of_a_malformed_file_is_one_clear_line(tmp_path):
     proc = run_cli("trace", str(bad))
     assert proc.returncode == 2 and "bad.jsonl:1: not a trace record" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_bench_sweep_writes_every_point_and_the_plots(tmp_path):
+    out, plots = tmp_path / "sweep.json", tmp_path / "plots"
+    proc = run_cli(
+        "bench",
+        "sweep",
+        "--model",
+        "tiny-llama",
+        "--concurrency",
+        "1,3",
+        "--num-kv-blocks",
+        "16",
+        "--quick",
+        "--json",
+        str(out),
+        "--plot",
+        str(plots),
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    fields = {
+        "policy",
+        "concurrency",
+        "throughput_tok_s",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "tpot_p50_s",
+        "tpot_p99_s",
+        "preemptions",
+        "recomputed_tokens",
+        "generated_tokens",
+        "spilled_bytes",
+    }
+    points = report["points"]
+    assert [(p["policy"], p["concurrency"]) for p in points] == [
+        ("greedy+recompute", 1),
+        ("greedy+recompute", 3),
+        ("kv-aware+tiered", 1),
+        ("kv-aware+tiered", 3),
+    ]
+    for p in points:
+        assert fields <= set(p) and p["errors"] == 0 and p["generated_tokens"] > 0
+    # the sweep itself asserts that every block and spill tier drained after each point
+    for name in ("throughput", "ttft", "tpot", "frontier"):
+        assert (plots / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_sweep_refuses_an_unknown_policy():
+    proc = run_cli("bench", "sweep", "--model", "tiny-llama", "--policy", "greedy+pray")
+    assert proc.returncode == 2 and "preemption 'pray'" in proc.stderr

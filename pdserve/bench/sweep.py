@@ -1,0 +1,230 @@
+"""`pdserve bench sweep`: the capacity trap, measured.
+
+For each policy (`admission+preemption`, e.g. `greedy+recompute`, `kv-aware+tiered`) a local
+cluster is launched with that policy on its decode workers and a small device KV budget;
+for each concurrency a closed loop of that many clients sends the reasoning workload (short
+prompts, long-tailed outputs, mean scaled to the KV budget) and the point records
+throughput, TTFT and TPOT percentiles, and what the decode workers report for the point
+(preemptions, recomputed tokens, spilled bytes; counter deltas scraped from their
+Prometheus endpoints). After every point the sweep waits until every worker's blocks and
+every spill tier are empty again, and fails if they do not (a leak).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+from pdserve.bench.report import machine_info
+from pdserve.bench.serve import _drive, percentile
+from pdserve.bench.workload import make_workload
+from pdserve.progress import progress
+
+DEFAULT_POLICIES = ("greedy+recompute", "kv-aware+tiered")
+COUNTERS = {
+    "preemptions": "pdserve_decode_preemptions_total",
+    "recomputed_tokens": "pdserve_decode_recomputed_tokens_total",
+    "spilled_bytes": "pdserve_decode_spilled_bytes_total",
+    "refused": "pdserve_decode_admission_refused_total",
+}
+
+
+def parse_policy(policy: str) -> tuple[str, str]:
+    admission, sep, preemption = policy.partition("+")
+    if not sep or admission not in ("greedy", "kv-aware"):
+        raise ValueError(f"policy: {policy!r} is not admission+preemption, e.g. greedy+recompute")
+    if preemption not in ("recompute", "swap", "tiered"):
+        raise ValueError(f"policy: preemption {preemption!r}; choose recompute, swap or tiered")
+    return admission, preemption
+
+
+def scrape(addresses: list[str]) -> dict[str, float]:
+    """Sum of the decode workers' counters (and spill blocks in use) right now."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {k: 0.0 for k in COUNTERS} | {"spill_used_blocks": 0.0}
+    names = {v: k for k, v in COUNTERS.items()}
+    for address in addresses:
+        body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+        for family in text_string_to_metric_families(body):
+            for sample in family.samples:
+                if sample.name in names:
+                    totals[names[sample.name]] += sample.value
+                elif sample.name == "pdserve_decode_spill_used_blocks":
+                    totals["spill_used_blocks"] += sample.value
+    return totals
+
+
+def wait_drained(cluster, decode_metrics: list[str], timeout_s: float = 60.0) -> None:
+    """Every block free on every worker and every spill tier empty, or AssertionError."""
+    from pdserve.client import Client
+
+    deadline = time.monotonic() + timeout_s
+    with Client(cluster.address) as client:
+        while True:
+            workers = client.workers()
+            blocks_free = all(w.free_blocks == w.total_blocks for w in workers)
+            spilled = scrape(decode_metrics)["spill_used_blocks"]
+            if blocks_free and spilled == 0:
+                return
+            if time.monotonic() > deadline:
+                held = [(w.worker_id, w.total_blocks - w.free_blocks) for w in workers]
+                raise AssertionError(
+                    f"leak after a sweep point: blocks held {held}, spill blocks {spilled}"
+                )
+            time.sleep(0.5)
+
+
+def run_point(address, work, concurrency: int, seed: int) -> dict:
+    samples, elapsed = asyncio.run(_drive(address, work, concurrency, None, seed))
+    ok = [s for s in samples if s.error is None]
+    errors = sorted({s.error for s in samples if s.error})[:3]
+    tokens = sum(s.output_tokens for s in ok)
+    ttft = [s.ttft_s for s in ok]
+    tpot = [s.tpot_s for s in ok if s.output_tokens > 1]
+    return {
+        "requests": len(samples),
+        "errors": len(samples) - len(ok),
+        "error_examples": errors,
+        "elapsed_s": elapsed,
+        "generated_tokens": tokens,
+        "throughput_tok_s": tokens / elapsed if elapsed else 0.0,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_s": percentile(tpot, 50),
+        "tpot_p99_s": percentile(tpot, 99),
+    }
+
+
+def bench_sweep(
+    model: str,
+    policies: list[str],
+    concurrency: list[int],
+    prefill: int = 1,
+    decode: int = 1,
+    num_kv_blocks: int = 64,
+    block_size: int = 16,
+    requests_per_client: int = 2,
+    min_requests: int = 4,
+    mean_output: int | None = None,
+    seed: int = 0,
+    spill_dir: str | None = None,
+) -> dict:
+    """`mean_output` defaults to a quarter of one decode worker's KV budget in tokens, so a
+    handful of requests fill it: the trap appears at small concurrency on a small machine."""
+    from pdserve.launch import Cluster
+    from pdserve.weights import resolve
+
+    for p in policies:
+        parse_policy(p)
+    if not concurrency or min(concurrency) < 1:
+        raise ValueError(f"concurrency: positive integers, got {concurrency}")
+    budget_tokens = num_kv_blocks * block_size
+    mean_output = mean_output or max(16, budget_tokens // 4)
+    # one request alone always fits half a pool: prompt (<= 48) + output
+    max_output = max(8, budget_tokens // 2 - 48)
+    vocab = resolve(model).config.vocab_size
+    points = []
+    bar = progress(total=len(policies) * len(concurrency), desc="bench sweep", unit="point")
+    for policy in policies:
+        admission, preemption = parse_policy(policy)
+        decode_args = ["--admission", admission, "--preemption", preemption]
+        if spill_dir:
+            decode_args += ["--spill-dir", spill_dir]
+        with Cluster(
+            model,
+            prefill,
+            decode,
+            worker_args=["--num-kv-blocks", str(num_kv_blocks), "--block-size", str(block_size)],
+            router_args=["--queue-timeout", "3600", "--max-queue", "4096"],
+            decode_args=decode_args,
+        ) as cluster:
+            metrics = [a for k, a in cluster.metrics.items() if k.startswith("decode")]
+            for c in concurrency:
+                n = max(min_requests, requests_per_client * c)
+                work = make_workload(n, vocab, seed + c, "reasoning", mean_output, max_output)
+                before = scrape(metrics)
+                point = run_point(cluster.address, work, c, seed)
+                after = scrape(metrics)
+                wait_drained(cluster, metrics)
+                point.update(
+                    {k: after[k] - before[k] for k in COUNTERS},
+                    policy=policy,
+                    concurrency=c,
+                )
+                points.append(point)
+                bar.update(1)
+    bar.close()
+    return {
+        "benchmark": "sweep",
+        "model": model,
+        "cluster": {
+            "prefill": prefill,
+            "decode": decode,
+            "num_kv_blocks": num_kv_blocks,
+            "block_size": block_size,
+        },
+        "workload": {
+            "kind": "reasoning",
+            "mean_output": mean_output,
+            "seed": seed,
+            "requests_per_client": requests_per_client,
+            "min_requests": min_requests,
+        },
+        "machine": machine_info(),
+        "points": points,
+        "analysis": analyze(points),
+    }
+
+
+def analyze(points: list[dict]) -> dict:
+    """Per policy: peak throughput and the concurrency where it happens (the knee), the worst
+    throughput past the knee as a fraction of the peak, and recomputed / generated tokens."""
+    out = {}
+    for policy in dict.fromkeys(p["policy"] for p in points):
+        mine = sorted((p for p in points if p["policy"] == policy), key=lambda p: p["concurrency"])
+        peak = max(mine, key=lambda p: p["throughput_tok_s"])
+        past = [p for p in mine if p["concurrency"] > peak["concurrency"]]
+        generated = sum(p["generated_tokens"] for p in mine)
+        out[policy] = {
+            "peak_tok_s": peak["throughput_tok_s"],
+            "knee_concurrency": peak["concurrency"],
+            "worst_past_knee_fraction": (
+                min(p["throughput_tok_s"] for p in past) / peak["throughput_tok_s"]
+                if past and peak["throughput_tok_s"]
+                else None
+            ),
+            "recomputed_fraction": (
+                sum(p["recomputed_tokens"] for p in mine) / generated if generated else None
+            ),
+            "throughput_by_concurrency": {p["concurrency"]: p["throughput_tok_s"] for p in mine},
+        }
+    return out
+
+
+def format_table(report: dict) -> str:
+    lines = [
+        f"capacity sweep: {report['model']}, {report['cluster']['prefill']}P"
+        f"{report['cluster']['decode']}D, {report['cluster']['num_kv_blocks']} KV blocks of "
+        f"{report['cluster']['block_size']} tokens per decode worker, reasoning workload "
+        f"(mean output {report['workload']['mean_output']} tokens)",
+        f"{'policy':<20} {'conc':>4} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} "
+        f"{'p99':>7} {'preempt':>7} {'recomp':>7} {'spilled MiB':>11} {'err':>4}",
+    ]
+    for p in report["points"]:
+        lines.append(
+            f"{p['policy']:<20} {p['concurrency']:>4} {p['throughput_tok_s']:>8.1f} "
+            f"{p['ttft_p50_s']:>9.2f} {p['ttft_p99_s']:>8.2f} {p['tpot_p50_s'] * 1e3:>7.0f}ms "
+            f"{p['tpot_p99_s'] * 1e3:>5.0f}ms {p['preemptions']:>7.0f} "
+            f"{p['recomputed_tokens']:>7.0f} {p['spilled_bytes'] / 2**20:>11.1f} {p['errors']:>4}"
+        )
+    lines.append("")
+    for policy, a in report["analysis"].items():
+        worst = a["worst_past_knee_fraction"]
+        lines.append(
+            f"{policy}: peak {a['peak_tok_s']:.1f} tok/s at concurrency {a['knee_concurrency']}; "
+            f"worst past the knee {'-' if worst is None else f'{worst:.0%} of peak'}; "
+            f"recomputed {a['recomputed_fraction']:.1%} of generated tokens"
+        )
+    return "\n".join(lines)

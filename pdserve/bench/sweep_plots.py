@@ -1,0 +1,90 @@
+"""PNG plots of a capacity sweep: throughput, TTFT and TPOT against concurrency (a line per
+policy), and the TTFT-TPOT frontier (each point labelled with its concurrency)."""
+
+from __future__ import annotations
+
+import os
+
+
+def _by_policy(points: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for p in points:
+        out.setdefault(p["policy"], []).append(p)
+    return {k: sorted(v, key=lambda p: p["concurrency"]) for k, v in out.items()}
+
+
+def plot_sweep(report: dict, directory: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(directory, exist_ok=True)
+    series = _by_policy(report["points"])
+    title = (
+        f"{report['model']}, {report['cluster']['prefill']}P{report['cluster']['decode']}D, "
+        f"{report['cluster']['num_kv_blocks']} KV blocks per decode worker"
+    )
+    paths = []
+
+    def save(fig, name: str) -> None:
+        path = os.path.join(directory, name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=130)
+        plt.close(fig)
+        paths.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy, pts in series.items():
+        ax.plot(
+            [p["concurrency"] for p in pts],
+            [p["throughput_tok_s"] for p in pts],
+            "o-",
+            label=policy,
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"throughput vs concurrency\n{title}", fontsize=9)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    save(fig, "throughput.png")
+
+    for metric, label in (("ttft", "TTFT (s)"), ("tpot", "TPOT (s)")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for policy, pts in series.items():
+            xs = [p["concurrency"] for p in pts]
+            (line,) = ax.plot(xs, [p[f"{metric}_p50_s"] for p in pts], "o-", label=f"{policy} p50")
+            ax.plot(
+                xs,
+                [p[f"{metric}_p99_s"] for p in pts],
+                "s--",
+                color=line.get_color(),
+                label=f"{policy} p99",
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.set_title(f"{metric.upper()} vs concurrency\n{title}", fontsize=9)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        save(fig, f"{metric}.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy, pts in series.items():
+        xs, ys = [p["tpot_p50_s"] for p in pts], [p["ttft_p50_s"] for p in pts]
+        ax.plot(xs, ys, "o-", label=policy)
+        for p, x, y in zip(pts, xs, ys):
+            ax.annotate(
+                str(p["concurrency"]), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points"
+            )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("TPOT p50 (s)")
+    ax.set_ylabel("TTFT p50 (s)")
+    ax.set_title(f"TTFT-TPOT frontier (labels: concurrency)\n{title}", fontsize=9)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    save(fig, "frontier.png")
+    return paths
