@@ -182,12 +182,15 @@ class DecodeWorker:
         return held
 
     def stats(self) -> dict:
-        """For heartbeats: read without the lock (a momentarily stale count is fine)."""
+        """For heartbeats (the counts may be a moment stale)."""
         alloc = self.engine.allocator
+        with self.lock:
+            headroom = self.admission.headroom(self._held())
         return {
             "free_blocks": alloc.num_free_blocks,
             "total_blocks": alloc.num_blocks,
             "running": len(self.engine.scheduler.running),
+            "headroom_blocks": headroom,
         }
 
     def check_integrity(self) -> None:

@@ -170,8 +170,9 @@ class RouterService(rpc.RouterServicer):
             decodes = self.registry.alive("decode")
             if not decodes:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is registered")
-            # most projected headroom first: free blocks minus what this router reserved since
-            decodes.sort(key=lambda w: w.info.free_blocks - w.pending_blocks, reverse=True)
+            # most projected headroom first (the worker's own projection of free blocks after
+            # expected growth), minus what this router reserved since its last heartbeat
+            decodes.sort(key=lambda w: w.info.headroom_blocks - w.pending_blocks, reverse=True)
             for worker in decodes:
                 asked = now()
                 try:

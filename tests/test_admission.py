@@ -54,6 +54,9 @@ def test_kv_aware_counts_expected_growth_of_everyone_held():
     assert reason == "projected KV demand 24 blocks exceeds 18 (kv-aware admission)"
     # requests past the typical length are expected to run to their cap
     assert adm.projected_blocks([Held(40, 32, 64)]) == 18  # 40 + (64 - 32) = 72 tokens
+    # what the router routes on: budget minus projected demand (free blocks under greedy)
+    assert adm.headroom(two) == 18 - 12
+    assert Admission("greedy", alloc, est).headroom(two) == 20
 
 
 def test_unknown_policy_names_the_choices():

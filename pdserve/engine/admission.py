@@ -57,6 +57,14 @@ class Admission:
             for h in held
         )
 
+    def headroom(self, held: list[Held]) -> int:
+        """Blocks a new request could still count on: free blocks now (greedy), or the budget
+        minus the projected demand of everything held (kv-aware). What the router routes on."""
+        if self.policy == "greedy":
+            return self.allocator.num_free_blocks
+        budget = int((1 - self.margin) * self.allocator.num_blocks)
+        return budget - self.projected_blocks(held)
+
     def check(self, prompt: list[int], max_tokens: int, held: list[Held]) -> str | None:
         """None when the request may be admitted, else why not."""
         alloc = self.allocator
