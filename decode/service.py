@@ -51,6 +51,8 @@ class DecodeService(rpc.DecodeServicer):
             try:
                 item = stream.tokens.get(timeout=STREAM_IDLE_S)
             except queue.Empty:
+                if self.worker.is_pending(request.request_id):
+                    continue  # preempted and waiting for room (recompute or reload): alive
                 self.worker.release(request.request_id)
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "decode produced nothing")
             if isinstance(item, tuple) and item[0] is FINISHED:

@@ -167,6 +167,18 @@ class DecodeWorker:
                 return True
         return False
 
+    def is_pending(self, request_id: str) -> bool:
+        """Whether the request is still in the scheduler (running, waiting after a
+        preemption, or parked in a spill tier): a stream that is silent for a long time while
+        its request waits for room is alive, not stuck."""
+        sched = self.engine.scheduler
+        with self.lock:
+            return any(
+                r.request_id == request_id
+                for queue in (sched.running, sched.waiting, sched.swapped)
+                for r in queue
+            )
+
     def _held(self) -> list[Held]:
         """Every request whose KV this pool holds or will hold again (lock held)."""
         sched = self.engine.scheduler

@@ -19,7 +19,7 @@ import argparse
 import sys
 
 DEMO_MODEL = "smollm2-135m"
-DEMO_KV_BLOCKS = 32
+DEMO_KV_BLOCKS = 24
 DEMO_CONCURRENCY = (1, 4, 16)
 WORKLOAD_CHOICES = ("azure-conv", "azure-code", "mooncake-conv", "uniform", "reasoning")
 DEMO_QUESTIONS = (

@@ -38,6 +38,10 @@ class Sample:
     server: dict = field(default_factory=dict)
     error: str | None = None
     trace: dict | None = None  # pdserve.trace record; written to --trace, not to the JSON
+    # perf_counter() readings: sent, first token, last token (for windowed throughput)
+    sent_at: float = 0.0
+    first_at: float = 0.0
+    end_at: float = 0.0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -75,6 +79,8 @@ async def _one(client, prompt: list[int], max_tokens: int) -> Sample:
                     "spans": [s.to_dict() for s in spans_from_proto(msg.trace)],
                 }
         sample.e2e_s = time.perf_counter() - start
+        sample.sent_at, sample.first_at = start, first or start
+        sample.end_at = last or sample.first_at
         sample.ttft_s = (first or start) - start
         if sample.output_tokens > 1:
             sample.tpot_s = (last - first) / (sample.output_tokens - 1)

@@ -4,9 +4,10 @@ For each policy (`admission+preemption`, e.g. `greedy+recompute`, `kv-aware+tier
 cluster is launched with that policy on its decode workers and a small device KV budget;
 for each concurrency a closed loop of that many clients sends the reasoning workload (short
 prompts, long-tailed outputs, mean scaled to the KV budget) and the point records
-throughput, TTFT and TPOT percentiles, and what the decode workers report for the point
-(preemptions, recomputed tokens, spilled bytes; counter deltas scraped from their
-Prometheus endpoints). After every point the sweep waits until every worker's blocks and
+throughput while every client has a request in flight (`steady_throughput`; the whole run's
+rate, drain included, is `overall_tok_s`), TTFT and TPOT percentiles, and what the decode workers
+report for the point (preemptions, recomputed tokens, spilled bytes; counter deltas scraped
+from their Prometheus endpoints). After every point the sweep waits until every worker's blocks and
 every spill tier are empty again, and fails if they do not (a leak).
 """
 
@@ -76,9 +77,34 @@ def wait_drained(cluster, decode_metrics: list[str], timeout_s: float = 60.0) ->
             time.sleep(0.5)
 
 
+def steady_throughput(samples) -> tuple[float, float]:
+    """(tokens/s, window s) while every client had a request in flight: from the first
+    request sent until the first request that ends after the last one was sent (until then
+    a client that finished took the next request at once). After that the loop drains, and
+    with long-tailed outputs the drain is one long request decoding alone. Tokens inside the
+    window are counted assuming each request's tokens arrive evenly between its first and
+    last token."""
+    ok = [s for s in samples if s.error is None and s.output_tokens > 0]
+    if not ok:
+        return 0.0, 0.0
+    start, last_sent = min(s.sent_at for s in ok), max(s.sent_at for s in ok)
+    end = min((s.end_at for s in ok if s.end_at > last_sent), default=last_sent)
+    if end <= start:
+        return 0.0, 0.0
+    tokens = 0.0
+    for s in ok:
+        if s.first_at > end:
+            continue
+        span = s.end_at - s.first_at
+        inside = 1.0 if span <= 0 else min(1.0, (end - s.first_at) / span)
+        tokens += 1 + (s.output_tokens - 1) * inside
+    return tokens / (end - start), end - start
+
+
 def run_point(address, work, concurrency: int, seed: int) -> dict:
     samples, elapsed = asyncio.run(_drive(address, work, concurrency, None, seed))
     ok = [s for s in samples if s.error is None]
+    steady, window = steady_throughput(samples)
     errors = sorted({s.error for s in samples if s.error})[:3]
     tokens = sum(s.output_tokens for s in ok)
     ttft = [s.ttft_s for s in ok]
@@ -89,7 +115,9 @@ def run_point(address, work, concurrency: int, seed: int) -> dict:
         "error_examples": errors,
         "elapsed_s": elapsed,
         "generated_tokens": tokens,
-        "throughput_tok_s": tokens / elapsed if elapsed else 0.0,
+        "throughput_tok_s": steady,
+        "steady_window_s": window,
+        "overall_tok_s": tokens / elapsed if elapsed else 0.0,
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p99_s": percentile(ttft, 99),
         "tpot_p50_s": percentile(tpot, 50),

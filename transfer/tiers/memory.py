@@ -4,7 +4,8 @@ CXL-attached memory.
 Both keep one preallocated byte pool cut into block slots; an entry occupies any free slots
 (a slot table per key), so the pool never fragments. The CXL tier is a second such pool
 with its own capacity. It is backed by a file or DAX device path (`path`, mapped
-shared) where a CXL memory device exists; without one it is an anonymous buffer and reports
+shared) where a CXL memory device exists (file-backed mapping is tested; a real DAX device
+has not been available to this project); without one it is an anonymous buffer and reports
 `emulated = True`. Its `bandwidth_gb_s` and `latency_us` model the slower memory: each put
 and get takes at least latency + bytes / bandwidth (the copy itself, then a sleep for the
 rest), so policies see the cost a real CXL expander would have.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import time
 
 import torch
@@ -101,7 +103,9 @@ class CXLTier(MemoryTier):
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
                 try:
-                    if os.fstat(fd).st_size < size:
+                    mode = os.fstat(fd).st_mode
+                    device = stat.S_ISCHR(mode) or stat.S_ISBLK(mode)  # e.g. /dev/dax0.0
+                    if not device and os.fstat(fd).st_size < size:
                         os.ftruncate(fd, size)
                     self._map = mmap.mmap(fd, size, mmap.MAP_SHARED)
                 finally:
