@@ -122,19 +122,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return _report(report, format_table, args.json)
 
 
-def _int_list(text: str, field: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise ValueError(f"{field}: expected comma-separated integers, got {text!r}") from None
-
-
 def cmd_bench_sweep(args: argparse.Namespace) -> int:
     from pdserve.bench.report import write_json
     from pdserve.bench.sweep import bench_sweep, format_table
     from pdserve.bench.sweep_plots import plot_sweep
 
-    concurrency = _int_list(args.concurrency, "concurrency")
+    concurrency = args.concurrency
     policies = [p for p in args.policy.split(",") if p]
     report = bench_sweep(
         args.model,
@@ -278,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sw = bench_sub.add_parser("sweep", help="throughput and latency vs concurrency per policy")
     sw.add_argument("--model", default=DEMO_MODEL)
-    sw.add_argument("--concurrency", default="1,2,4,8,16")
+    sw.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16])
     sw.add_argument(
         "--policy",
         default="greedy+recompute,kv-aware+tiered",
