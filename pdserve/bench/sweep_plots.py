@@ -27,6 +27,16 @@ def plot_sweep(report: dict, directory: str) -> list[str]:
     )
     paths = []
 
+    def finish(ax, xlabel: str, ylabel: str, heading: str, xbase: int = 2, ylog: bool = False):
+        ax.set_xscale("log", base=xbase)
+        if ylog:
+            ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{heading}\n{title}", fontsize=9)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+
     def save(fig, name: str) -> None:
         path = os.path.join(directory, name)
         fig.tight_layout()
@@ -42,12 +52,7 @@ def plot_sweep(report: dict, directory: str) -> list[str]:
             "o-",
             label=policy,
         )
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent clients")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title(f"throughput vs concurrency\n{title}", fontsize=9)
-    ax.legend()
-    ax.grid(alpha=0.3)
+    finish(ax, "concurrent clients", "output tokens / s", "throughput vs concurrency")
     save(fig, "throughput.png")
 
     for metric, label in (("ttft", "TTFT (s)"), ("tpot", "TPOT (s)")):
@@ -62,13 +67,7 @@ def plot_sweep(report: dict, directory: str) -> list[str]:
                 color=line.get_color(),
                 label=f"{policy} p99",
             )
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("concurrent clients")
-        ax.set_ylabel(label)
-        ax.set_title(f"{metric.upper()} vs concurrency\n{title}", fontsize=9)
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
+        finish(ax, "concurrent clients", label, f"{metric.upper()} vs concurrency", ylog=True)
         save(fig, f"{metric}.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -79,12 +78,7 @@ def plot_sweep(report: dict, directory: str) -> list[str]:
             ax.annotate(
                 str(p["concurrency"]), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points"
             )
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("TPOT p50 (s)")
-    ax.set_ylabel("TTFT p50 (s)")
-    ax.set_title(f"TTFT-TPOT frontier (labels: concurrency)\n{title}", fontsize=9)
-    ax.legend()
-    ax.grid(alpha=0.3)
+    heading = "TTFT-TPOT frontier (labels: concurrency)"
+    finish(ax, "TPOT p50 (s)", "TTFT p50 (s)", heading, xbase=10, ylog=True)
     save(fig, "frontier.png")
     return paths
