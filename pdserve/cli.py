@@ -6,6 +6,7 @@ pdserve bench kernels [--quick] --json out.json
 pdserve bench transfer [--model M] [--quick] --json out.json
 pdserve bench serve [--model M] [--concurrency N | --rate R] --json out.json [--trace t.jsonl]
 pdserve trace t.jsonl --plot timeline.png
+pdserve bench tiers [--quick] --json out.json
 pdserve bench sweep [--quick] --concurrency 1,2,4,8 --policy greedy+recompute,kv-aware+tiered
     --json out.json --plot DIR
 pdserve launch --model M --prefill N --decode M
@@ -120,6 +121,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.trace:
         print(f"wrote per-request traces to {args.trace} (plot: pdserve trace {args.trace} --plot)")
     return _report(report, format_table, args.json)
+
+
+def cmd_bench_tiers(args: argparse.Namespace) -> int:
+    from pdserve.bench.tiers import bench_tiers, format_table
+
+    return _report(bench_tiers(args.model, quick=args.quick), format_table, args.json)
 
 
 def cmd_bench_sweep(args: argparse.Namespace) -> int:
@@ -268,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--json", default=None)
     srv.add_argument("--trace", default=None, help="write each request's spans (JSON lines)")
     srv.set_defaults(func=cmd_bench_serve)
+
+    ti = bench_sub.add_parser("tiers", help="spill/reload throughput per tier vs raw moves")
+    ti.add_argument("--model", default=DEMO_MODEL)
+    ti.add_argument("--quick", action="store_true")
+    ti.add_argument("--json", default=None)
+    ti.set_defaults(func=cmd_bench_tiers)
 
     sw = bench_sub.add_parser("sweep", help="throughput and latency vs concurrency per policy")
     sw.add_argument("--model", default=DEMO_MODEL)

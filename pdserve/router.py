@@ -31,6 +31,7 @@ PREFILL_TIMEOUT_S = 180.0
 # A lease must outlive the prefill that fills its blocks: blocks returned while a push is
 # still running could be handed to another request and overwritten by the late push.
 LEASE_S = PREFILL_TIMEOUT_S + 60.0
+RESERVE_RETRY_S = (0.01, 0.2)  # first and longest pause between Reserve attempts
 
 
 @dataclass
@@ -166,6 +167,7 @@ class RouterService(rpc.RouterServicer):
         """Reserve blocks on the decode worker with the most headroom; records router.queue
         (`since` -> the call that succeeded) and decode.reserve (that call)."""
         deadline = time.monotonic() + self.queue_timeout_s
+        pause = RESERVE_RETRY_S[0]
         while True:
             decodes = self.registry.alive("decode")
             if not decodes:
@@ -203,7 +205,10 @@ class RouterService(rpc.RouterServicer):
                     f"no decode worker had room for {len(prompt)} prompt tokens within "
                     f"{self.queue_timeout_s}s",
                 )
-            time.sleep(0.01)
+            # back off: many waiting requests polling every 10 ms kept the workers' CPUs busy
+            # answering Reserve (seen in the capacity sweep on 2 cores)
+            time.sleep(pause)
+            pause = min(RESERVE_RETRY_S[1], pause * 2)
 
     def _serve(self, request_id, prompt, sampling, arrived, context):
         arrival, arrival_wall = arrived

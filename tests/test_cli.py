@@ -211,3 +211,16 @@ def test_bench_sweep_writes_every_point_and_the_plots(tmp_path):
 def test_bench_sweep_refuses_an_unknown_policy():
     proc = run_cli("bench", "sweep", "--model", "tiny-llama", "--policy", "greedy+pray")
     assert proc.returncode == 2 and "preemption 'pray'" in proc.stderr
+
+
+def test_bench_tiers_round_trips_every_tier_bit_exact(tmp_path):
+    out = tmp_path / "tiers.json"
+    proc = run_cli("bench", "tiers", "--model", "tiny-llama", "--quick", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["tier"], r["blocks"]) for r in rows} == {
+        (t, n) for t in ("host", "cxl", "disk") for n in (1, 6, 32)
+    }
+    for r in rows:
+        assert r["bit_exact"] and r["spill_gb_s"] > 0 and r["reload_gb_s"] > 0
+        assert r["raw_write_gb_s"] > 0 and r["raw_read_gb_s"] > 0
