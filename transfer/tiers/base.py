@@ -53,7 +53,8 @@ class Tier(ABC):
 
     @abstractmethod
     def get(self, key: str) -> torch.Tensor:
-        """The staging tensor stored under `key` (CPU); the entry stays until discard()."""
+        """The staging tensor stored under `key` (CPU); the entry stays until discard().
+        The result may be a view into the tier's own memory, valid until the next put."""
 
     @abstractmethod
     def discard(self, key: str) -> None: ...

@@ -52,17 +52,23 @@ class MemoryTier(Tier):
         n = self._check_put(key, staging)
         slots = [self._free.pop() for _ in range(n)]
         rows = staging.reshape(n, -1).view(torch.uint8) if n else staging
-        if n:
+        if n and slots[-1] - slots[0] == n - 1:  # consecutive slots (the usual case): memcpy
+            self.slots[slots[0] : slots[0] + n].copy_(rows)
+        elif n:
             self.slots[torch.tensor(slots)] = rows.cpu()
         self._entries[key] = (slots, staging.shape, staging.dtype)
         self.stats.spills += 1
         self.stats.spilled_bytes += n * self.block_bytes
 
     def get(self, key: str) -> torch.Tensor:
+        """May be a view into the tier's memory: use it before the next put."""
         if key not in self._entries:
             raise TierError(f"{self.name} tier holds no entry {key!r}")
         slots, shape, dtype = self._entries[key]
-        data = self.slots[torch.tensor(slots, dtype=torch.long)] if slots else self.slots[:0]
+        if slots and slots[-1] - slots[0] == len(slots) - 1:
+            data = self.slots[slots[0] : slots[0] + len(slots)]  # a view: no copy
+        else:
+            data = self.slots[torch.tensor(slots, dtype=torch.long)] if slots else self.slots[:0]
         self.stats.reloads += 1
         self.stats.reloaded_bytes += len(slots) * self.block_bytes
         return data.view(dtype).reshape(shape)
@@ -128,7 +134,7 @@ class CXLTier(MemoryTier):
 
     def get(self, key: str) -> torch.Tensor:
         start = time.perf_counter()
-        data = super().get(key)  # gathered out of the device's memory into DRAM
+        data = super().get(key).clone()  # out of the CXL device's memory into DRAM
         self._pace(start, data.numel() * data.element_size())
         return data
 
