@@ -1,5 +1,6 @@
-"""Everything that moves KV bytes: the NIXL-shaped agent API and its backends, and the
-wire/layout handshake. Depends on nothing else of pdserve.
+"""Everything that moves KV bytes: the NIXL-shaped agent API and its backends (nixl, ucxx,
+loopback), the wire/layout handshake, and the spill tiers (`transfer.tiers`: host, CXL,
+disk). Depends on nothing else of pdserve.
 
     agent = make_agent("nixl", name)         # or "ucxx", "loopback"
     region = agent.register(pool_tensor)     # register memory
