@@ -171,21 +171,14 @@ class DecodeWorker:
         """Whether the request is still in the scheduler (running, waiting after a
         preemption, or parked in a spill tier): a stream that is silent for a long time while
         its request waits for room is alive, not stuck."""
-        sched = self.engine.scheduler
         with self.lock:
-            return any(
-                r.request_id == request_id
-                for queue in (sched.running, sched.waiting, sched.swapped)
-                for r in queue
-            )
+            return any(r.request_id == request_id for r in self.engine.scheduler.unfinished())
 
     def _held(self) -> list[Held]:
         """Every request whose KV this pool holds or will hold again (lock held)."""
-        sched = self.engine.scheduler
         held = [
             Held(r.num_tokens, r.num_output_tokens, r.params.max_tokens)
-            for queue in (sched.running, sched.waiting, sched.swapped)
-            for r in queue
+            for r in self.engine.scheduler.unfinished()
         ]
         held += [
             Held(res.request.num_tokens, 0, res.request.params.max_tokens)

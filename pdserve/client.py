@@ -92,16 +92,22 @@ def build_request(prompt: str | list[int], sampling: dict) -> pb.GenerateRequest
     return msg
 
 
+def timings_of(t: pb.Timings) -> dict:
+    """A final message's timings as a plain dict (seconds, wall-clock marks, worker ids)."""
+    return {
+        **{k: getattr(t, k) for k in TIMING_KEYS},
+        "prefill_worker": t.prefill_worker,
+        "decode_worker": t.decode_worker,
+    }
+
+
 def _absorb(result: GenerateResult, msg: pb.GenerateResponse) -> None:
     result.request_id = msg.request_id
     result.token_ids.extend(msg.token_ids)
     if msg.finished:
         result.finish_reason = msg.finish_reason
         result.text = msg.text
-        t = msg.timings
-        result.timings = {k: getattr(t, k) for k in TIMING_KEYS}
-        result.timings["prefill_worker"] = t.prefill_worker
-        result.timings["decode_worker"] = t.decode_worker
+        result.timings = timings_of(msg.timings)
         result.prompt_tokens = msg.prompt_tokens
         result.trace = spans_from_proto(msg.trace)
 

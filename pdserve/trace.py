@@ -49,7 +49,6 @@ STAGES = (
     "decode.run",
     "router.stream",
 )
-DETAILS = ("push.layer", "push.all", "decode.step", "decode.preempted")
 
 
 def now() -> float:

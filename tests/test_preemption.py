@@ -143,27 +143,3 @@ def test_abort_of_a_parked_request_drops_its_spilled_kv(tmp_path):
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="preemption: 'drop'"):
         LLMEngine("tiny-llama", EngineArgs(preemption="drop"))
-
-
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-deepseek"])
-def test_cpu_pack_and_unpack_match_the_kernel_reference(model):
-    import torch
-
-    from kernels.block_copy import pack_blocks_ref
-    from pdserve.kv import KVCache
-    from pdserve.kv.spill import _pack_cpu, _unpack_cpu
-    from pdserve.weights import resolve
-
-    kv = KVCache(resolve(model).config, 12, 4, torch.float32, torch.device("cpu"))
-    kv.pool.normal_()
-    ids = torch.tensor([7, 2, 9], dtype=torch.int32)
-    packed = _pack_cpu(kv.pool, ids, kv.block_dim)
-    assert torch.equal(packed, pack_blocks_ref(kv.pool, ids, kv.block_dim))
-    before = kv.pool.clone()
-    kv.pool.zero_()
-    _unpack_cpu(kv.pool, ids, packed, kv.block_dim)
-    for b in range(12):
-        want = (
-            before.select(kv.block_dim, b) if b in (7, 2, 9) else 0 * before.select(kv.block_dim, b)
-        )
-        assert torch.equal(kv.pool.select(kv.block_dim, b), want)

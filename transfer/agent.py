@@ -41,6 +41,24 @@ class Tiles:
             raise ValueError(f"{side} tile index outside [0, {self.count})")
 
 
+def check_tiles(local: Tiles, local_idx: np.ndarray, remote: Tiles, remote_idx: np.ndarray):
+    if local.tile_bytes != remote.tile_bytes or local_idx.shape != remote_idx.shape:
+        raise ValueError("tile sizes or index counts differ")
+    local.check(local_idx, "local")
+    remote.check(remote_idx, "remote")
+
+
+def tiles_as_descs(local: Tiles, local_idx, remote: Tiles, remote_idx):
+    """(local, remote) descriptor lists for tile transfers of backends without prepared
+    lists, whose Tiles.handle is the region id."""
+    check_tiles(local, local_idx, remote, remote_idx)
+    size = local.tile_bytes
+    return (
+        [Desc(local.handle, int(i) * size, size) for i in local_idx],
+        [Desc(remote.handle, int(i) * size, size) for i in remote_idx],
+    )
+
+
 @dataclass(frozen=True)
 class Desc:
     region: int  # region id (local, or the peer's for remote descriptors)

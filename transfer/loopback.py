@@ -10,7 +10,15 @@ import weakref
 import torch
 
 from transfer import metadata as md
-from transfer.agent import Desc, Tiles, Transfer, TransferAgent, XferState, check_descs
+from transfer.agent import (
+    Desc,
+    Tiles,
+    Transfer,
+    TransferAgent,
+    XferState,
+    check_descs,
+    tiles_as_descs,
+)
 
 
 class _Done(Transfer):
@@ -80,14 +88,10 @@ class LoopbackAgent(TransferAgent):
         regions = self._regions if peer is None else self._peers[peer]
         if region not in regions:
             raise ValueError(f"unknown region {region}")
-        return Tiles((peer, region), regions[region].length // tile_bytes, tile_bytes)
+        return Tiles(region, regions[region].length // tile_bytes, tile_bytes)
 
     def write_tiles(self, peer, local: Tiles, local_idx, remote: Tiles, remote_idx, notif):
-        local.check(local_idx, "local")
-        remote.check(remote_idx, "remote")
-        size = local.tile_bytes
-        src = [Desc(local.handle[1], int(i) * size, size) for i in local_idx]
-        dst = [Desc(remote.handle[1], int(i) * size, size) for i in remote_idx]
+        src, dst = tiles_as_descs(local, local_idx, remote, remote_idx)
         return self.write(peer, src, dst, notif)
 
     def notifications(self) -> dict[str, list[bytes]]:

@@ -17,6 +17,7 @@ from transfer.agent import (
     TransferFailed,
     XferState,
     check_descs,
+    check_tiles,
 )
 
 _STATES = {"DONE": XferState.DONE, "PROC": XferState.PENDING, "ERR": XferState.FAILED}
@@ -131,10 +132,7 @@ class NixlAgent(TransferAgent):
         return Tiles(handle, count, tile_bytes)
 
     def write_tiles(self, peer, local: Tiles, local_idx, remote: Tiles, remote_idx, notif):
-        if local.tile_bytes != remote.tile_bytes or local_idx.shape != remote_idx.shape:
-            raise ValueError("tile sizes or index counts differ")
-        local.check(local_idx, "local")
-        remote.check(remote_idx, "remote")
+        check_tiles(local, local_idx, remote, remote_idx)
         handle = self._agent.make_prepped_xfer(
             "WRITE",
             local.handle,

@@ -34,6 +34,7 @@ from transfer.agent import (
     TransferAgent,
     XferState,
     check_descs,
+    tiles_as_descs,
 )
 
 HDR, DATA, ACK = 1, 2, 3
@@ -234,13 +235,7 @@ class UcxxAgent(TransferAgent):
         return Tiles(region, regions[region].length // tile_bytes, tile_bytes)
 
     def write_tiles(self, peer, local: Tiles, local_idx, remote: Tiles, remote_idx, notif):
-        if local.tile_bytes != remote.tile_bytes or local_idx.shape != remote_idx.shape:
-            raise ValueError("tile sizes or index counts differ")
-        local.check(local_idx, "local")
-        remote.check(remote_idx, "remote")
-        size = local.tile_bytes
-        src = [Desc(local.handle, int(i) * size, size) for i in local_idx]
-        dst = [Desc(remote.handle, int(i) * size, size) for i in remote_idx]
+        src, dst = tiles_as_descs(local, local_idx, remote, remote_idx)
         return self.write(peer, src, dst, notif)
 
     def notifications(self) -> dict[str, list[bytes]]:

@@ -54,7 +54,7 @@ def percentile(values: list[float], q: float) -> float:
 async def _one(client, prompt: list[int], max_tokens: int) -> Sample:
     import grpc
 
-    from pdserve.client import build_request
+    from pdserve.client import build_request, timings_of
     from pdserve.serving.convert import spans_from_proto
 
     sample = Sample(prompt_tokens=len(prompt))
@@ -85,10 +85,7 @@ async def _one(client, prompt: list[int], max_tokens: int) -> Sample:
         if sample.output_tokens > 1:
             sample.tpot_s = (last - first) / (sample.output_tokens - 1)
         if result is not None:
-            sample.server = {
-                k: getattr(result, k)
-                for k in ("queue_s", "prefill_s", "transfer_s", "ttft_s", "tpot_s", "e2e_s")
-            }
+            sample.server = timings_of(result)
     except grpc.RpcError as e:  # recorded per request and counted in the report
         sample.error = f"{e.code().name}: {e.details()}"
     return sample

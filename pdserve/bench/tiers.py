@@ -77,7 +77,7 @@ def bench_tiers(model: str = "smollm2-135m", quick: bool = False) -> dict:
                     start = time.perf_counter()
                     assert spiller.spill("k", ids) == name
                     if name == "disk":
-                        tier._entries["k"].written.wait()
+                        tier.flush()
                     t_spill = time.perf_counter() - start
                     kv.pool.select(kv.block_dim, ids[0]).zero_()  # reload must restore it
                     start = time.perf_counter()

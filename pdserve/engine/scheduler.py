@@ -71,6 +71,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def unfinished(self):
+        """Every request not finished: running, waiting (new or to recompute), parked."""
+        yield from self.running
+        yield from self.waiting
+        yield from self.swapped
+
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch([], [], [], [])

@@ -7,9 +7,8 @@
                             blocks; False when the bytes are lost or fail their checksum
                             (the caller recomputes; wrong KV is never used)
 
-Packing uses kernels/block_copy.py's Triton kernels on CUDA (then one copy to host memory);
-on CPU one strided copy per block (faster than the gather-then-transpose of the torch
-reference: `pdserve bench tiers`).
+Packing uses kernels/block_copy.py: the Triton kernels on CUDA (then one copy to host
+memory), the torch path on CPU (into a reused staging buffer).
 """
 
 from __future__ import annotations
@@ -18,36 +17,11 @@ import logging
 
 import torch
 
-from kernels.block_copy import pack_blocks, unpack_blocks
+from kernels.block_copy import pack_blocks, pack_blocks_ref, unpack_blocks, unpack_blocks_ref
 from pdserve.kv.kv_cache import KVCache
 from transfer.tiers import ReloadFailed, SpillFailed, TieredStore
 
 log = logging.getLogger(__name__)
-
-
-def _blocks_view(pool: torch.Tensor, block_dim: int) -> torch.Tensor:
-    planes = 1
-    for d in pool.shape[:block_dim]:
-        planes *= d
-    return pool.view(planes, pool.shape[block_dim], -1)
-
-
-def _pack_cpu(
-    pool: torch.Tensor, block_ids: torch.Tensor, block_dim: int, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    view = _blocks_view(pool, block_dim)
-    ids = block_ids.tolist()
-    shape = (len(ids), view.shape[0], view.shape[2])
-    staging = pool.new_empty(shape) if out is None else out[: len(ids)].view(shape)
-    for i, b in enumerate(ids):
-        staging[i].copy_(view[:, b])
-    return staging
-
-
-def _unpack_cpu(pool: torch.Tensor, block_ids: torch.Tensor, staging, block_dim: int) -> None:
-    view = _blocks_view(pool, block_dim)
-    for i, b in enumerate(block_ids.tolist()):
-        view[:, b].copy_(staging[i])
 
 
 class KVSpiller:
@@ -55,10 +29,9 @@ class KVSpiller:
         self.kv = kv_cache
         self.store = store
         cuda = kv_cache.pool.device.type == "cuda"
-        self._pack = pack_blocks if cuda else _pack_cpu
-        self._unpack = unpack_blocks if cuda else _unpack_cpu
+        self._cuda = cuda
+        self._unpack = unpack_blocks if cuda else unpack_blocks_ref
         self._buffer = torch.empty(0, dtype=kv_cache.pool.dtype)  # CPU staging, grow-only
-        self.spilled_tokens = 0
         self.failed_spills = 0
         self.failed_reloads = 0
 
@@ -68,18 +41,17 @@ class KVSpiller:
     def _staging(self, n: int) -> torch.Tensor:
         """A reused CPU buffer for n blocks: fresh memory for every spill costs page faults
         (a 90 MiB spill ran at 2.5 GB/s with a new buffer each time)."""
-        per_block = self.kv.nbytes // self.kv.num_blocks // self.kv.pool.element_size()
-        if self._buffer.numel() < n * per_block:
-            self._buffer = torch.empty(n * per_block, dtype=self.kv.pool.dtype)
-        return self._buffer[: n * per_block].view(n, per_block)
+        size = n * (self.kv.pool.numel() // self.kv.num_blocks)
+        if self._buffer.numel() < size:
+            self._buffer = torch.empty(size, dtype=self.kv.pool.dtype)
+        return self._buffer[:size]
 
     def spill(self, key: str, block_ids: list[int]) -> str | None:
-        if self._pack is _pack_cpu:
-            staging = _pack_cpu(
-                self.kv.pool, self._ids(block_ids), self.kv.block_dim, self._staging(len(block_ids))
-            )
+        ids, dim = self._ids(block_ids), self.kv.block_dim
+        if self._cuda:
+            staging = pack_blocks(self.kv.pool, ids, dim)
         else:
-            staging = self._pack(self.kv.pool, self._ids(block_ids), self.kv.block_dim)
+            staging = pack_blocks_ref(self.kv.pool, ids, dim, out=self._staging(len(block_ids)))
         try:
             return self.store.spill(key, staging.cpu())
         except SpillFailed as e:

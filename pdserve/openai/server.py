@@ -23,7 +23,7 @@ import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdserve.client import build_request
+from pdserve.client import build_request, timings_of
 from pdserve.openai import protocol as proto
 from pdserve.openai.detok import TextStream
 from pdserve.rpc import pdserve_pb2 as pb
@@ -249,20 +249,7 @@ def _finish(reason: str) -> str:
 
 
 def _extra(msg: pb.GenerateResponse) -> dict:
-    t = msg.timings
-    return {
-        "request_id": msg.request_id,
-        "timings": {
-            "queue_s": t.queue_s,
-            "prefill_s": t.prefill_s,
-            "transfer_s": t.transfer_s,
-            "ttft_s": t.ttft_s,
-            "tpot_s": t.tpot_s,
-            "e2e_s": t.e2e_s,
-            "prefill_worker": t.prefill_worker,
-            "decode_worker": t.decode_worker,
-        },
-    }
+    return {"request_id": msg.request_id, "timings": timings_of(msg.timings)}
 
 
 class HTTPServerThread:

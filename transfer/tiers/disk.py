@@ -84,6 +84,13 @@ class DiskTier(Tier):
         self.stats.spills += 1
         self.stats.spilled_bytes += nbytes
 
+    def flush(self) -> None:
+        """Wait until every entry put so far is on disk (or failed)."""
+        with self._lock:
+            entries = list(self._entries.values())
+        for entry in entries:
+            entry.written.wait()
+
     def _write_loop(self) -> None:
         while True:
             item = self._queue.get()
