@@ -115,20 +115,32 @@ def _check_staging(staging, pool, n, planes, elems) -> None:
         )
 
 
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(index in ids, first block, length) for each run of consecutive block ids."""
+    runs, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((start, ids[start], i - start))
+            start = i
+    return runs
+
+
 def pack_blocks_ref(
     pool: torch.Tensor, block_ids: torch.Tensor, block_dim: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """One strided copy per block (on CPU several times faster than a gather along the block
-    dim then a transpose). `out`: a buffer of at least n * planes * block_elems elements to
-    pack into instead of a new tensor (spills reuse one: fresh memory costs page faults)."""
+    """One strided copy per run of consecutive blocks (on CPU several times faster than a
+    gather along the block dim then a transpose; a run of 64 blocks copies at ~95% of a
+    contiguous copy here, single blocks at ~70%). `out`: a buffer of at least
+    n * planes * block_elems elements to pack into instead of a new tensor (spills reuse
+    one: fresh memory costs page faults)."""
     planes, num_blocks, elems = _geometry(pool, block_dim)
     check_block_ids(block_ids, num_blocks)
     view = pool.view(planes, num_blocks, elems)
     ids = block_ids.tolist()
     shape = (len(ids), planes, elems)
     staging = pool.new_empty(shape) if out is None else out.view(-1)[: math.prod(shape)].view(shape)
-    for i, b in enumerate(ids):
-        staging[i].copy_(view[:, b])
+    for i, b, n in _runs(ids):
+        staging[i : i + n].copy_(view[:, b : b + n].transpose(0, 1))
     return staging
 
 
@@ -139,5 +151,5 @@ def unpack_blocks_ref(
     check_block_ids(block_ids, num_blocks)
     _check_staging(staging, pool, block_ids.numel(), planes, elems)
     view = pool.view(planes, num_blocks, elems)
-    for i, b in enumerate(block_ids.tolist()):
-        view[:, b].copy_(staging[i])
+    for i, b, n in _runs(block_ids.tolist()):
+        view[:, b : b + n].copy_(staging[i : i + n].transpose(0, 1))

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from kernels import (
+    pack_blocks_ref,
     paged_gqa_decode_ref,
     paged_mla_decode_ref,
     prefill_attention_ref,
+    unpack_blocks_ref,
     write_kv_ref,
 )
 
@@ -143,3 +145,24 @@ def test_write_kv_rejects_mismatched_shapes():
         write_kv_ref(cache, torch.zeros(2, 5), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="slot_mapping"):
         write_kv_ref(cache, torch.zeros(2, 3), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_pack_ref_copies_runs_and_single_blocks_exactly(layout):
+    """The torch pack copies each run of consecutive ids in one go: runs, single blocks and
+    runs out of order must all land in the right rows, and unpack must put them back."""
+    gen = torch.Generator().manual_seed(4)
+    shape, block_dim = ((3, 2, 24, 4, 2, 8), 2) if layout == "gqa" else ((3, 24, 4, 12), 1)
+    pool = torch.randn(shape, generator=gen)
+    ids = torch.tensor([5, 6, 7, 2, 9, 10, 0, 20, 21, 22, 23, 12])
+    staging = pack_blocks_ref(pool, ids, block_dim)
+    planes = math.prod(shape[:block_dim])
+    expected = torch.stack([pool.select(block_dim, b).reshape(planes, -1) for b in ids.tolist()])
+    assert torch.equal(staging, expected)
+    out = torch.full((staging.numel() + 7,), float("nan"))  # a larger reused buffer
+    assert torch.equal(pack_blocks_ref(pool, ids, block_dim, out=out), expected)
+    target = torch.full_like(pool, float("nan"))
+    unpack_blocks_ref(target, ids, staging, block_dim)
+    assert torch.equal(target.index_select(block_dim, ids), pool.index_select(block_dim, ids))
+    untouched = sorted(set(range(24)) - set(ids.tolist()))
+    assert target.index_select(block_dim, torch.tensor(untouched)).isnan().all()

@@ -1,13 +1,14 @@
 """`pdserve bench tiers`: spill and reload throughput per tier against raw moves of the same
 bytes, in the same run.
 
-For n blocks of the model's real KV pool (every layer, K and V), a spill is what the
-scheduler does on preemption (`KVSpiller.spill`: pack the blocks with kernels/block_copy,
-hand the staging tensor to the tier; for disk, until the file is written) and a reload the
-way back (`KVSpiller.reload`: read, verify checksums for disk, unpack into the blocks).
-Baselines, same bytes: host and CXL against one contiguous tensor copy; disk against a raw
-sequential file write (then a read) of one buffer. Rounds alternate tier and baseline; a
-fraction of raw is the median over rounds of their time ratio. Every reload is checked
+For n blocks of the model's real KV pool (every layer, K and V), laid out as one run of
+consecutive blocks or scattered (every other block), a spill is what the scheduler does on
+preemption (`KVSpiller.spill`: the blocks packed by kernels/block_copy straight into the
+tier's memory; for disk, until the file is written) and a reload the way back
+(`KVSpiller.reload`: read, verify checksums for disk, unpack into the blocks). Baselines,
+same bytes: host and CXL against one contiguous tensor copy; disk against one sequential
+file write of a ready buffer, then one read into a reused buffer. Rounds alternate tier and
+baseline; a fraction of raw is the median over rounds of their time ratio. Every reload is checked
 bit-exact against the blocks spilled.
 """
 
@@ -27,21 +28,26 @@ from pdserve.progress import progress
 from pdserve.weights import resolve
 from transfer.tiers import CXLTier, DiskTier, MemoryTier, TieredStore
 
+# the sequence's blocks: one run of consecutive blocks (what the allocator hands out when it
+# can), or every other block (a sequence that grew among others: no two blocks adjacent)
+LAYOUTS = ("run", "scattered")
+
 
 def _median_ratio(raw: list[float], tier: list[float]) -> float:
     return statistics.median(r / t for r, t in zip(raw, tier))
 
 
-def _raw_file(data: bytes, directory: str) -> tuple[float, float]:
-    """Seconds to write `data` to a new file sequentially, then to read it back."""
+def _raw_file(data: bytes, into: bytearray, directory: str) -> tuple[float, float]:
+    """Seconds to write `data` to a new file with one sequential write, then to read it back
+    with one read into a reused buffer (no page faults: the fastest plain read)."""
     path = os.path.join(directory, "raw.bin")
     start = time.perf_counter()
-    with open(path, "wb") as f:
+    with open(path, "wb", buffering=0) as f:
         f.write(data)
     wrote = time.perf_counter() - start
     start = time.perf_counter()
-    with open(path, "rb") as f:
-        f.read()
+    with open(path, "rb", buffering=0) as f:
+        f.readinto(into)
     read = time.perf_counter() - start
     os.unlink(path)
     return wrote, read
@@ -62,12 +68,13 @@ def bench_tiers(model: str = "smollm2-135m", quick: bool = False) -> dict:
             "cxl": lambda: CXLTier(blocks, block_bytes),
             "disk": lambda: DiskTier(blocks, block_bytes, root=tmp),
         }
-        for n in progress(counts, desc="bench tiers", unit="size"):
-            ids = list(range(0, 2 * n, 2))  # every other block: a scattered sequence
+        cases = [(n, layout) for n in counts for layout in LAYOUTS]
+        for n, layout in progress(cases, desc="bench tiers", unit="case"):
+            ids = list(range(n)) if layout == "run" else list(range(0, 2 * n, 2))
             nbytes = n * block_bytes
             src = torch.randn(nbytes // 4)
             dst = torch.empty_like(src)
-            payload = src.numpy().tobytes()
+            payload, into = src.numpy().tobytes(), bytearray(nbytes)
             for name, make in tiers.items():
                 spiller = KVSpiller(kv, TieredStore([make()]))
                 tier = spiller.store.tiers[0]
@@ -88,7 +95,7 @@ def bench_tiers(model: str = "smollm2-135m", quick: bool = False) -> dict:
                         for b, e in zip(ids, expected)
                     )
                     if name == "disk":
-                        w, rd = _raw_file(payload, tmp)
+                        w, rd = _raw_file(payload, into, tmp)
                     else:
                         start = time.perf_counter()
                         dst.copy_(src)
@@ -102,6 +109,7 @@ def bench_tiers(model: str = "smollm2-135m", quick: bool = False) -> dict:
                 rows.append(
                     {
                         "tier": name,
+                        "layout": layout,
                         "blocks": n,
                         "bytes": nbytes,
                         "spill_gb_s": nbytes / statistics.median(spill_t) / 1e9,
@@ -128,12 +136,13 @@ def format_table(report: dict) -> str:
     lines = [
         f"spill tiers, {report['model']} blocks of {report['block_bytes'] / 2**10:.0f} KiB "
         f"(every layer); GB/s and fraction of the raw move of the same bytes",
-        f"{'tier':<5} {'blocks':>6} {'MiB':>8} {'spill':>7} {'raw':>7} {'of raw':>7} "
+        f"{'tier':<5} {'layout':<9} {'blocks':>6} {'MiB':>8} {'spill':>7} {'raw':>7} {'of raw':>7} "
         f"{'reload':>7} {'raw':>7} {'of raw':>7} {'exact':>6}",
     ]
     for r in report["rows"]:
         lines.append(
-            f"{r['tier']:<5} {r['blocks']:>6} {r['bytes'] / 2**20:>8.1f} {r['spill_gb_s']:>7.2f} "
+            f"{r['tier']:<5} {r.get('layout', 'scattered'):<9} {r['blocks']:>6} "
+            f"{r['bytes'] / 2**20:>8.1f} {r['spill_gb_s']:>7.2f} "
             f"{r['raw_write_gb_s']:>7.2f} {r['spill_fraction_of_raw']:>7.0%} "
             f"{r['reload_gb_s']:>7.2f} {r['raw_read_gb_s']:>7.2f} "
             f"{r['reload_fraction_of_raw']:>7.0%} {str(r['bit_exact']):>6}"

@@ -2,11 +2,16 @@
 
 - The directory is created by this tier (mode 0700, under `root`, default the system temp
   directory) and removed with everything in it by close(); files are 0600.
-- One file per entry, written with one large sequential write on a background thread, so
-  `put` returns once the bytes are copied to a private buffer. A `get` of an entry still
-  being written waits for it.
-- Each block carries a CRC32 (zlib) taken at put time, in a header before the data; `get`
-  verifies every block and raises CorruptBlock on a mismatch.
+- One file per entry, holding the blocks' bytes and nothing else. `put` packs the blocks
+  (BlockSource) in pieces of about CHUNK_BYTES into a private, reused buffer and queues each
+  piece for a background writer thread, which writes it with one large sequential write:
+  packing the next piece overlaps writing the last. `put` returns once everything is packed;
+  a `get` of an entry still being written waits for it.
+- Each block gets a 64-bit xxh3 checksum as soon as it is packed (still in cache). Checksums
+  stay in this process's memory, not in the file, so a damaged file cannot carry a matching one.
+  `get_into` reads the file back in pieces into a reused buffer, verifies each block and
+  hands it on (to the unpack) while it is still in cache; a mismatch or a short file raises
+  CorruptBlock.
 - Capacity is in blocks; `put` also refuses (TierFull) when the file system has less free
   space than the entry plus a margin, and raises TierError when the directory is not
   writable, so callers fall back (recompute) with a clear warning instead of crashing.
@@ -15,30 +20,53 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import queue
 import shutil
-import struct
 import tempfile
 import threading
-import zlib
+from collections.abc import Callable
 
 import numpy as np
 import torch
+import xxhash
 
-from transfer.tiers.base import CorruptBlock, Tier, TierError, TierFull
+from transfer.tiers.base import BlockSource, CorruptBlock, Tier, TierError, TierFull, as_source
 
-_MAGIC = b"PDSPILL1"
-_HEAD = struct.Struct("<8sI")  # magic, JSON header length
 FREE_SPACE_MARGIN = 64 << 20  # leave this much on the file system
+CHUNK_BYTES = 8 << 20  # pack / write / read pieces of about this size
+KEEP_BUFFERS = 4  # write buffers kept for reuse (fresh memory costs page faults)
+
+checksum = xxhash.xxh3_64_intdigest
 
 
 class _Entry:
     def __init__(self, path: str, nblocks: int, shape, dtype: torch.dtype) -> None:
         self.path, self.nblocks, self.shape, self.dtype = path, nblocks, tuple(shape), dtype
+        self.sums: list[int] = []  # per block, taken at put time
         self.written = threading.Event()
         self.error: str | None = None
+
+
+class _Buffers:
+    """Byte buffers handed to the writer and given back when it is done with them."""
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
+        return np.empty(max(nbytes, 1), dtype=np.uint8)
+
+    def give(self, buffer: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(buffer)
+            self._free.sort(key=lambda b: b.nbytes, reverse=True)
+            del self._free[KEEP_BUFFERS:]  # keep the largest
 
 
 class DiskTier(Tier):
@@ -53,6 +81,8 @@ class DiskTier(Tier):
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
+        self._buffers = _Buffers()
+        self._read_buffer = np.empty(0, dtype=np.uint8)
         self._writer = threading.Thread(target=self._write_loop, name="spill-writer", daemon=True)
         self._writer.start()
         self._seq = 0
@@ -64,8 +94,12 @@ class DiskTier(Tier):
     def used_blocks(self) -> int:
         return sum(e.nblocks for e in self._entries.values())
 
-    def put(self, key: str, staging: torch.Tensor) -> None:
-        n = self._check_put(key, staging)
+    def _rows_per_chunk(self) -> int:
+        return max(1, CHUNK_BYTES // self.block_bytes)
+
+    def put(self, key: str, data: torch.Tensor | BlockSource) -> None:
+        source = as_source(data)
+        n = self._check_put(key, source)
         if not os.access(self.directory, os.W_OK | os.X_OK):
             self.stats.failures += 1
             raise TierError(f"disk tier: spill directory {self.directory} is not writable")
@@ -73,14 +107,32 @@ class DiskTier(Tier):
         if shutil.disk_usage(self.directory).free < nbytes + FREE_SPACE_MARGIN:
             self.stats.failures += 1
             raise TierFull(f"disk tier: the file system under {self.directory} is full")
-        data = staging.detach().to("cpu", copy=True).contiguous()
         self._seq += 1
-        entry = _Entry(
-            os.path.join(self.directory, f"{self._seq:08d}.kv"), n, data.shape, data.dtype
-        )
+        path = os.path.join(self.directory, f"{self._seq:08d}.kv")
+        entry = _Entry(path, n, source.shape, source.dtype)
+        buffer = self._buffers.take(nbytes)
+        rows = torch.from_numpy(buffer[:nbytes]).view(n, self.block_bytes)
+        self._queue.put(("open", entry, None))
+        try:
+            per = self._rows_per_chunk()
+            for start in range(0, n, per):
+                stop = min(n, start + per)
+                piece = rows[start:stop]
+                out = piece.view(source.dtype).view(stop - start, *source.row_shape)
+                source.fill(out, start, stop)
+                # checksums while the piece is still in cache; the writer only writes
+                entry.sums += [checksum(row) for row in piece.numpy()]
+                self._queue.put(("write", entry, piece.numpy()))
+        except BaseException:
+            entry.error = "disk tier: packing the entry failed"
+            self._queue.put(("close", entry, buffer))
+            entry.written.wait()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        self._queue.put(("close", entry, buffer))
         with self._lock:
             self._entries[key] = entry
-        self._queue.put((entry, data))
         self.stats.spills += 1
         self.stats.spilled_bytes += nbytes
 
@@ -92,30 +144,35 @@ class DiskTier(Tier):
             entry.written.wait()
 
     def _write_loop(self) -> None:
+        files: dict[_Entry, object] = {}
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            entry, data = item
-            raw = (
-                data.view(torch.uint8).reshape(entry.nblocks, -1).numpy() if entry.nblocks else None
-            )
-            sums = [zlib.crc32(row) for row in raw] if raw is not None else []
-            header = json.dumps(
-                {"shape": entry.shape, "dtype": str(data.dtype), "crc32": sums}
-            ).encode()
+            op, entry, data = item
             try:
-                fd = os.open(entry.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(_HEAD.pack(_MAGIC, len(header)) + header)
-                    if raw is not None:
-                        f.write(memoryview(raw).cast("B"))
+                if op == "open" and entry.error is None:
+                    fd = os.open(entry.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    files[entry] = os.fdopen(fd, "wb", buffering=0)
+                elif op == "write" and entry.error is None:
+                    view, f = memoryview(data).cast("B"), files[entry]
+                    while view:
+                        view = view[f.write(view) :]
             except OSError as e:
                 entry.error = f"disk tier: writing {entry.path} failed: {e}"
-            finally:
+            if op == "close":
+                f = files.pop(entry, None)
+                if f is not None:
+                    try:
+                        f.close()
+                    except OSError as e:
+                        entry.error = entry.error or f"disk tier: closing {entry.path} failed: {e}"
+                self._buffers.give(data)
                 entry.written.set()
 
-    def get(self, key: str) -> torch.Tensor:
+    def get_into(self, key: str, sink: Callable[[torch.Tensor, int, int], None]) -> int:
+        """Read the entry back in pieces; every block is verified before `sink` sees it.
+        The pieces are views of a reused buffer, valid only during the call."""
         entry = self._entries.get(key)
         if entry is None:
             raise TierError(f"disk tier holds no entry {key!r}")
@@ -123,35 +180,53 @@ class DiskTier(Tier):
         if entry.error is not None:
             self.stats.failures += 1
             raise TierError(entry.error)
+        n, bb = entry.nblocks, self.block_bytes
+        per = self._rows_per_chunk()
+        if self._read_buffer.nbytes < min(n, per) * bb:
+            self._read_buffer = np.empty(min(n, per) * bb, dtype=np.uint8)
         try:
-            with open(entry.path, "rb") as f:
-                blob = f.read()
+            with open(entry.path, "rb", buffering=0) as f:
+                if os.fstat(f.fileno()).st_size != n * bb:
+                    self.stats.failures += 1
+                    raise CorruptBlock(f"disk tier: {entry.path} is truncated or not a spill file")
+                for start in range(0, n, per):
+                    stop = min(n, start + per)
+                    piece = self._read_buffer[: (stop - start) * bb]
+                    view = memoryview(piece)
+                    while view:
+                        got = f.readinto(view)
+                        if not got:
+                            self.stats.failures += 1
+                            raise CorruptBlock(f"disk tier: {entry.path} is truncated")
+                        view = view[got:]
+                    rows = piece.reshape(stop - start, bb)
+                    for i, row in enumerate(rows, start):
+                        if checksum(row) != entry.sums[i]:
+                            self.stats.failures += 1
+                            raise CorruptBlock(
+                                f"disk tier: block {i} of {key!r} fails its checksum"
+                            )
+                    sink(
+                        torch.from_numpy(rows)
+                        .view(entry.dtype)
+                        .view(stop - start, *entry.shape[1:]),
+                        start,
+                        stop,
+                    )
         except OSError as e:
             self.stats.failures += 1
             raise TierError(f"disk tier: reading {entry.path} failed: {e}") from None
-        header, body = None, b""
-        if len(blob) >= _HEAD.size:
-            magic, size = _HEAD.unpack_from(blob)
-            try:
-                header = (
-                    json.loads(blob[_HEAD.size : _HEAD.size + size]) if magic == _MAGIC else None
-                )
-            except ValueError:
-                header = None
-            body = blob[_HEAD.size + size :]
-        expected = entry.nblocks * self.block_bytes
-        if header is None or len(body) != expected or len(header.get("crc32", [])) != entry.nblocks:
-            self.stats.failures += 1
-            raise CorruptBlock(f"disk tier: {entry.path} is truncated or not a spill file")
-        raw = np.frombuffer(body, dtype=np.uint8).reshape(entry.nblocks, self.block_bytes)
-        for i, (row, crc) in enumerate(zip(raw, header["crc32"])):
-            if zlib.crc32(row) != crc:
-                self.stats.failures += 1
-                raise CorruptBlock(f"disk tier: block {i} of {key!r} fails its checksum")
         self.stats.reloads += 1
-        self.stats.reloaded_bytes += expected
-        data = torch.from_numpy(raw.copy()) if entry.nblocks else torch.empty(0, dtype=torch.uint8)
-        return data.view(entry.dtype).reshape(entry.shape)
+        self.stats.reloaded_bytes += n * bb
+        return n
+
+    def get(self, key: str) -> torch.Tensor:
+        entry = self._entries.get(key)
+        if entry is None:
+            raise TierError(f"disk tier holds no entry {key!r}")
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        self.get_into(key, lambda rows, start, stop: out[start:stop].copy_(rows))
+        return out
 
     def discard(self, key: str) -> None:
         with self._lock:

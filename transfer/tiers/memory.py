@@ -20,7 +20,16 @@ import time
 
 import torch
 
-from transfer.tiers.base import Tier, TierError
+from transfer.tiers.base import BlockSource, Tier, TierError, as_source
+
+
+def _runs(slots: list[int]):
+    """(start, stop) index ranges of `slots` whose values are consecutive."""
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            yield start, i
+            start = i
 
 
 class MemoryTier(Tier):
@@ -48,30 +57,54 @@ class MemoryTier(Tier):
     def used_blocks(self) -> int:
         return self.capacity_blocks - len(self._free)
 
-    def put(self, key: str, staging: torch.Tensor) -> None:
-        n = self._check_put(key, staging)
+    def put(self, key: str, data: torch.Tensor | BlockSource) -> None:
+        """The blocks are packed straight into the slots (one copy), one run of consecutive
+        slots at a time: a single run in the usual case."""
+        source = as_source(data)
+        n = self._check_put(key, source)
         slots = [self._free.pop() for _ in range(n)]
-        rows = staging.reshape(n, -1).view(torch.uint8) if n else staging
-        if n and slots[-1] - slots[0] == n - 1:  # consecutive slots (the usual case): memcpy
-            self.slots[slots[0] : slots[0] + n].copy_(rows)
-        elif n:
-            self.slots[torch.tensor(slots)] = rows.cpu()
-        self._entries[key] = (slots, staging.shape, staging.dtype)
+        try:
+            for start, stop in _runs(slots):
+                first = slots[start]
+                rows = self.slots[first : first + stop - start]
+                source.fill(
+                    rows.view(source.dtype).view(stop - start, *source.row_shape), start, stop
+                )
+        except BaseException:
+            self._free.extend(slots)
+            self._free.sort(reverse=True)
+            raise
+        self._entries[key] = (slots, source.shape, source.dtype)
         self.stats.spills += 1
         self.stats.spilled_bytes += n * self.block_bytes
 
     def get(self, key: str) -> torch.Tensor:
         """May be a view into the tier's memory: use it before the next put."""
-        if key not in self._entries:
-            raise TierError(f"{self.name} tier holds no entry {key!r}")
-        slots, shape, dtype = self._entries[key]
+        slots, shape, dtype = self._entry(key)
         if slots and slots[-1] - slots[0] == len(slots) - 1:
             data = self.slots[slots[0] : slots[0] + len(slots)]  # a view: no copy
         else:
             data = self.slots[torch.tensor(slots, dtype=torch.long)] if slots else self.slots[:0]
-        self.stats.reloads += 1
-        self.stats.reloaded_bytes += len(slots) * self.block_bytes
+        self._account_get(len(slots))
         return data.view(dtype).reshape(shape)
+
+    def get_into(self, key: str, sink) -> int:
+        """The sink reads each run of consecutive slots in place: no intermediate copy."""
+        slots, shape, dtype = self._entry(key)
+        for start, stop in _runs(slots):
+            rows = self.slots[slots[start] : slots[start] + stop - start]
+            sink(rows.view(dtype).view(stop - start, *shape[1:]), start, stop)
+        self._account_get(len(slots))
+        return len(slots)
+
+    def _entry(self, key: str):
+        if key not in self._entries:
+            raise TierError(f"{self.name} tier holds no entry {key!r}")
+        return self._entries[key]
+
+    def _account_get(self, n: int) -> None:
+        self.stats.reloads += 1
+        self.stats.reloaded_bytes += n * self.block_bytes
 
     def discard(self, key: str) -> None:
         entry = self._entries.pop(key, None)
@@ -127,16 +160,26 @@ class CXLTier(MemoryTier):
         if rest > 0:
             time.sleep(rest)
 
-    def put(self, key: str, staging: torch.Tensor) -> None:
+    def put(self, key: str, data: torch.Tensor | BlockSource) -> None:
         start = time.perf_counter()
-        super().put(key, staging)
-        self._pace(start, staging.numel() * staging.element_size())
+        source = as_source(data)
+        super().put(key, source)
+        self._pace(start, source.n * self.block_bytes)
 
     def get(self, key: str) -> torch.Tensor:
+        """A copy of the entry out of CXL memory into DRAM."""
         start = time.perf_counter()
-        data = super().get(key).clone()  # out of the CXL device's memory into DRAM
+        data = super().get(key).clone()
         self._pace(start, data.numel() * data.element_size())
         return data
+
+    def get_into(self, key: str, sink) -> int:
+        """The sink (the unpack) reads straight from CXL memory, as a load or DMA from a
+        real expander would; the pacing covers that copy."""
+        start = time.perf_counter()
+        n = super().get_into(key, sink)
+        self._pace(start, n * self.block_bytes)
+        return n
 
     def close(self) -> None:
         self.slots = None  # the only view of the mapping

@@ -13,10 +13,11 @@ ReloadFailed means the bytes are gone or wrong: the caller must recompute, never
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
-from transfer.tiers.base import Tier, TierError, TierFull
+from transfer.tiers.base import BlockSource, Tier, TierError, TierFull
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +38,13 @@ class TieredStore:
         self.tiers = tiers
         self.where: dict[str, Tier] = {}
 
-    def spill(self, key: str, staging: torch.Tensor) -> str:
+    def spill(self, key: str, data: torch.Tensor | BlockSource) -> str:
+        """`data`: a staging tensor or a BlockSource (packed straight into the tier taking it).
+        -> the name of that tier."""
         reasons = []
         for tier in self.tiers:
             try:
-                tier.put(key, staging)
+                tier.put(key, data)
             except TierFull as e:
                 reasons.append(str(e))
                 continue
@@ -54,16 +57,32 @@ class TieredStore:
         raise SpillFailed(f"no tier took {key!r}: " + "; ".join(reasons or ["no tiers"]))
 
     def reload(self, key: str) -> torch.Tensor:
-        tier = self.where.pop(key, None)
+        return self._take(key, lambda tier: tier.get(key))
+
+    def reload_into(
+        self, key: str, sink: Callable[[torch.Tensor, int, int], None], keep: bool = False
+    ) -> int:
+        """Like reload, but the blocks go to sink(rows, start, stop) piece by piece (see
+        Tier.get_into): no intermediate copy. `keep`: the entry stays stored (unless it
+        fails). -> the number of blocks."""
+        return self._take(key, lambda tier: tier.get_into(key, sink), keep)
+
+    def _take(self, key: str, read, keep: bool = False):
+        tier = self.where.get(key) if keep else self.where.pop(key, None)
         if tier is None:
             raise ReloadFailed(f"{key!r} was not spilled")
+        failed = True
         try:
-            return tier.get(key)
+            result = read(tier)
+            failed = False
+            return result
         except TierError as e:
             log.warning("reload of %s from the %s tier failed: %s", key, tier.name, e)
             raise ReloadFailed(str(e)) from None
         finally:
-            tier.discard(key)
+            if failed or not keep:
+                self.where.pop(key, None)
+                tier.discard(key)
 
     def discard(self, key: str) -> None:
         tier = self.where.pop(key, None)
