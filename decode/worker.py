@@ -83,9 +83,13 @@ class DecodeWorker:
         admission: str = "greedy",
         admission_margin: float = 0.05,
     ) -> None:
-        # Reserved blocks are filled by prefill workers, so they must be private: no prefix
-        # matching on this side (a later issue reuses cached prefixes here too).
-        self.engine = LLMEngine(model, dataclasses.replace(args, enable_prefix_caching=False))
+        # Reserved blocks are filled by prefill workers, so they are always fresh, never
+        # matched against cached prefixes. Hashes (prefix caching) are kept only with
+        # --prefix-offload: then blocks computed here stay cached when freed, go to the spill
+        # tiers when evicted, and a request computed again after a preemption (or any later
+        # one with the same prefix, when it is recomputed here) reloads them.
+        cache = args.prefix_offload
+        self.engine = LLMEngine(model, dataclasses.replace(args, enable_prefix_caching=cache))
         self.worker_id = worker_id
         endpoint = kv_endpoint(self.engine, model, worker_id, transfer)
         self.geometry, self.layout = endpoint.geometry, endpoint.layout
@@ -118,7 +122,8 @@ class DecodeWorker:
             if refused is not None:
                 self.metrics.refused.inc()
                 raise ReservationError(refused)
-            req.block_ids, _ = self.engine.allocator.allocate(prompt)
+            alloc = self.engine.allocator
+            req.block_ids = alloc.allocate_fresh(alloc.blocks_needed(len(prompt)))
             self.reservations[request_id] = Reservation(req, time.monotonic() + lease_s)
             return list(req.block_ids)
 

@@ -179,6 +179,7 @@ class PrefillWorker:
         self.jobs.put(None)
         self._thread.join(timeout=10)
         self.agent.close()
+        self.engine.close()  # the spill tiers of --prefix-offload
 
     # -- the loop -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -213,7 +214,10 @@ class PrefillWorker:
                 assert runnable, "a lone prompt must fit the empty pool"
                 self._carry.append(job)
                 continue
-            req.block_ids, req.num_computed_tokens = alloc.allocate(req.token_ids)
+            req.block_ids, cached = alloc.allocate(req.token_ids)
+            if self.engine.prefixes is not None:  # offloaded prefix blocks come back
+                cached = self.engine.prefixes.extend(req.token_ids, req.block_ids, cached)
+            req.num_computed_tokens = cached
             runnable.append(job)
             with self.lock:
                 self.queued_tokens -= len(req.token_ids)

@@ -68,7 +68,7 @@ class Admission:
     def check(self, prompt: list[int], max_tokens: int, held: list[Held]) -> str | None:
         """None when the request may be admitted, else why not."""
         alloc = self.allocator
-        if not alloc.can_allocate(prompt):
+        if alloc.blocks_needed(len(prompt)) > alloc.num_free_blocks:  # fresh blocks only
             return (
                 f"{alloc.blocks_needed(len(prompt))} KV blocks needed, {alloc.num_free_blocks} free"
             )

@@ -35,6 +35,10 @@ class EngineArgs:
     spill_disk_blocks: int | None = None
     spill_dir: str | None = None  # the disk tier's private directory is made under this
     cxl_path: str | None = None  # a file or DAX device backing the CXL tier; None: emulated
+    # Full blocks evicted from the device prefix cache go to the spill tiers (host, and with
+    # preemption="tiered" CXL then disk) with their hashes, and later prompts with the same
+    # prefix reload them instead of computing them (pdserve/kv/prefix_offload.py).
+    prefix_offload: bool = False
     cxl_bandwidth_gb_s: float = 32.0
     cxl_latency_us: float = 0.4
 
@@ -47,6 +51,8 @@ class EngineArgs:
             raise ValueError(f"num_kv_blocks: must be > 0, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory: must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.prefix_offload and not self.enable_prefix_caching:
+            raise ValueError("prefix_offload: needs enable_prefix_caching")
         for name in ("spill_host_blocks", "spill_cxl_blocks", "spill_disk_blocks"):
             value = getattr(self, name)
             if value is not None and value < 0:

@@ -16,6 +16,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv import BlockAllocator, KVCache
+from pdserve.kv.prefix_offload import PrefixOffload, is_prefix_key
 from pdserve.models import build_model
 from pdserve.outputs import RequestMetrics, RequestOutput
 from pdserve.sampling_params import SamplingParams
@@ -42,8 +43,12 @@ class LLMEngine:
         self.kv_cache = KVCache(
             self.model_config, cc.num_blocks, cc.block_size, self.dtype, self.device
         )
-        self.spiller = self._spiller(args) if args.preemption != "recompute" else None
-        self.scheduler = Scheduler(self.scheduler_config, self.allocator, self.spiller)
+        tiers = args.preemption != "recompute" or args.prefix_offload
+        self.spiller = self._spiller(args) if tiers else None
+        self.prefixes = PrefixOffload(self.spiller, self.allocator) if args.prefix_offload else None
+        self.scheduler = Scheduler(
+            self.scheduler_config, self.allocator, self.spiller, self.prefixes
+        )
         self.runner = ModelRunner(self.model, self.kv_cache, backend, self.device, args.seed)
         self._ids = itertools.count()
 
@@ -182,4 +187,8 @@ class LLMEngine:
         if self.spiller is not None:
             self.spiller.store.check_integrity()
             parked = {r.request_id for r in self.scheduler.swapped}
-            assert set(self.spiller.store.where) == parked, "spilled KV without its request"
+            spilled = {k for k in self.spiller.store.where if not is_prefix_key(k)}
+            assert spilled == parked, "spilled KV without its request"
+        if self.prefixes is not None:
+            self.prefixes.check_integrity()
+            assert self.prefixes.held_blocks == len(self.spiller.store.where) - len(parked)

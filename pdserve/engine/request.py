@@ -36,6 +36,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    dropped_tokens: int = 0  # KV dropped by a preemption, not yet computed again
     logprobs: list[dict[int, float]] = field(default_factory=list)
 
     @property

@@ -8,9 +8,10 @@ progress since admission, and LIFO keeps the oldest requests moving).
 
 What happens to the victim's KV is the preemption policy (`SchedulerConfig.preemption`):
 `recompute` drops it and the request waits to be computed again (from its prefix-cache hits
-where they survive); `swap`/`tiered` hand its blocks to the spiller (host, then CXL, then
-disk), free them, and park the request in `swapped`; parked requests come back, their KV
-reloaded into fresh blocks, before any new request is admitted. A spill no tier can take, or
+where they survive, on the device or offloaded to the tiers: pdserve/kv/prefix_offload.py);
+`swap`/`tiered` hand its blocks to the spiller (host, then CXL, then disk), free them, and
+park the request in `swapped`; parked requests come back, their KV reloaded into fresh
+blocks, before any new request is admitted. A spill no tier can take, or
 a reload that fails (lost, checksum), falls back to recompute.
 
 The runner gets plain data (`ScheduledChunk`), never the scheduler's own objects.
@@ -53,7 +54,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, spiller=None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, allocator: BlockAllocator, spiller=None, prefixes=None
+    ) -> None:
         self.config = config
         self.allocator = allocator
         self.waiting: deque[Request] = deque()
@@ -61,6 +64,8 @@ class Scheduler:
         self.swapped: deque[Request] = deque()  # preempted, KV parked in a spill tier
         # pdserve.kv.spill.KVSpiller (or anything with spill/reload/discard)
         self.spiller = spiller if config.preemption != "recompute" else None
+        # pdserve.kv.prefix_offload.PrefixOffload: reloads offloaded prefix blocks on admission
+        self.prefixes = prefixes
         self.preemptions = 0
         self.recomputed_tokens = 0
 
@@ -102,7 +107,14 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.block_ids, cached = self.allocator.allocate(req.token_ids)
+            if self.prefixes is not None:
+                cached = self.prefixes.extend(req.token_ids, req.block_ids, cached)
             req.num_computed_tokens = cached
+            if req.dropped_tokens:  # computed before a preemption dropped them
+                redo = max(0, req.dropped_tokens - cached)
+                req.metrics.recomputed_tokens += redo
+                self.recomputed_tokens += redo
+                req.dropped_tokens = 0
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.monotonic()
                 req.metrics.cached_prompt_tokens = cached
@@ -168,9 +180,9 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _drop_kv(self, req: Request) -> None:
-        """The request's KV is gone: everything computed so far will be computed again."""
-        req.metrics.recomputed_tokens += req.num_computed_tokens
-        self.recomputed_tokens += req.num_computed_tokens
+        """The request's KV is gone: what it had computed will be computed again when it is
+        admitted, less what the prefix cache (device or offloaded) still holds then."""
+        req.dropped_tokens = max(req.dropped_tokens, req.num_computed_tokens)
         req.num_computed_tokens = 0
 
     @staticmethod

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -53,6 +53,9 @@ class BlockAllocator:
         self._num_free = num_blocks
         self._free_heap: list[int] = list(range(num_blocks))  # may hold stale ids
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        # called as on_evict(block, hash) just before a cached block is reused, while its KV
+        # is intact (pdserve/kv/prefix_offload.py copies it to the spill tiers)
+        self.on_evict: Callable[[int, int], None] | None = None
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -67,7 +70,8 @@ class BlockAllocator:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _prefix_hashes(self, token_ids: Sequence[int], num_blocks: int) -> list[int]:
+    def prefix_hashes(self, token_ids: Sequence[int], num_blocks: int) -> list[int]:
+        """The chain hashes of the first `num_blocks` full blocks of `token_ids`."""
         hashes, parent, bs = [], None, self.block_size
         for i in range(num_blocks):
             parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
@@ -79,7 +83,7 @@ class BlockAllocator:
         if not self.enable_prefix_caching:
             return []
         hits = []
-        for h in self._prefix_hashes(token_ids, (len(token_ids) - 1) // self.block_size):
+        for h in self.prefix_hashes(token_ids, (len(token_ids) - 1) // self.block_size):
             block = self.hash_to_block.get(h)
             if block is None:
                 break
@@ -214,6 +218,8 @@ class BlockAllocator:
             block, _ = self._evictable.popitem(last=False)
             h = self.block_hash[block]
             assert h is not None
+            if self.on_evict is not None:
+                self.on_evict(block, h)
             del self.hash_to_block[h]
             self.block_hash[block] = None
             assert self.ref_counts[block] == 0

@@ -47,6 +47,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         spill_disk_blocks=getattr(args, "spill_disk_blocks", None),
         spill_dir=getattr(args, "spill_dir", None),
         cxl_path=getattr(args, "cxl_path", None),
+        prefix_offload=args.prefix_offload,
     )
 
 
@@ -166,13 +167,21 @@ def add_serve_parser(sub) -> None:
             p.add_argument("--device", default="auto")
             p.add_argument("--max-num-batched-tokens", type=int, default=2048)
             p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+            p.add_argument(
+                "--prefix-offload",
+                action="store_true",
+                help="full blocks evicted from the prefix cache go to the spill tiers with "
+                "their hashes; later prompts with the same prefix reload them",
+            )
+            p.add_argument(
+                "--spill-host-blocks", type=int, default=None, help="host tier size in blocks"
+            )
             if role == "decode":
                 p.add_argument("--admission", default="greedy", choices=["greedy", "kv-aware"])
                 p.add_argument("--admission-margin", type=float, default=0.05)
                 p.add_argument(
                     "--preemption", default="recompute", choices=["recompute", "swap", "tiered"]
                 )
-                p.add_argument("--spill-host-blocks", type=int, default=None)
                 p.add_argument("--spill-cxl-blocks", type=int, default=None)
                 p.add_argument("--spill-disk-blocks", type=int, default=None)
                 p.add_argument("--spill-dir", default=None, help="parent of the spill directory")

@@ -1,0 +1,190 @@
+"""Offloaded prefix blocks: full blocks evicted from the device prefix cache go to the spill
+tiers with their hashes, and a later prompt with the same prefix reloads them instead of
+computing them. Outputs never change; check_integrity() after every step."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from pdserve import SamplingParams
+from pdserve.engine.args import EngineArgs
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv.prefix_offload import prefix_key
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+SHARED = list(range(40, 56))  # 16 tokens: 4 full blocks of 4
+FILLERS = [[100 + 7 * i + j for j in range(30)] for i in range(4)]  # evict everything
+
+
+def engine(tmp_path, **kw) -> LLMEngine:
+    kw = {"block_size": 4, "num_kv_blocks": 12, "spill_dir": str(tmp_path), **kw}
+    return LLMEngine("tiny-llama", EngineArgs(**kw))
+
+
+def run(eng: LLMEngine, prompts, params=GREEDY):
+    ids = [eng.add_request(p, params) for p in prompts]
+    outs = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            outs[out.request_id] = out
+        eng.check_integrity()
+    return [outs[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    roomy = LLMEngine("tiny-llama", EngineArgs(block_size=4, num_kv_blocks=256))
+    return lambda prompts, params=GREEDY: [o.token_ids for o in run(roomy, prompts, params)]
+
+
+def test_an_evicted_prefix_is_reloaded_instead_of_computed(tmp_path, reference):
+    eng = engine(tmp_path, prefix_offload=True)
+    a, b = SHARED + [1, 2, 3], SHARED + [9, 8]
+    hashes = eng.allocator.prefix_hashes(a, 4)
+    assert run(eng, [a])[0].token_ids == reference([a])[0]
+    assert all(h in eng.allocator.hash_to_block for h in hashes)  # cached on the device
+    for filler in FILLERS:  # one at a time: each needs most of the 12-block pool
+        run(eng, [filler])
+    assert not any(h in eng.allocator.hash_to_block for h in hashes)  # evicted ...
+    assert all(h in eng.prefixes for h in hashes)  # ... to the host tier, hashes kept
+    assert all(prefix_key(h) in eng.spiller.store for h in hashes)
+    reloaded = eng.prefixes.reloaded_blocks
+    out = run(eng, [b])[0]
+    assert out.token_ids == reference([b])[0]
+    assert out.metrics.cached_prompt_tokens == 16  # all 4 shared blocks, none computed
+    assert eng.prefixes.reloaded_blocks - reloaded == 4
+    eng.close()
+
+
+def test_without_offload_the_evicted_prefix_is_computed_again(tmp_path):
+    eng = engine(tmp_path)
+    run(eng, [SHARED + [1, 2, 3]])
+    for filler in FILLERS:
+        run(eng, [filler])
+    assert run(eng, [SHARED + [9, 8]])[0].metrics.cached_prompt_tokens == 0
+    assert eng.spiller is None and eng.prefixes is None
+
+
+def test_a_recomputed_request_reloads_its_offloaded_prefix(tmp_path, reference):
+    """Recompute preemption: the victim's full blocks stay cached when freed, are offloaded
+    when reused, and come back when the victim is admitted again."""
+    prompts = [[i + 5] * 20 for i in range(6)]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    expected = reference(prompts, params)
+    plain = engine(tmp_path, num_kv_blocks=26)
+    assert [o.token_ids for o in run(plain, prompts, params)] == expected
+    offload = engine(tmp_path, num_kv_blocks=26, prefix_offload=True)
+    outs = run(offload, prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.metrics.preemptions for o in outs) > 0
+    assert offload.prefixes.reloaded_blocks > 0
+    redo, plain_redo = offload.scheduler.recomputed_tokens, plain.scheduler.recomputed_tokens
+    assert redo == sum(o.metrics.recomputed_tokens for o in outs)
+    assert redo < plain_redo  # reloaded blocks are not computed again
+    offload.close()
+
+
+def test_spills_of_preempted_requests_win_over_cached_prefixes(tmp_path, reference):
+    """A host tier of 24 blocks (these requests park at most 20 at once): offloaded prefixes
+    fill it first, and a preempted request's spill makes room by dropping the oldest of them
+    instead of falling back to recompute."""
+    prompts = [[i + 5] * 20 for i in range(6)]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    eng = engine(
+        tmp_path, num_kv_blocks=26, preemption="swap", prefix_offload=True, spill_host_blocks=24
+    )
+    for filler in FILLERS + [[f + 1 for f in filler] for filler in FILLERS]:
+        run(eng, [filler])
+    assert eng.prefixes.held_blocks >= 20  # the tier is (nearly) full of cached prefixes
+    outs = run(eng, prompts, params)
+    assert [o.token_ids for o in outs] == reference(prompts, params)
+    assert sum(o.metrics.spills for o in outs) == sum(o.metrics.preemptions for o in outs) > 0
+    assert eng.spiller.failed_spills == 0 and eng.scheduler.recomputed_tokens == 0
+    assert eng.spiller.made_room > 0  # the oldest prefixes made room for the spills
+    eng.close()
+
+
+def test_a_corrupt_offloaded_prefix_is_computed_never_used(tmp_path, reference, caplog):
+    eng = engine(
+        tmp_path,
+        preemption="tiered",
+        prefix_offload=True,
+        spill_host_blocks=0,
+        spill_cxl_blocks=0,  # every offloaded block goes to disk
+    )
+    run(eng, [SHARED + [1, 2, 3]])
+    for filler in FILLERS:
+        run(eng, [filler])
+    disk = eng.spiller.store.tiers[-1]
+    disk.flush()
+    second = eng.allocator.prefix_hashes(SHARED, 2)[1]
+    with open(disk._entries[prefix_key(second)].path, "r+b") as f:  # the second shared block
+        byte = f.read(1)[0]
+        f.seek(0)
+        f.write(bytes([byte ^ 0x40]))
+    caplog.set_level(logging.WARNING)
+    out = run(eng, [SHARED + [9, 8]])[0]
+    assert out.token_ids == reference([SHARED + [9, 8]])[0]
+    assert out.metrics.cached_prompt_tokens == 4  # the first block only; the rest computed
+    assert "fails its checksum" in caplog.text
+    assert second not in eng.prefixes
+    directory = disk.directory
+    eng.close()
+    assert not os.path.exists(directory)
+
+
+def test_prefix_offload_needs_prefix_caching():
+    with pytest.raises(ValueError, match="prefix_offload: needs enable_prefix_caching"):
+        EngineArgs(prefix_offload=True, enable_prefix_caching=False)
+
+
+def test_a_prefill_worker_reloads_offloaded_prefixes_and_decode_reserves_fresh_blocks():
+    """Real workers (NIXL, one process): the prefill worker's small pool evicts the shared
+    prefix to its host tier and reloads it for the next prompt; the decode worker, with
+    hashes on, still reserves fresh blocks for every prompt (the prefill worker writes them)."""
+    from decode.worker import DecodeWorker
+    from pdserve import LLM
+    from prefill.worker import PrefillWorker
+    from test_handoff import destination
+
+    shared = list(range(3, 51))  # 48 tokens: 3 full blocks of 16
+    prefill = PrefillWorker(
+        "tiny-llama", "p-offload", "nixl", EngineArgs(num_kv_blocks=8, prefix_offload=True)
+    )
+    decode = DecodeWorker(
+        "tiny-llama", "d-offload", "nixl", EngineArgs(num_kv_blocks=32, prefix_offload=True)
+    )
+    reference = LLM("tiny-llama", block_size=16)
+    try:
+
+        def handoff(rid: str, prompt: list[int]) -> list[int]:
+            blocks = decode.reserve(rid, prompt, GREEDY, lease_s=30)
+            cached = set(decode.engine.allocator.hash_to_block.values())
+            assert not cached & set(blocks)  # fresh, never a cached prefix block
+            dest = destination(decode, blocks)
+            result = prefill.submit(rid, prompt, GREEDY, dest).result(60)
+            stream, tokens = decode.start(rid, result.first_token), []
+            while not isinstance(item := stream.tokens.get(timeout=30), tuple):
+                tokens.append(item)
+            decode.check_integrity()
+            prefill.check_integrity()
+            return tokens
+
+        first = shared + [1, 2, 3]
+        assert handoff("a", first) == reference.generate([first], GREEDY)[0].token_ids
+        for i in range(3):  # 100-token prompts: 7 of the 8 blocks each
+            handoff(f"fill-{i}", [200 + 3 * i + j for j in range(100)])
+        hashes = prefill.engine.allocator.prefix_hashes(shared, 3)
+        assert all(h in prefill.engine.prefixes for h in hashes)
+        assert not any(h in prefill.engine.allocator.hash_to_block for h in hashes)
+        reloaded = prefill.engine.prefixes.reloaded_blocks
+        second = shared + [9, 8, 7]
+        assert handoff("b", second) == reference.generate([second], GREEDY)[0].token_ids
+        assert prefill.engine.prefixes.reloaded_blocks - reloaded == 3
+        assert decode.engine.allocator.hash_to_block  # decode keeps hashes of its blocks
+    finally:
+        prefill.close()
+        decode.close()
