@@ -129,6 +129,15 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     return _report(bench_tiers(args.model, quick=args.quick), format_table, args.json)
 
 
+def cmd_bench_preempt_cost(args: argparse.Namespace) -> int:
+    from pdserve.bench.preempt_cost import bench_preempt_cost, format_table
+
+    report = bench_preempt_cost(
+        args.model, tuple(args.contexts), batch=args.batch, steps=args.steps, reps=args.reps
+    )
+    return _report(report, format_table, args.json)
+
+
 def cmd_bench_sweep(args: argparse.Namespace) -> int:
     from pdserve.bench.report import write_json
     from pdserve.bench.sweep import bench_sweep, format_table
@@ -281,6 +290,17 @@ def build_parser() -> argparse.ArgumentParser:
     ti.add_argument("--quick", action="store_true")
     ti.add_argument("--json", default=None)
     ti.set_defaults(func=cmd_bench_tiers)
+
+    pc = bench_sub.add_parser(
+        "preempt-cost", help="one preemption's cost in decode steps: recompute vs spill+reload"
+    )
+    pc.add_argument("--model", default=DEMO_MODEL)
+    pc.add_argument("--contexts", type=_int_list, default=[256, 1024, 2048])
+    pc.add_argument("--batch", type=int, default=8, help="requests in the decode batch")
+    pc.add_argument("--steps", type=int, default=5, help="decode steps timed per context")
+    pc.add_argument("--reps", type=int, default=3)
+    pc.add_argument("--json", default=None)
+    pc.set_defaults(func=cmd_bench_preempt_cost)
 
     sw = bench_sub.add_parser("sweep", help="throughput and latency vs concurrency per policy")
     sw.add_argument("--model", default=DEMO_MODEL)

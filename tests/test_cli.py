@@ -218,9 +218,34 @@ def test_bench_tiers_round_trips_every_tier_bit_exact(tmp_path):
     proc = run_cli("bench", "tiers", "--model", "tiny-llama", "--quick", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["tier"], r["blocks"]) for r in rows} == {
-        (t, n) for t in ("host", "cxl", "disk") for n in (1, 6, 32)
-    }
+    assert sorted((r["tier"], r["layout"], r["blocks"]) for r in rows) == sorted(
+        (t, layout, n)
+        for t in ("host", "cxl", "disk")
+        for layout in ("run", "scattered")
+        for n in (1, 6, 32)
+    )
     for r in rows:
         assert r["bit_exact"] and r["spill_gb_s"] > 0 and r["reload_gb_s"] > 0
         assert r["raw_write_gb_s"] > 0 and r["raw_read_gb_s"] > 0
+
+
+def test_bench_preempt_cost_reports_recompute_and_swap_in_decode_steps(tmp_path):
+    out = tmp_path / "cost.json"
+    proc = run_cli(
+        "bench", "preempt-cost", "--model", "tiny-llama", "--contexts", "32,96",
+        "--batch", "3", "--steps", "2", "--reps", "1", "--json", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "recompute ms" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["context"], r["batch"]) for r in rows] == [(32, 3), (96, 3)]
+    for r in rows:
+        assert r["decode_step_s"] > 0 and r["recompute_s"] > 0 and r["spill_s"] > 0
+        assert r["recompute_steps"] == r["recompute_s"] / r["decode_step_s"]
+        assert r["recompute_tokens_lost"] == 3 * r["recompute_steps"]
+    assert rows[1]["kv_bytes"] == 3 * rows[0]["kv_bytes"]  # 6 blocks of 16 tokens vs 2
+
+
+def test_bench_preempt_cost_refuses_bad_contexts():
+    proc = run_cli("bench", "preempt-cost", "--model", "tiny-llama", "--contexts", "1")
+    assert proc.returncode == 2 and "contexts" in proc.stderr

@@ -145,10 +145,11 @@ def test_a_prefill_worker_reloads_offloaded_prefixes_and_decode_reserves_fresh_b
     """Real workers (NIXL, one process): the prefill worker's small pool evicts the shared
     prefix to its host tier and reloads it for the next prompt; the decode worker, with
     hashes on, still reserves fresh blocks for every prompt (the prefill worker writes them)."""
+    from test_handoff import destination
+
     from decode.worker import DecodeWorker
     from pdserve import LLM
     from prefill.worker import PrefillWorker
-    from test_handoff import destination
 
     shared = list(range(3, 51))  # 48 tokens: 3 full blocks of 16
     prefill = PrefillWorker(
