@@ -23,7 +23,7 @@ class DecodeService(rpc.DecodeServicer):
     def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         try:
             params = sampling_from_proto(request.sampling)
-            blocks = self.worker.reserve(
+            reserved = self.worker.reserve(
                 request.request_id, list(request.prompt_token_ids), params, request.lease_s or 30.0
             )
         except ValueError as e:
@@ -31,7 +31,8 @@ class DecodeService(rpc.DecodeServicer):
         except ReservationError as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         return pb.ReserveResponse(
-            block_ids=blocks,
+            block_ids=reserved.block_ids,
+            cached_blocks=reserved.cached_blocks,
             layout=pb.KVLayout(**self.worker.wire()),
             agent_metadata=self.worker.agent.metadata(),
             worker_id=self.worker.worker_id,

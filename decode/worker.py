@@ -42,6 +42,16 @@ class Reservation:
     request: Request
     deadline: float  # time.monotonic() after which the blocks go back to the pool
     reserved_at: float = field(default_factory=time.monotonic)
+    cached_blocks: int = 0  # leading blocks that already hold the prompt's KV
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """What Reserve answers: the prompt's blocks, of which the first `cached_blocks` already
+    hold its KV (a shared or reloaded prefix) and must not be pushed."""
+
+    block_ids: list[int]
+    cached_blocks: int = 0
 
 
 @dataclass
@@ -83,11 +93,11 @@ class DecodeWorker:
         admission: str = "greedy",
         admission_margin: float = 0.05,
     ) -> None:
-        # Reserved blocks are filled by prefill workers, so they are always fresh, never
-        # matched against cached prefixes. Hashes (prefix caching) are kept only with
-        # --prefix-offload: then blocks computed here stay cached when freed, go to the spill
-        # tiers when evicted, and a request computed again after a preemption (or any later
-        # one with the same prefix, when it is recomputed here) reloads them.
+        # Without --prefix-offload every reserved block is fresh and the prefill worker fills
+        # all of them. With it, blocks keep their prefix hashes here: a new prompt's leading
+        # full blocks are shared with cached ones (device) or reloaded from the spill tiers
+        # (offloaded), Reserve says how many, and the prefill worker pushes only the rest; a
+        # request computed again after a preemption reloads what it had the same way.
         cache = args.prefix_offload
         self.engine = LLMEngine(model, dataclasses.replace(args, enable_prefix_caching=cache))
         self.worker_id = worker_id
@@ -111,8 +121,10 @@ class DecodeWorker:
         self._loop.start()
 
     # -- control plane ----------------------------------------------------------------------
-    def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, lease_s: float):
-        """-> block ids for the prompt's KV. Raises ValueError (bad input) or ReservationError."""
+    def reserve(
+        self, request_id: str, prompt: list[int], params: SamplingParams, lease_s: float
+    ) -> Reserved:
+        """-> blocks for the prompt's KV. Raises ValueError (bad input) or ReservationError."""
         req = self.engine.make_request(prompt, params)
         req.request_id = request_id
         with self.lock:
@@ -122,10 +134,18 @@ class DecodeWorker:
             if refused is not None:
                 self.metrics.refused.inc()
                 raise ReservationError(refused)
-            alloc = self.engine.allocator
-            req.block_ids = alloc.allocate_fresh(alloc.blocks_needed(len(prompt)))
-            self.reservations[request_id] = Reservation(req, time.monotonic() + lease_s)
-            return list(req.block_ids)
+            alloc, cached = self.engine.allocator, 0
+            if alloc.enable_prefix_caching:  # never the block of the last token
+                req.block_ids, cached = alloc.allocate(prompt)
+                cached = self.engine.prefixes.extend(prompt, req.block_ids, cached)
+            else:
+                req.block_ids = alloc.allocate_fresh(alloc.blocks_needed(len(prompt)))
+            cached_blocks = cached // alloc.block_size
+            req.metrics.cached_prompt_tokens = cached
+            self.reservations[request_id] = Reservation(
+                req, time.monotonic() + lease_s, cached_blocks=cached_blocks
+            )
+            return Reserved(list(req.block_ids), cached_blocks)
 
     def start(self, request_id: str, first_token: int, wait_s: float = 10.0) -> Stream:
         """The prompt's KV has been pushed: decode from `first_token` on."""
@@ -139,7 +159,8 @@ class DecodeWorker:
             req.num_computed_tokens = req.num_prompt_tokens
             req.metrics.first_token_time = time.monotonic()
             planes = self.geometry.planes_per_layer * self.engine.model_config.num_layers
-            received = len(req.block_ids) * self.geometry.block_bytes * planes
+            pushed = len(req.block_ids) - res.cached_blocks
+            received = pushed * self.geometry.block_bytes * planes
             self.metrics.transfer_bytes.labels("received").inc(received)
             self.metrics.transfer_seconds.labels("received").observe(
                 req.metrics.first_token_time - res.reserved_at

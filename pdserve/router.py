@@ -234,6 +234,7 @@ class RouterService(rpc.RouterServicer):
                     sampling=sampling,
                     dest_worker_id=reserved.worker_id,
                     dest_block_ids=reserved.block_ids,
+                    dest_cached_blocks=reserved.cached_blocks,
                     dest_layout=reserved.layout,
                     dest_agent_metadata=reserved.agent_metadata,
                 ),

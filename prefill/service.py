@@ -25,6 +25,7 @@ class PrefillService(rpc.PrefillServicer):
             worker_id=request.dest_worker_id,
             agent_metadata=request.dest_agent_metadata,
             block_ids=list(request.dest_block_ids),
+            cached_blocks=request.dest_cached_blocks,
             wire_version=layout.wire_version,
             layout_hash=layout.layout_hash,
             geometry=PoolGeometry(

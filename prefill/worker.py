@@ -47,6 +47,7 @@ class Destination:
     layout_hash: str
     geometry: PoolGeometry  # of the decode worker's pool
     region: int  # the decode pool's region id in its agent
+    cached_blocks: int = 0  # leading blocks the decode worker already holds: not pushed
 
 
 @dataclass
@@ -157,6 +158,11 @@ class PrefillWorker:
             raise ValueError(
                 f"dest_block_ids: {len(dest.block_ids)} blocks for a {len(prompt)}-token prompt"
             )
+        if not 0 <= dest.cached_blocks < len(dest.block_ids):
+            raise ValueError(
+                f"dest_cached_blocks: {dest.cached_blocks} of {len(dest.block_ids)} blocks "
+                "(the last block is always pushed)"
+            )
         job = PrefillJob(req, dest)
         with self.lock:
             self.queued_tokens += len(prompt)
@@ -232,10 +238,11 @@ class PrefillWorker:
             peers = [self._peer(job.dest) for job in runnable]
             chunks = [self._chunk(job.request) for job in runnable]
 
+            # the blocks after those the decode worker already holds
             blocks = [
                 (
-                    np.asarray(j.request.block_ids[: len(j.dest.block_ids)]),
-                    np.asarray(j.dest.block_ids),
+                    np.asarray(j.request.block_ids[j.dest.cached_blocks : len(j.dest.block_ids)]),
+                    np.asarray(j.dest.block_ids[j.dest.cached_blocks :]),
                 )
                 for j in runnable
             ]

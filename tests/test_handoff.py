@@ -17,7 +17,7 @@ from transfer import HandshakeRefused
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-def destination(decode: DecodeWorker, blocks: list[int]) -> Destination:
+def destination(decode: DecodeWorker, blocks: list[int], cached_blocks: int = 0) -> Destination:
     wire = decode.wire()
     return Destination(
         worker_id=decode.worker_id,
@@ -29,6 +29,7 @@ def destination(decode: DecodeWorker, blocks: list[int]) -> Destination:
             wire["num_blocks"], wire["block_bytes"], decode.geometry.planes_per_layer
         ),
         region=wire["region"],
+        cached_blocks=cached_blocks,
     )
 
 
@@ -58,7 +59,7 @@ def test_kv_bytes_arrive_block_for_block_and_decoding_matches(pair, layerwise):
     prefill, decode = pair
     prefill.layerwise = layerwise
     prompt = list(range(3, 60))  # 57 tokens: 4 blocks, the last one partial
-    blocks = decode.reserve("r1", prompt, GREEDY, lease_s=30)
+    blocks = decode.reserve("r1", prompt, GREEDY, lease_s=30).block_ids
     assert len(blocks) == 4
     # snapshot the prefill side's blocks at the moment it releases them (push done)
     src, dst = prefill.engine.kv_cache, decode.engine.kv_cache
@@ -105,7 +106,7 @@ def test_layout_mismatch_is_refused_before_prefill():
         "tiny-llama", "d-bs32", "nixl", EngineArgs(block_size=32, num_kv_blocks=8)
     )
     try:
-        blocks = decode.reserve("r", [1, 2, 3], GREEDY, lease_s=30)
+        blocks = decode.reserve("r", [1, 2, 3], GREEDY, lease_s=30).block_ids
         with pytest.raises(HandshakeRefused, match="layout hash"):
             prefill.submit("r", [1, 2, 3], GREEDY, destination(decode, blocks))
         assert decode.release("r")
@@ -156,11 +157,11 @@ def test_prefill_prompts_that_do_not_fit_together_wait_for_the_next_batch():
         a, b = list(range(10, 58)), list(range(60, 100))  # 3 + 3 blocks > 4 in one batch
         futures = []
         for rid, prompt in (("a", a), ("b", b)):
-            blocks = decode.reserve(rid, prompt, GREEDY, lease_s=30)
+            blocks = decode.reserve(rid, prompt, GREEDY, lease_s=30).block_ids
             futures.append(prefill.submit(rid, prompt, GREEDY, destination(decode, blocks)))
         assert all(f.result(60).first_token >= 0 for f in futures)
         too_big = list(range(5, 5 + 16 * 5))  # 5 blocks: never fits a 4-block pool
-        blocks = decode.reserve("c", too_big, GREEDY, lease_s=30)
+        blocks = decode.reserve("c", too_big, GREEDY, lease_s=30).block_ids
         with pytest.raises(ValueError, match="needs 6 KV blocks but the pool has 4"):
             prefill.submit("c", too_big, GREEDY, destination(decode, blocks))
         for rid in ("a", "b", "c"):

@@ -141,10 +141,11 @@ def test_prefix_offload_needs_prefix_caching():
         EngineArgs(prefix_offload=True, enable_prefix_caching=False)
 
 
-def test_a_prefill_worker_reloads_offloaded_prefixes_and_decode_reserves_fresh_blocks():
-    """Real workers (NIXL, one process): the prefill worker's small pool evicts the shared
-    prefix to its host tier and reloads it for the next prompt; the decode worker, with
-    hashes on, still reserves fresh blocks for every prompt (the prefill worker writes them)."""
+def test_workers_reuse_cached_and_offloaded_prefixes_on_both_sides():
+    """Real workers (NIXL, one process), both with --prefix-offload and small pools. The
+    prefill worker evicts the shared prefix to its host tier and reloads it; the decode
+    worker shares its cached copy at Reserve, later reloads its offloaded copy, and either
+    way the prefill worker pushes only the blocks after the prefix."""
     from test_handoff import destination
 
     from decode.worker import DecodeWorker
@@ -156,36 +157,82 @@ def test_a_prefill_worker_reloads_offloaded_prefixes_and_decode_reserves_fresh_b
         "tiny-llama", "p-offload", "nixl", EngineArgs(num_kv_blocks=8, prefix_offload=True)
     )
     decode = DecodeWorker(
-        "tiny-llama", "d-offload", "nixl", EngineArgs(num_kv_blocks=32, prefix_offload=True)
+        "tiny-llama", "d-offload", "nixl", EngineArgs(num_kv_blocks=10, prefix_offload=True)
     )
+    block_bytes = decode.geometry.block_bytes * decode.wire()["planes"]
     reference = LLM("tiny-llama", block_size=16)
     try:
 
-        def handoff(rid: str, prompt: list[int]) -> list[int]:
-            blocks = decode.reserve(rid, prompt, GREEDY, lease_s=30)
-            cached = set(decode.engine.allocator.hash_to_block.values())
-            assert not cached & set(blocks)  # fresh, never a cached prefix block
-            dest = destination(decode, blocks)
+        def handoff(rid: str, prompt: list[int]) -> tuple[list[int], int, int]:
+            """-> (tokens, blocks the decode worker already had, bytes pushed)."""
+            reserved = decode.reserve(rid, prompt, GREEDY, lease_s=30)
+            dest = destination(decode, reserved.block_ids, reserved.cached_blocks)
             result = prefill.submit(rid, prompt, GREEDY, dest).result(60)
             stream, tokens = decode.start(rid, result.first_token), []
             while not isinstance(item := stream.tokens.get(timeout=30), tuple):
                 tokens.append(item)
             decode.check_integrity()
             prefill.check_integrity()
-            return tokens
+            return tokens, reserved.cached_blocks, result.transfer_bytes
 
-        first = shared + [1, 2, 3]
-        assert handoff("a", first) == reference.generate([first], GREEDY)[0].token_ids
-        for i in range(3):  # 100-token prompts: 7 of the 8 blocks each
+        def expected(prompt: list[int]) -> list[int]:
+            return reference.generate([prompt], GREEDY)[0].token_ids
+
+        first = shared + [1, 2, 3]  # 4 blocks
+        assert handoff("a", first) == (expected(first), 0, 4 * block_bytes)
+        second = shared + [9, 8, 7]
+        # decode had the prefix cached on its device: 3 blocks shared, 1 pushed
+        assert handoff("b", second) == (expected(second), 3, block_bytes)
+        for i in range(3):  # 100-token prompts: 7 blocks each, on both sides
             handoff(f"fill-{i}", [200 + 3 * i + j for j in range(100)])
         hashes = prefill.engine.allocator.prefix_hashes(shared, 3)
-        assert all(h in prefill.engine.prefixes for h in hashes)
-        assert not any(h in prefill.engine.allocator.hash_to_block for h in hashes)
-        reloaded = prefill.engine.prefixes.reloaded_blocks
-        second = shared + [9, 8, 7]
-        assert handoff("b", second) == reference.generate([second], GREEDY)[0].token_ids
-        assert prefill.engine.prefixes.reloaded_blocks - reloaded == 3
-        assert decode.engine.allocator.hash_to_block  # decode keeps hashes of its blocks
+        for worker in (prefill, decode):  # evicted from both devices, offloaded on both
+            assert all(h in worker.engine.prefixes for h in hashes)
+            assert not any(h in worker.engine.allocator.hash_to_block for h in hashes)
+        reloads = [w.engine.prefixes.reloaded_blocks for w in (prefill, decode)]
+        third = shared + [5, 5]
+        assert handoff("c", third) == (expected(third), 3, block_bytes)
+        assert [
+            w.engine.prefixes.reloaded_blocks - r for w, r in zip((prefill, decode), reloads)
+        ] == [3, 3]
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_cluster_pushes_only_what_the_decode_worker_lacks():
+    """Through the router (gRPC Reserve -> Prefill with dest_cached_blocks): the second
+    prompt with a shared 3-block prefix moves one block of KV instead of four."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pdserve import LLM
+    from pdserve.client import Client
+    from pdserve.launch import Cluster
+
+    def received(address: str) -> float:
+        body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+        return sum(
+            s.value
+            for f in text_string_to_metric_families(body)
+            for s in f.samples
+            if s.name == "pdserve_transfer_bytes_total" and s.labels["direction"] == "received"
+        )
+
+    shared = list(range(3, 51))
+    prompts = [shared + [1, 2, 3], shared + [9, 8, 7]]
+    params = dict(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM("tiny-llama").generate(prompts, SamplingParams(**params))]
+    with Cluster(
+        "tiny-llama", 1, 1, worker_args=["--num-kv-blocks", "64", "--prefix-offload"]
+    ) as cluster:
+        decode = next(a for k, a in cluster.metrics.items() if k.startswith("decode"))
+        client = Client(cluster.address)
+        moved = []
+        for prompt, want in zip(prompts, expected):
+            before = received(decode)
+            assert client.generate(prompt, **params).token_ids == want
+            moved.append(received(decode) - before)
+        assert moved[1] * 4 == moved[0] > 0  # 1 block instead of 4
+        client.close()

@@ -194,7 +194,7 @@ def ttft_layerwise(model: str, prompt_lens: list[int], backend: str, reps: int) 
             for i in range(2 * reps + 2):  # alternate modes; the first pair warms up
                 layerwise = i % 2 == 0
                 rid = f"b{n}-{i}"
-                blocks = decode.reserve(rid, prompt, params, lease_s=60)
+                blocks = decode.reserve(rid, prompt, params, lease_s=60).block_ids
                 dest = Destination(
                     decode.worker_id,
                     decode.agent.metadata(),

@@ -207,16 +207,18 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("block_ids", "layout", "agent_metadata", "worker_id")
+    __slots__ = ("block_ids", "layout", "agent_metadata", "worker_id", "cached_blocks")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     layout: KVLayout
     agent_metadata: bytes
     worker_id: str
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    cached_blocks: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class StartRequest(_message.Message):
     __slots__ = ("request_id", "first_token")
@@ -241,7 +243,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., tpot_s: _Optional[float] = ..., spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "dest_worker_id", "dest_block_ids", "dest_layout", "dest_agent_metadata")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "dest_worker_id", "dest_block_ids", "dest_layout", "dest_agent_metadata", "dest_cached_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +251,7 @@ class PrefillRequest(_message.Message):
     DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DEST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DEST_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    DEST_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -256,7 +259,8 @@ class PrefillRequest(_message.Message):
     dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
     dest_layout: KVLayout
     dest_agent_metadata: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., dest_worker_id: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., dest_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dest_agent_metadata: _Optional[bytes] = ...) -> None: ...
+    dest_cached_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., dest_worker_id: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., dest_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dest_agent_metadata: _Optional[bytes] = ..., dest_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "queue_s", "prefill_s", "transfer_s", "transfer_bytes", "worker_id", "spans")
