@@ -91,7 +91,8 @@ def test_no_room_in_any_tier_falls_back_to_recompute(expected, tmp_path, caplog)
     assert tokens == expected
     assert engine.scheduler.recomputed_tokens > 0
     assert engine.spiller.failed_spills > 0
-    assert "will be recomputed" in caplog.text
+    assert "will be recomputed: no tier took" in caplog.text  # the reason is in the warning
+    assert "blocks do not fit (0/1 used)" in caplog.text
     engine.close()
 
 

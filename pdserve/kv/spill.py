@@ -47,6 +47,7 @@ class KVSpiller:
         self.make_room: Callable[[], bool] | None = None
         self.failed_spills = 0
         self.made_room = 0  # cached prefixes dropped so that a request's spill fits
+        self.last_failure = ""  # why the last store_blocks found no tier
         self.failed_reloads = 0
 
     def _ids(self, block_ids: list[int]) -> torch.Tensor:
@@ -70,7 +71,8 @@ class KVSpiller:
         )
         try:
             tier = self.store.spill(key, source)
-        except SpillFailed:
+        except SpillFailed as e:
+            self.last_failure = str(e)
             return None
         self._blocks[key] = len(block_ids)
         return tier
@@ -86,7 +88,7 @@ class KVSpiller:
                 break
             self.made_room += 1
         self.failed_spills += 1
-        log.warning("spill of %s failed (no tier has room), it will be recomputed", key)
+        log.warning("spill of %s failed, it will be recomputed: %s", key, self.last_failure)
         return None
 
     def reload(self, key: str, block_ids: list[int]) -> bool:
