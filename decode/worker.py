@@ -203,12 +203,12 @@ class DecodeWorker:
     def _held(self) -> list[Held]:
         """Every request whose KV this pool holds or will hold again (lock held)."""
         held = [
-            Held(r.num_tokens, r.num_output_tokens, r.params.max_tokens)
+            Held(r.num_tokens, r.num_output_tokens, r.params.max_tokens, tuple(r.block_ids))
             for r in self.engine.scheduler.unfinished()
         ]
         held += [
-            Held(res.request.num_tokens, 0, res.request.params.max_tokens)
-            for res in self.reservations.values()
+            Held(r.num_tokens, 0, r.params.max_tokens, tuple(r.block_ids))
+            for r in (res.request for res in self.reservations.values())
         ]
         return held
 

@@ -62,3 +62,27 @@ def test_kv_aware_counts_expected_growth_of_everyone_held():
 def test_unknown_policy_names_the_choices():
     with pytest.raises(ValueError, match="admission: 'lucky'; choose one of greedy, kv-aware"):
         Admission("lucky", BlockAllocator(4, 4), OutputLengthEstimator())
+
+
+def test_kv_aware_counts_a_shared_prefix_block_once():
+    alloc = BlockAllocator(20, 4)  # prefix caching on
+    est = OutputLengthEstimator()
+    for _ in range(10):
+        est.observe(16)
+    adm = Admission("kv-aware", alloc, est, margin=0.1)  # budget: 18 blocks
+    # requests of 8 tokens + 16 expected: 6 blocks each
+    assert adm.projected_blocks([Held(8, 0, 64, (0, 1)), Held(8, 0, 64, (0, 2))]) == 11
+    assert adm.projected_blocks([Held(8, 0, 64, (0, 1)), Held(8, 0, 64, (3, 4))]) == 12
+    # a holds the two cached blocks of tokens 0..7; c holds two other blocks
+    blocks, _ = alloc.allocate(list(range(8)))
+    alloc.commit(blocks, list(range(8)), 8)
+    held = [Held(8, 0, 64, tuple(blocks)), Held(8, 0, 64, (5, 6))]  # 12 blocks projected
+    # a 9-token prompt (9 + 16 tokens: 7 blocks) sharing a's two blocks: 12 + 7 - 2 = 17
+    shared = list(range(8)) + [99]
+    assert alloc.match_prefix(shared) == blocks
+    assert adm.check(shared, 64, held) is None
+    # the same length sharing nothing: 12 + 7 = 19 > 18
+    other = list(range(50, 59))
+    assert adm.check(other, 64, held) == (
+        "projected KV demand 19 blocks exceeds 18 (kv-aware admission)"
+    )

@@ -9,6 +9,9 @@ now. `kv-aware`: admit only while the projected demand fits,
 and the prompt's blocks are free now; held requests are the running, reserved and parked
 (spilled) ones, len_r the tokens whose KV they hold or will hold, g_r their generated tokens
 and M_r their max_tokens; E_rem is the online estimate of pdserve/engine/length_estimator.py.
+A block several requests share (a cached prefix, with prefix caching on) counts once: each
+request's term leaves out the blocks already counted for an earlier one, and the new
+request's leaves out the held blocks its prompt would share.
 A request refused here waits (its TTFT grows) instead of being preempted later.
 """
 
@@ -27,6 +30,7 @@ class Held:
     tokens: int  # tokens whose KV the request holds (or will, once its prompt arrives)
     generated: int
     max_tokens: int
+    block_ids: tuple[int, ...] = ()  # the blocks it holds now (shared ones count once)
 
 
 class Admission:
@@ -49,13 +53,14 @@ class Admission:
         )
 
     def projected_blocks(self, held: list[Held]) -> int:
-        alloc = self.allocator
-        return sum(
-            alloc.blocks_needed(
+        alloc, seen, total = self.allocator, set(), 0
+        for h in held:
+            need = alloc.blocks_needed(
                 h.tokens + round(self.estimator.remaining(h.generated, h.max_tokens))
             )
-            for h in held
-        )
+            total += need - len(seen.intersection(h.block_ids))
+            seen.update(h.block_ids)
+        return total
 
     def headroom(self, held: list[Held]) -> int:
         """Blocks a new request could still count on: free blocks now (greedy), or the budget
@@ -68,13 +73,13 @@ class Admission:
     def check(self, prompt: list[int], max_tokens: int, held: list[Held]) -> str | None:
         """None when the request may be admitted, else why not."""
         alloc = self.allocator
-        if alloc.blocks_needed(len(prompt)) > alloc.num_free_blocks:  # fresh blocks only
+        if not alloc.can_allocate(prompt):
             return (
                 f"{alloc.blocks_needed(len(prompt))} KV blocks needed, {alloc.num_free_blocks} free"
             )
         if self.policy == "greedy":
             return None
-        new = Held(len(prompt), 0, max_tokens)
+        new = Held(len(prompt), 0, max_tokens, tuple(alloc.match_prefix(prompt)))
         demand = self.projected_blocks([*held, new])
         budget = int((1 - self.margin) * alloc.num_blocks)
         if demand > budget:
