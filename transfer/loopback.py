@@ -12,13 +12,11 @@ import torch
 from transfer import metadata as md
 from transfer.agent import (
     Desc,
-    Tiles,
     Transfer,
-    TransferAgent,
     XferState,
     check_descs,
-    tiles_as_descs,
 )
+from transfer.region_agent import RegionTableAgent
 
 
 class _Done(Transfer):
@@ -29,15 +27,13 @@ class _Done(Transfer):
         return None
 
 
-class LoopbackAgent(TransferAgent):
+class LoopbackAgent(RegionTableAgent):
     backend = "loopback"
     _live: weakref.WeakValueDictionary[str, LoopbackAgent] = weakref.WeakValueDictionary()
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self._ids = itertools.count()
-        self._regions: dict[int, md.Region] = {}
-        self._peers: dict[str, dict[int, md.Region]] = {}
         self._inbox: dict[str, list[bytes]] = {}
         LoopbackAgent._live[name] = self
 
@@ -83,16 +79,6 @@ class LoopbackAgent(TransferAgent):
 
     def read(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
         return self._move(peer, local, remote, notif, write=False)
-
-    def prepare_tiles(self, peer: str | None, region: int, tile_bytes: int) -> Tiles:
-        regions = self._regions if peer is None else self._peers[peer]
-        if region not in regions:
-            raise ValueError(f"unknown region {region}")
-        return Tiles(region, regions[region].length // tile_bytes, tile_bytes)
-
-    def write_tiles(self, peer, local: Tiles, local_idx, remote: Tiles, remote_idx, notif):
-        src, dst = tiles_as_descs(local, local_idx, remote, remote_idx)
-        return self.write(peer, src, dst, notif)
 
     def notifications(self) -> dict[str, list[bytes]]:
         inbox, self._inbox = self._inbox, {}

@@ -29,13 +29,11 @@ import torch
 from transfer import metadata as md
 from transfer.agent import (
     Desc,
-    Tiles,
     Transfer,
-    TransferAgent,
     XferState,
     check_descs,
-    tiles_as_descs,
 )
+from transfer.region_agent import RegionTableAgent
 
 HDR, DATA, ACK = 1, 2, 3
 MAX_MESSAGES = 1 << 16  # message index field
@@ -102,7 +100,7 @@ class UcxxTransfer(Transfer):
         self._pending = _Pending([], None)
 
 
-class UcxxAgent(TransferAgent):
+class UcxxAgent(RegionTableAgent):
     backend = "ucxx"
 
     def __init__(self, name: str) -> None:
@@ -119,8 +117,6 @@ class UcxxAgent(TransferAgent):
         self._id = zlib.crc32(name.encode()) & 0xFFFFFF
         self._seq = itertools.count(1)
         self._ids = itertools.count()
-        self._regions: dict[int, md.Region] = {}
-        self._peers: dict[str, dict[int, md.Region]] = {}
         self._eps: dict[bytes, object] = {}  # worker address -> endpoint
         self._peer_addr: dict[str, bytes] = {}
         self._lock = threading.Lock()
@@ -227,16 +223,6 @@ class UcxxAgent(TransferAgent):
 
     def read(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
         return self._post("R", peer, local, remote, notif)
-
-    def prepare_tiles(self, peer: str | None, region: int, tile_bytes: int) -> Tiles:
-        regions = self._regions if peer is None else self._peers[peer]
-        if region not in regions:
-            raise ValueError(f"unknown region {region}")
-        return Tiles(region, regions[region].length // tile_bytes, tile_bytes)
-
-    def write_tiles(self, peer, local: Tiles, local_idx, remote: Tiles, remote_idx, notif):
-        src, dst = tiles_as_descs(local, local_idx, remote, remote_idx)
-        return self.write(peer, src, dst, notif)
 
     def notifications(self) -> dict[str, list[bytes]]:
         with self._lock:

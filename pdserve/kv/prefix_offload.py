@@ -23,13 +23,11 @@ there; those tokens are computed instead, never served from bad bytes.
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from pdserve.kv.block_allocator import BlockAllocator
-
-log = logging.getLogger(__name__)
+from transfer.tiers import SpillFailed
 
 
 def prefix_key(h: int) -> str:
@@ -47,9 +45,7 @@ class PrefixOffload:
         self.spiller = spiller  # pdserve.kv.spill.KVSpiller
         self.allocator = allocator
         self._lru: OrderedDict[int, None] = OrderedDict()  # offloaded hashes, oldest first
-        self.offloaded_blocks = 0
         self.reloaded_blocks = 0
-        self.dropped_blocks = 0  # made room for spills or newer prefixes
         allocator.on_evict = self.evicted
         spiller.make_room = self.make_room
 
@@ -65,12 +61,14 @@ class PrefixOffload:
             self._lru.move_to_end(h)
             return
         while True:
-            if self.spiller.store_blocks(prefix_key(h), [block]) is not None:
-                self._lru[h] = None
-                self.offloaded_blocks += 1
-                return
-            if not self.make_room():
+            try:
+                self.spiller.store_blocks(prefix_key(h), [block])
+            except SpillFailed:
+                if self.make_room():
+                    continue
                 return  # no tier room at all: this prefix is simply forgotten
+            self._lru[h] = None
+            return
 
     def make_room(self) -> bool:
         """Drop the least recently used offloaded prefix; False when there is none."""
@@ -78,7 +76,6 @@ class PrefixOffload:
             return False
         h, _ = self._lru.popitem(last=False)
         self.spiller.discard(prefix_key(h))
-        self.dropped_blocks += 1
         return True
 
     def extend(self, token_ids: Sequence[int], block_ids: list[int], cached: int) -> int:

@@ -47,7 +47,6 @@ class KVSpiller:
         self.make_room: Callable[[], bool] | None = None
         self.failed_spills = 0
         self.made_room = 0  # cached prefixes dropped so that a request's spill fits
-        self.last_failure = ""  # why the last store_blocks found no tier
         self.failed_reloads = 0
 
     def _ids(self, block_ids: list[int]) -> torch.Tensor:
@@ -64,32 +63,27 @@ class KVSpiller:
 
         return fill
 
-    def store_blocks(self, key: str, block_ids: list[int]) -> str | None:
-        """Pack the blocks into the first tier with room; -> its name, None if none had room."""
+    def store_blocks(self, key: str, block_ids: list[int]) -> str:
+        """Pack the blocks into the first tier with room; -> its name. SpillFailed if none."""
         source = BlockSource(
             len(block_ids), self._row_shape, self.kv.pool.dtype, self._fill(self._ids(block_ids))
         )
-        try:
-            tier = self.store.spill(key, source)
-        except SpillFailed as e:
-            self.last_failure = str(e)
-            return None
+        tier = self.store.spill(key, source)
         self._blocks[key] = len(block_ids)
         return tier
 
     def spill(self, key: str, block_ids: list[int]) -> str | None:
         """A preempted request's blocks: room is made by dropping cached offloaded prefixes
-        (make_room) before giving up."""
+        (make_room) before giving up; -> the tier's name, None (recompute) if none took them."""
         while True:
-            tier = self.store_blocks(key, block_ids)
-            if tier is not None:
-                return tier
-            if self.make_room is None or not self.make_room():
-                break
-            self.made_room += 1
-        self.failed_spills += 1
-        log.warning("spill of %s failed, it will be recomputed: %s", key, self.last_failure)
-        return None
+            try:
+                return self.store_blocks(key, block_ids)
+            except SpillFailed as e:
+                if self.make_room is None or not self.make_room():
+                    self.failed_spills += 1
+                    log.warning("spill of %s failed, it will be recomputed: %s", key, e)
+                    return None
+                self.made_room += 1
 
     def reload(self, key: str, block_ids: list[int]) -> bool:
         """Unpack the entry into `block_ids` and drop it from its tier."""

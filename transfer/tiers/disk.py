@@ -121,8 +121,9 @@ class DiskTier(Tier):
                 out = piece.view(source.dtype).view(stop - start, *source.row_shape)
                 source.fill(out, start, stop)
                 # checksums while the piece is still in cache; the writer only writes
-                entry.sums += [checksum(row) for row in piece.numpy()]
-                self._queue.put(("write", entry, piece.numpy()))
+                raw = piece.numpy()
+                entry.sums += [checksum(row) for row in raw]
+                self._queue.put(("write", entry, raw))
         except BaseException:
             entry.error = "disk tier: packing the entry failed"
             self._queue.put(("close", entry, buffer))
