@@ -9,11 +9,12 @@ and describes both parts with `AttentionMetadata`. Attention layers write their 
 the paged pool first (slot_mapping), then read everything back through the block tables, so a
 prefill chunk sees its cached prefix and itself with one code path.
 
-Backends are chosen by name through `get_attention_backend`.
+Backends are chosen by name through the `ATTENTION_BACKENDS` registry.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from kernels import (
     write_kv,
     write_kv_ref,
 )
+from pdserve.registry import Registry
 
 
 @dataclass
@@ -157,18 +159,17 @@ class TritonAttentionBackend(TorchAttentionBackend):
         )
 
 
-ATTENTION_BACKENDS: dict[str, type[TorchAttentionBackend]] = {
-    "torch": TorchAttentionBackend,
-    "triton": TritonAttentionBackend,
-}
+def _auto(device: torch.device) -> TorchAttentionBackend:
+    """Triton on CUDA, torch elsewhere."""
+    return TritonAttentionBackend() if device.type == "cuda" else TorchAttentionBackend()
 
 
-def get_attention_backend(name: str, device: torch.device) -> TorchAttentionBackend:
-    """`auto` is Triton on CUDA and torch elsewhere."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    try:
-        return ATTENTION_BACKENDS[name]()
-    except KeyError:
-        valid = ", ".join(["auto", *sorted(ATTENTION_BACKENDS)])
-        raise ValueError(f"attention_backend: unknown {name!r}; choose one of {valid}") from None
+# name -> factory(device)
+ATTENTION_BACKENDS: Registry[Callable[[torch.device], TorchAttentionBackend]] = Registry(
+    "attention_backend",
+    {
+        "auto": _auto,
+        "torch": lambda device: TorchAttentionBackend(),
+        "triton": lambda device: TritonAttentionBackend(),
+    },
+)

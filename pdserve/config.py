@@ -11,8 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pdserve.registry import Registry
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-PREEMPTION = ("recompute", "swap", "tiered")
+# What a preempted request's KV becomes, by the spill tiers (in order) it may be parked in:
+# none (dropped and computed again), host memory, or host -> CXL -> disk.
+PREEMPTION: Registry[tuple[str, ...]] = Registry(
+    "preemption", {"recompute": (), "swap": ("host",), "tiered": ("host", "cxl", "disk")}
+)
 
 
 def _require(ok: bool, field_name: str, message: str) -> None:
@@ -223,11 +229,7 @@ class SchedulerConfig:
     preemption: str = "recompute"
 
     def __post_init__(self) -> None:
-        _require(
-            self.preemption in PREEMPTION,
-            "preemption",
-            f"{self.preemption!r}; choose one of {', '.join(PREEMPTION)}",
-        )
+        PREEMPTION.check(self.preemption)
         _require(self.max_model_len > 0, "max_model_len", f"must be > 0, got {self.max_model_len}")
         _require(self.max_num_seqs > 0, "max_num_seqs", f"must be > 0, got {self.max_num_seqs}")
         _require(

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.engine.args import EngineArgs
-from pdserve.engine.llm_engine import LLMEngine, Prompt
+from pdserve.engine.build import build_engine
+from pdserve.engine.output import EngineStats, FinishedRequest
 from pdserve.outputs import RequestOutput
 from pdserve.progress import progress
 from pdserve.sampling_params import SamplingParams
+from pdserve.validation import Prompt
 
 Conversation = list[dict[str, str]]
 
@@ -16,9 +18,10 @@ Conversation = list[dict[str, str]]
 class LLM:
     """`LLM(model, **engine_args)`; model is a preset, a checkpoint directory or a .gguf file.
 
-    Engine arguments: block_size, num_kv_blocks, kv_cache_memory (bytes), max_model_len,
-    dtype, device, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
-    attention_backend, seed.
+    Engine arguments: see pdserve.engine.args.EngineArgs (block_size, num_kv_blocks,
+    kv_cache_memory, max_model_len, dtype, device, enable_prefix_caching, prefix_offload,
+    preemption and the spill tier sizes, max_num_seqs, max_num_batched_tokens,
+    attention_backend, seed).
     """
 
     def __init__(self, model: str, **engine_args) -> None:
@@ -26,11 +29,15 @@ class LLM:
             args = EngineArgs(**engine_args)
         except TypeError as e:
             raise ValueError(f"engine argument: {e}") from None
-        self.engine = LLMEngine(model, args)
+        self.core, self.source = build_engine(model, args)
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.source.tokenizer
+
+    @property
+    def model_config(self):
+        return self.core.model_config
 
     def generate(
         self,
@@ -51,23 +58,35 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
         requests = [
-            self.engine.make_request(p, sp, field=f"prompts[{i}]")
+            self.core.make_request(p, sp, field=f"prompts[{i}]")
             for i, (p, sp) in enumerate(zip(prompts, params))
         ]
         for req in requests:
-            self.engine.enqueue(req)
+            self.core.add(req)
         outputs: dict[str, RequestOutput] = {}
         with progress(total=len(requests), disable=not use_tqdm, desc="generate") as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    outputs[out.request_id] = out
+            while self.core.has_unfinished:
+                for done in self.core.step().finished:
+                    outputs[done.request_id] = self._output(done)
                     bar.update(1)
         return [outputs[r.request_id] for r in requests]
 
+    def _output(self, done: FinishedRequest) -> RequestOutput:
+        tok = self.source.tokenizer
+        return RequestOutput(
+            request_id=done.request_id,
+            prompt_token_ids=done.prompt_token_ids,
+            token_ids=done.output_token_ids,
+            text=tok.decode(done.output_token_ids) if tok is not None else "",
+            finish_reason=done.finish_reason,
+            metrics=done.metrics,
+            logprobs=done.logprobs,
+        )
+
     def render_chat(self, conversation: Conversation) -> str:
-        if self.engine.tokenizer is None:
+        if self.tokenizer is None:
             raise ValueError("conversation: this model has no tokenizer or chat template")
-        return self.engine.tokenizer.apply_chat_template(conversation)
+        return self.tokenizer.apply_chat_template(conversation)
 
     def chat(
         self,
@@ -81,5 +100,14 @@ class LLM:
         prompts = [self.render_chat(list(c)) for c in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
+    def stats(self) -> EngineStats:
+        """Preemptions, recomputed tokens, spilled/reloaded bytes (`.spilled_bytes`), the
+        pool and every tier."""
+        return self.core.stats()
+
     def check_integrity(self) -> None:
-        self.engine.check_integrity()
+        self.core.check_integrity()
+
+    def close(self) -> None:
+        """Release the spill tiers (the disk tier's directory goes with them)."""
+        self.core.close()

@@ -50,7 +50,7 @@ def test_batching_does_not_change_greedy_outputs(llm):
 def test_bad_input_names_the_field_and_runs_nothing(llm, prompt, params, field):
     with pytest.raises(ValueError, match=field):
         llm.generate(["good", prompt], params)
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.core.has_unfinished
     llm.check_integrity()
 
 
@@ -72,37 +72,44 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+def add(core, prompt, params) -> str:
+    req = core.make_request(prompt, params)
+    core.add(req)
+    return req.request_id
+
+
 def test_bad_request_mid_flight_disturbs_no_running_request(llm):
-    engine = llm.engine
+    core = llm.core
     prompts = [[3, 4, 5] * 10, [7] * 33]
     expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    ids = [engine.add_request(p, GREEDY) for p in prompts]
-    engine.step()
-    engine.step()
+    ids = [add(core, p, GREEDY) for p in prompts]
+    core.step()
+    core.step()
     for bad in ("", [10**6], [1] * 600):
         with pytest.raises(ValueError):
-            engine.add_request(bad, GREEDY)
+            add(core, bad, GREEDY)
     done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            done[out.request_id] = out.token_ids
+    while core.has_unfinished:
+        for out in core.step().finished:
+            done[out.request_id] = out.output_token_ids
         llm.check_integrity()
     assert [done[i] for i in ids] == expected
 
 
 def test_requests_join_and_leave_the_running_batch(llm):
-    engine = llm.engine
-    short = engine.add_request([9] * 5, SamplingParams(max_tokens=2, temperature=0))
-    long = engine.add_request([9] * 5, SamplingParams(max_tokens=6, temperature=0))
-    engine.step()  # both prefilled, first tokens sampled
-    assert len(engine.scheduler.running) == 2
-    finished = engine.step()
-    assert [o.request_id for o in finished] == [short]
-    late = engine.add_request([11] * 3, SamplingParams(max_tokens=2, temperature=0))
-    engine.step()  # `late` joins while `long` keeps decoding
-    assert {r.request_id for r in engine.scheduler.running} == {long, late}
-    while engine.has_unfinished_requests():
-        engine.step()
+    core = llm.core
+    short = add(core, [9] * 5, SamplingParams(max_tokens=2, temperature=0))
+    long = add(core, [9] * 5, SamplingParams(max_tokens=6, temperature=0))
+    out = core.step()  # both prefilled, first tokens sampled
+    assert set(out.ran) == {short, long} and len(out.tokens) == 2
+    assert core.stats().running == 2
+    out = core.step()
+    assert [o.request_id for o in out.finished] == [short]
+    late = add(core, [11] * 3, SamplingParams(max_tokens=2, temperature=0))
+    out = core.step()  # `late` joins while `long` keeps decoding
+    assert set(out.ran) == {long, late} and core.stats().running == 2
+    while core.has_unfinished:
+        core.step()
     llm.check_integrity()
 
 
@@ -128,7 +135,7 @@ def test_preemption_under_a_tiny_pool_keeps_outputs_identical():
     assert [o.token_ids for o in outs] == expected
     assert sum(o.metrics.preemptions for o in outs) > 0
     tight.check_integrity()
-    assert tight.engine.allocator.num_used_blocks == 0
+    assert tight.stats().pool.used_blocks == 0
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
@@ -174,8 +181,8 @@ def test_engine_arguments_are_validated():
 def test_kv_memory_budget_sets_the_pool_size():
     llm = LLM("tiny-deepseek", block_size=16, kv_cache_memory=2**20)
     # MLA: 2 layers x (32 + 8) fp32 values per token = 320 bytes; 16-token blocks
-    assert llm.engine.cache_config.num_blocks == 2**20 // (2 * 40 * 4 * 16)
-    assert llm.engine.kv_cache.nbytes <= 2**20
+    assert llm.core.num_blocks == 2**20 // (2 * 40 * 4 * 16)
+    assert llm.core.kv_pool.numel() * llm.core.kv_pool.element_size() <= 2**20
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-deepseek"])

@@ -6,31 +6,15 @@ import time
 
 import pytest
 import torch
+from workers import decode_worker, destination, drain, prefill_worker
 
-from decode.worker import DecodeWorker, ReservationError
+from decode.worker import ReservationError, UnknownRequest
+from pdserve import LLM
 from pdserve.engine.args import EngineArgs
 from pdserve.sampling_params import SamplingParams
-from pdserve.serving.kv_endpoint import PoolGeometry
-from prefill.worker import Destination, PrefillWorker
 from transfer import HandshakeRefused
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-
-
-def destination(decode: DecodeWorker, blocks: list[int], cached_blocks: int = 0) -> Destination:
-    wire = decode.wire()
-    return Destination(
-        worker_id=decode.worker_id,
-        agent_metadata=decode.agent.metadata(),
-        block_ids=blocks,
-        wire_version=wire["wire_version"],
-        layout_hash=wire["layout_hash"],
-        geometry=PoolGeometry(
-            wire["num_blocks"], wire["block_bytes"], decode.geometry.planes_per_layer
-        ),
-        region=wire["region"],
-        cached_blocks=cached_blocks,
-    )
 
 
 @pytest.fixture(
@@ -45,64 +29,55 @@ def destination(decode: DecodeWorker, blocks: list[int], cached_blocks: int = 0)
 def pair(request):
     args = EngineArgs(block_size=16, num_kv_blocks=32)
     name, backend = request.param
-    prefill = PrefillWorker(name, f"p-{name}-{backend}", backend, args)
-    decode = DecodeWorker(name, f"d-{name}-{backend}", backend, args)
-    yield prefill, decode
+    prefill = prefill_worker(name, f"p-{name}-{backend}", backend, args)
+    decode = decode_worker(name, f"d-{name}-{backend}", backend, args)
+    yield prefill, decode, name
     prefill.close()
     decode.close()
 
 
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "after-prefill"])
 def test_kv_bytes_arrive_block_for_block_and_decoding_matches(pair, layerwise):
-    from pdserve import LLM
-
-    prefill, decode = pair
+    prefill, decode, model = pair
     prefill.layerwise = layerwise
     prompt = list(range(3, 60))  # 57 tokens: 4 blocks, the last one partial
     blocks = decode.reserve("r1", prompt, GREEDY, lease_s=30).block_ids
     assert len(blocks) == 4
     # snapshot the prefill side's blocks at the moment it releases them (push done)
-    src, dst = prefill.engine.kv_cache, decode.engine.kv_cache
-    bd = src.block_dim
+    src, dst = prefill.core.kv_pool, decode.core.kv_pool
+    bd = prefill.core.kv_block_dim
     snapshots = {}
-    free = prefill.engine.allocator.free
+    release = prefill.core.release
 
-    def snapshot_then_free(block_ids):
-        snapshots.update({b: src.pool.select(bd, b).clone() for b in block_ids})
-        order.extend(block_ids)
-        free(block_ids)
+    def snapshot_then_release(request):
+        snapshots.update({b: src.select(bd, b).clone() for b in request.block_ids})
+        order.extend(request.block_ids)
+        release(request)
 
     order: list[int] = []
-    prefill.engine.allocator.free = snapshot_then_free
+    prefill.core.release = snapshot_then_release
     result = prefill.submit("r1", prompt, GREEDY, destination(decode, blocks)).result(60)
-    assert result.transfer_bytes == 4 * decode.geometry.block_bytes * (
-        decode.geometry.planes_per_layer * decode.engine.model_config.num_layers
-    )
+    assert result.transfer_bytes == 4 * decode.endpoint.bytes_per_block
     deadline = time.monotonic() + 10
     while len(order) < 4 and time.monotonic() < deadline:  # freed right after the reply
         time.sleep(0.01)
     assert len(order) == 4
     for s, d in zip(order, blocks):  # every block, every layer (and K and V), byte for byte
-        assert torch.equal(snapshots[s], dst.pool.select(bd, d)), f"block {s} -> {d} differs"
-    stream = decode.start("r1", result.first_token)
-    tokens = []
-    while True:
-        item = stream.tokens.get(timeout=30)
-        if isinstance(item, tuple):
-            break
-        tokens.append(item)
-    expected = LLM(prefill.engine.source.name, block_size=16).generate([prompt], GREEDY)[0]
-    assert tokens == expected.token_ids
+        assert torch.equal(snapshots[s], dst.select(bd, d)), f"block {s} -> {d} differs"
+    expected = LLM(model, block_size=16).generate([prompt], GREEDY)[0]
+    assert result.first_token == expected.token_ids[0]
+    tokens, reason = drain(decode.start("r1", result.first_token))
+    assert (tokens, reason) == (expected.token_ids, "length")
     decode.check_integrity()
     prefill.check_integrity()
-    assert decode.stats()["free_blocks"] == 32
+    assert decode.stats().free_blocks == 32
 
 
 def test_layout_mismatch_is_refused_before_prefill():
-    prefill = PrefillWorker(
+    prefill = prefill_worker(
         "tiny-llama", "p-bs16", "nixl", EngineArgs(block_size=16, num_kv_blocks=8)
     )
-    decode = DecodeWorker(
+    decode = decode_worker(
         "tiny-llama", "d-bs32", "nixl", EngineArgs(block_size=32, num_kv_blocks=8)
     )
     try:
@@ -111,32 +86,32 @@ def test_layout_mismatch_is_refused_before_prefill():
             prefill.submit("r", [1, 2, 3], GREEDY, destination(decode, blocks))
         assert decode.release("r")
         decode.check_integrity()
-        assert decode.stats()["free_blocks"] == 8
+        assert decode.stats().free_blocks == 8
     finally:
         prefill.close()
         decode.close()
 
 
 def test_lease_expiry_returns_reserved_blocks():
-    decode = DecodeWorker("tiny-llama", "d-lease", "nixl", EngineArgs(num_kv_blocks=8))
+    decode = decode_worker("tiny-llama", "d-lease", "nixl", EngineArgs(num_kv_blocks=8))
     try:
         decode.reserve("slow", list(range(40)), GREEDY, lease_s=0.2)  # 3 blocks
-        assert decode.stats()["free_blocks"] == 5
+        assert decode.stats().free_blocks == 5
         decode.check_integrity()
         deadline = time.monotonic() + 5
-        while decode.stats()["free_blocks"] != 8 and time.monotonic() < deadline:
+        while decode.stats().free_blocks != 8 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert decode.stats()["free_blocks"] == 8
+        assert decode.stats().free_blocks == 8
         decode.check_integrity()
-        decode.arrived.add(b"slow")  # a push that completes after the lease ran out
-        with pytest.raises(KeyError, match="expired or released"):
+        decode.reservations.note_arrivals([b"slow"])  # a push completing after the lease ran out
+        with pytest.raises(UnknownRequest, match="expired or released"):
             decode.start("slow", 5)
     finally:
         decode.close()
 
 
 def test_reservation_refused_when_the_pool_is_full():
-    decode = DecodeWorker("tiny-llama", "d-full", "nixl", EngineArgs(num_kv_blocks=4))
+    decode = decode_worker("tiny-llama", "d-full", "nixl", EngineArgs(num_kv_blocks=4))
     try:
         decode.reserve("a", list(range(48)), GREEDY, lease_s=30)  # 3 of 4 blocks
         with pytest.raises(ReservationError, match="2 KV blocks needed, 1 free"):
@@ -151,15 +126,17 @@ def test_reservation_refused_when_the_pool_is_full():
 
 def test_prefill_prompts_that_do_not_fit_together_wait_for_the_next_batch():
     args = EngineArgs(block_size=16, num_kv_blocks=4, enable_prefix_caching=False)
-    prefill = PrefillWorker("tiny-llama", "p-small", "nixl", args)
-    decode = DecodeWorker("tiny-llama", "d-big", "nixl", EngineArgs(num_kv_blocks=32))
+    prefill = prefill_worker("tiny-llama", "p-small", "nixl", args)
+    decode = decode_worker("tiny-llama", "d-big", "nixl", EngineArgs(num_kv_blocks=32))
     try:
         a, b = list(range(10, 58)), list(range(60, 100))  # 3 + 3 blocks > 4 in one batch
         futures = []
         for rid, prompt in (("a", a), ("b", b)):
             blocks = decode.reserve(rid, prompt, GREEDY, lease_s=30).block_ids
             futures.append(prefill.submit(rid, prompt, GREEDY, destination(decode, blocks)))
-        assert all(f.result(60).first_token >= 0 for f in futures)
+        first = [f.result(60).first_token for f in futures]
+        expected = LLM("tiny-llama").generate([a, b], GREEDY)
+        assert first == [o.token_ids[0] for o in expected]  # the carried one too
         too_big = list(range(5, 5 + 16 * 5))  # 5 blocks: never fits a 4-block pool
         blocks = decode.reserve("c", too_big, GREEDY, lease_s=30).block_ids
         with pytest.raises(ValueError, match="needs 6 KV blocks but the pool has 4"):
@@ -168,10 +145,10 @@ def test_prefill_prompts_that_do_not_fit_together_wait_for_the_next_batch():
             decode.release(rid)
         decode.check_integrity()
         deadline = time.monotonic() + 5
-        while prefill.stats()["free_blocks"] != 4 and time.monotonic() < deadline:
+        while prefill.stats().free_blocks != 4 and time.monotonic() < deadline:
             time.sleep(0.01)
         prefill.check_integrity()
-        assert prefill.stats()["queued_tokens"] == 0
+        assert prefill.stats().queued_tokens == 0
     finally:
         prefill.close()
         decode.close()

@@ -257,10 +257,12 @@ def test_overload_is_429_with_retry_after(cluster, sdk):
             h.close()
 
 
-def test_no_workers_is_503():
-    with Cluster("tiny-llama", 0, 0, http_port=0) as lonely:
+def test_no_workers_is_503_after_the_queue_timeout():
+    with Cluster("tiny-llama", 0, 0, http_port=0, router_args=["--queue-timeout", "1"]) as lonely:
         status, _, reply = http(lonely, "GET", "/health")
         assert status == 503 and reply["status"] == "unavailable"
+        started = time.monotonic()
         status, _, reply = http(lonely, "POST", "/v1/completions", b'{"prompt": "x"}')
         assert status == 503, reply
-        assert "no decode worker" in reply["error"]["message"]
+        assert "no prefill and no decode worker is registered" in reply["error"]["message"]
+        assert time.monotonic() - started >= 1.0  # it waited in the queue first

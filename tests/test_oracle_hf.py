@@ -44,7 +44,7 @@ def test_greedy_tokens_match_transformers(hf_checkpoints, kind, block_size):
     expected = [hf_greedy(hf, p) for p in batch]
     assert any(len(set(e)) > MAX_NEW // 2 for e in expected), "degenerate reference outputs"
     llm = LLM(str(directory), block_size=block_size, enable_prefix_caching=False)
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.model_config.vocab_size
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, logprobs=vocab)
     outs = llm.generate(batch, params)
     assert [o.token_ids for o in outs] == expected
@@ -53,7 +53,7 @@ def test_greedy_tokens_match_transformers(hf_checkpoints, kind, block_size):
         ours = torch.tensor([out.logprobs[0][t] for t in range(vocab)])
         torch.testing.assert_close(ours, ref, atol=LOGPROB_ATOL, rtol=0)
     llm.check_integrity()
-    assert llm.engine.allocator.num_used_blocks == 0
+    assert llm.stats().pool.used_blocks == 0
 
 
 @pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])

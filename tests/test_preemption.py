@@ -9,101 +9,110 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.engine.args import EngineArgs
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.build import build_engine
+from pdserve.engine.core import EngineCore
 
 PROMPTS = [[i + 5] * 20 for i in range(6)]
 PARAMS = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
 
 
+def engine(**kw) -> EngineCore:
+    return build_engine("tiny-llama", EngineArgs(**kw))[0]
+
+
 @pytest.fixture(scope="module")
 def expected():
-    roomy = LLMEngine("tiny-llama", EngineArgs(block_size=4, num_kv_blocks=256))
-    return run(roomy)[0]
+    return run(engine(block_size=4, num_kv_blocks=256))[0]
 
 
-def run(engine: LLMEngine, each_step=None) -> tuple[list[list[int]], list]:
-    ids = [engine.add_request(p, PARAMS) for p in PROMPTS]
+def run(core: EngineCore, each_step=None) -> tuple[list[list[int]], list]:
+    reqs = [core.make_request(p, PARAMS) for p in PROMPTS]
+    for req in reqs:
+        core.add(req)
     outs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outs[out.request_id] = out
-        engine.check_integrity()
+    while core.has_unfinished:
+        for done in core.step().finished:
+            outs[done.request_id] = done
+        core.check_integrity()
         if each_step is not None:
-            each_step(engine)
-    ordered = [outs[i] for i in ids]
-    return [o.token_ids for o in ordered], ordered
+            each_step(core)
+    ordered = [outs[r.request_id] for r in reqs]
+    return [o.output_token_ids for o in ordered], ordered
 
 
-def tight(tmp_path, **kw) -> LLMEngine:
+def tight(tmp_path, **kw) -> EngineCore:
     # 26 blocks of 4 tokens: two requests' worth at their full 50 tokens
-    return LLMEngine(
-        "tiny-llama",
-        EngineArgs(block_size=4, num_kv_blocks=26, spill_dir=str(tmp_path), **kw),
-    )
+    return engine(block_size=4, num_kv_blocks=26, spill_dir=str(tmp_path), **kw)
+
+
+def tier(core: EngineCore, name: str) -> dict:
+    return core.stats().pool.offloaded.tiers[name]
 
 
 def test_recompute_recomputes(expected, tmp_path):
-    engine = tight(tmp_path)
-    tokens, outs = run(engine)
+    core = tight(tmp_path)
+    tokens, outs = run(core)
     assert tokens == expected
-    assert sum(o.metrics.preemptions for o in outs) > 0
-    assert engine.scheduler.recomputed_tokens == sum(o.metrics.recomputed_tokens for o in outs) > 0
-    assert engine.spiller is None
+    stats = core.stats()
+    assert stats.preemptions == sum(o.metrics.preemptions for o in outs) > 0
+    assert stats.recomputed_tokens == sum(o.metrics.recomputed_tokens for o in outs) > 0
+    assert stats.pool.offloaded is None  # no tiers at all
 
 
 def test_swap_parks_kv_in_host_memory_and_recomputes_nothing(expected, tmp_path):
-    engine = tight(tmp_path, preemption="swap")
-    tokens, outs = run(engine)
+    core = tight(tmp_path, preemption="swap")
+    tokens, outs = run(core)
     assert tokens == expected
     assert sum(o.metrics.preemptions for o in outs) > 0
     assert sum(o.metrics.spills for o in outs) == sum(o.metrics.preemptions for o in outs)
-    assert engine.scheduler.recomputed_tokens == 0
-    stats = engine.spiller.store.stats()["host"]
-    assert stats["spilled_bytes"] == stats["reloaded_bytes"] > 0
-    assert stats["used_blocks"] == 0
-    assert engine.allocator.num_used_blocks == 0
-    engine.close()
+    stats = core.stats()
+    assert stats.recomputed_tokens == 0
+    assert stats.spilled_bytes == stats.reloaded_bytes == tier(core, "host")["spilled_bytes"] > 0
+    assert tier(core, "host")["used_blocks"] == 0
+    assert stats.pool.used_blocks == 0
+    core.close()
 
 
 def test_tiered_spills_down_through_cxl_and_disk(expected, tmp_path):
     # host and CXL tiers too small for everything: later victims land on disk
-    engine = tight(tmp_path, preemption="tiered", spill_host_blocks=6, spill_cxl_blocks=6)
+    core = tight(tmp_path, preemption="tiered", spill_host_blocks=6, spill_cxl_blocks=6)
     seen_tiers: set[str] = set()
 
-    def note(e):
-        seen_tiers.update(t.name for t in e.spiller.store.where.values())
+    def note(c):
+        seen_tiers.update(
+            t for t, st in c.stats().pool.offloaded.tiers.items() if st["used_blocks"]
+        )
 
-    tokens, outs = run(engine, note)
+    tokens, outs = run(core, note)
     assert tokens == expected
-    assert engine.scheduler.recomputed_tokens == 0
-    stats = engine.spiller.store.stats()
-    assert all(stats[t]["used_blocks"] == 0 for t in ("host", "cxl", "disk"))
-    assert stats["disk"]["spills"] > 0 and "disk" in seen_tiers
-    spill_dir = engine.spiller.store.tiers[-1].directory
+    assert core.stats().recomputed_tokens == 0
+    assert all(tier(core, t)["used_blocks"] == 0 for t in ("host", "cxl", "disk"))
+    assert tier(core, "disk")["spills"] > 0 and "disk" in seen_tiers
+    spill_dir = core.kv.offload.tiers[-1].directory
     assert os.path.isdir(spill_dir)
-    engine.close()
+    core.close()
     assert not os.path.exists(spill_dir)
 
 
 def test_no_room_in_any_tier_falls_back_to_recompute(expected, tmp_path, caplog):
-    engine = tight(tmp_path, preemption="swap", spill_host_blocks=1)
-    tokens, outs = run(engine)
+    core = tight(tmp_path, preemption="swap", spill_host_blocks=1)
+    tokens, outs = run(core)
     assert tokens == expected
-    assert engine.scheduler.recomputed_tokens > 0
-    assert engine.spiller.failed_spills > 0
+    assert core.stats().recomputed_tokens > 0
+    assert core.stats().pool.offloaded.failed_parks > 0
     assert "will be recomputed: no tier took" in caplog.text  # the reason is in the warning
     assert "blocks do not fit (0/1 used)" in caplog.text
-    engine.close()
+    core.close()
 
 
 def test_a_corrupt_reload_is_recomputed_never_used(expected, tmp_path, caplog):
-    engine = tight(
+    core = tight(
         tmp_path, preemption="tiered", spill_host_blocks=0, spill_cxl_blocks=0
     )  # everything goes to disk
     corrupted: list[str] = []
 
-    def corrupt_first_spill(e):
-        disk = e.spiller.store.tiers[-1]
+    def corrupt_first_spill(c):
+        disk = c.kv.offload.tiers[-1]
         for key, entry in list(disk._entries.items()):
             if not corrupted and entry.written.wait(5):
                 with open(entry.path, "r+b") as f:
@@ -113,34 +122,36 @@ def test_a_corrupt_reload_is_recomputed_never_used(expected, tmp_path, caplog):
                     f.write(bytes([last ^ 0x55]))
                 corrupted.append(key)
 
-    tokens, outs = run(engine, corrupt_first_spill)
+    tokens, outs = run(core, corrupt_first_spill)
     assert corrupted, "the test needs at least one spill"
     assert tokens == expected  # the corrupted request was recomputed, not answered wrongly
-    assert engine.spiller.failed_reloads == 1
-    assert engine.scheduler.recomputed_tokens > 0
+    assert core.stats().pool.offloaded.failed_reloads == 1
+    assert core.stats().recomputed_tokens > 0
     assert "checksum" in caplog.text
-    engine.close()
+    core.close()
 
 
 def test_abort_of_a_parked_request_drops_its_spilled_kv(tmp_path):
-    engine = tight(tmp_path, preemption="swap")
+    core = tight(tmp_path, preemption="swap")
     for p in PROMPTS:
-        engine.add_request(p, PARAMS)
-    while not engine.scheduler.swapped:
-        engine.step()
-        engine.check_integrity()
-    victim = engine.scheduler.swapped[0].request_id
-    assert victim in engine.spiller.store
-    assert engine.abort_request(victim)
-    assert victim not in engine.spiller.store
-    engine.check_integrity()
-    while engine.has_unfinished_requests():
-        engine.step()
-        engine.check_integrity()
-    assert engine.spiller.store.stats()["host"]["used_blocks"] == 0
-    engine.close()
+        core.add(core.make_request(p, PARAMS))
+    parked: tuple[str, ...] = ()
+    while not parked:
+        parked = core.step().parked
+        core.check_integrity()
+    victim = parked[0]
+    assert core.kv.offload.is_parked(victim)
+    done = core.abort(victim)
+    assert done is not None and done.finish_reason == "abort"
+    assert not core.kv.offload.is_parked(victim)
+    core.check_integrity()
+    while core.has_unfinished:
+        core.step()
+        core.check_integrity()
+    assert tier(core, "host")["used_blocks"] == 0
+    core.close()
 
 
 def test_unknown_policy_is_refused():
-    with pytest.raises(ValueError, match="preemption: 'drop'"):
-        LLMEngine("tiny-llama", EngineArgs(preemption="drop"))
+    with pytest.raises(ValueError, match="preemption: unknown 'drop'; choose one of recompute"):
+        EngineArgs(preemption="drop")

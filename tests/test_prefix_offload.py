@@ -11,51 +11,59 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.engine.args import EngineArgs
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kv.prefix_offload import prefix_key
+from pdserve.engine.build import build_engine
+from pdserve.engine.core import EngineCore
+from pdserve.kv.offload import Prefix
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 SHARED = list(range(40, 56))  # 16 tokens: 4 full blocks of 4
 FILLERS = [[100 + 7 * i + j for j in range(30)] for i in range(4)]  # evict everything
 
 
-def engine(tmp_path, **kw) -> LLMEngine:
+def engine(tmp_path, **kw) -> EngineCore:
     kw = {"block_size": 4, "num_kv_blocks": 12, "spill_dir": str(tmp_path), **kw}
-    return LLMEngine("tiny-llama", EngineArgs(**kw))
+    return build_engine("tiny-llama", EngineArgs(**kw))[0]
 
 
-def run(eng: LLMEngine, prompts, params=GREEDY):
-    ids = [eng.add_request(p, params) for p in prompts]
+def run(core: EngineCore, prompts, params=GREEDY):
+    reqs = [core.make_request(p, params) for p in prompts]
+    for req in reqs:
+        core.add(req)
     outs = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            outs[out.request_id] = out
-        eng.check_integrity()
-    return [outs[i] for i in ids]
+    while core.has_unfinished:
+        for done in core.step().finished:
+            outs[done.request_id] = done
+        core.check_integrity()
+    return [outs[r.request_id] for r in reqs]
+
+
+def offloaded(core: EngineCore):
+    return core.stats().pool.offloaded
 
 
 @pytest.fixture(scope="module")
 def reference():
-    roomy = LLMEngine("tiny-llama", EngineArgs(block_size=4, num_kv_blocks=256))
-    return lambda prompts, params=GREEDY: [o.token_ids for o in run(roomy, prompts, params)]
+    roomy = build_engine("tiny-llama", EngineArgs(block_size=4, num_kv_blocks=256))[0]
+    return lambda prompts, params=GREEDY: [o.output_token_ids for o in run(roomy, prompts, params)]
 
 
 def test_an_evicted_prefix_is_reloaded_instead_of_computed(tmp_path, reference):
     eng = engine(tmp_path, prefix_offload=True)
+    alloc, offload = eng.kv.allocator, eng.kv.offload
     a, b = SHARED + [1, 2, 3], SHARED + [9, 8]
-    hashes = eng.allocator.prefix_hashes(a, 4)
-    assert run(eng, [a])[0].token_ids == reference([a])[0]
-    assert all(h in eng.allocator.hash_to_block for h in hashes)  # cached on the device
+    hashes = alloc.prefix_hashes(a, 4)
+    assert run(eng, [a])[0].output_token_ids == reference([a])[0]
+    assert all(h in alloc.hash_to_block for h in hashes)  # cached on the device
     for filler in FILLERS:  # one at a time: each needs most of the 12-block pool
         run(eng, [filler])
-    assert not any(h in eng.allocator.hash_to_block for h in hashes)  # evicted ...
-    assert all(h in eng.prefixes for h in hashes)  # ... to the host tier, hashes kept
-    assert all(prefix_key(h) in eng.spiller.store for h in hashes)
-    reloaded = eng.prefixes.reloaded_blocks
+    assert not any(h in alloc.hash_to_block for h in hashes)  # evicted ...
+    assert all(offload.has_prefix(h) for h in hashes)  # ... to the host tier, hashes kept
+    assert all(Prefix(h) in offload.tiers[0] for h in hashes)
+    reloaded = offloaded(eng).prefix_blocks_reloaded
     out = run(eng, [b])[0]
-    assert out.token_ids == reference([b])[0]
+    assert out.output_token_ids == reference([b])[0]
     assert out.metrics.cached_prompt_tokens == 16  # all 4 shared blocks, none computed
-    assert eng.prefixes.reloaded_blocks - reloaded == 4
+    assert offloaded(eng).prefix_blocks_reloaded - reloaded == 4
     eng.close()
 
 
@@ -65,7 +73,7 @@ def test_without_offload_the_evicted_prefix_is_computed_again(tmp_path):
     for filler in FILLERS:
         run(eng, [filler])
     assert run(eng, [SHARED + [9, 8]])[0].metrics.cached_prompt_tokens == 0
-    assert eng.spiller is None and eng.prefixes is None
+    assert eng.kv.offload is None
 
 
 def test_a_recomputed_request_reloads_its_offloaded_prefix(tmp_path, reference):
@@ -75,13 +83,13 @@ def test_a_recomputed_request_reloads_its_offloaded_prefix(tmp_path, reference):
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     expected = reference(prompts, params)
     plain = engine(tmp_path, num_kv_blocks=26)
-    assert [o.token_ids for o in run(plain, prompts, params)] == expected
+    assert [o.output_token_ids for o in run(plain, prompts, params)] == expected
     offload = engine(tmp_path, num_kv_blocks=26, prefix_offload=True)
     outs = run(offload, prompts, params)
-    assert [o.token_ids for o in outs] == expected
+    assert [o.output_token_ids for o in outs] == expected
     assert sum(o.metrics.preemptions for o in outs) > 0
-    assert offload.prefixes.reloaded_blocks > 0
-    redo, plain_redo = offload.scheduler.recomputed_tokens, plain.scheduler.recomputed_tokens
+    assert offloaded(offload).prefix_blocks_reloaded > 0
+    redo, plain_redo = offload.stats().recomputed_tokens, plain.stats().recomputed_tokens
     assert redo == sum(o.metrics.recomputed_tokens for o in outs)
     assert redo < plain_redo  # reloaded blocks are not computed again
     offload.close()
@@ -98,12 +106,12 @@ def test_spills_of_preempted_requests_win_over_cached_prefixes(tmp_path, referen
     )
     for filler in FILLERS + [[f + 1 for f in filler] for filler in FILLERS]:
         run(eng, [filler])
-    assert eng.prefixes.held_blocks >= 20  # the tier is (nearly) full of cached prefixes
+    assert offloaded(eng).prefixes >= 20  # the tier is (nearly) full of cached prefixes
     outs = run(eng, prompts, params)
-    assert [o.token_ids for o in outs] == reference(prompts, params)
+    assert [o.output_token_ids for o in outs] == reference(prompts, params)
     assert sum(o.metrics.spills for o in outs) == sum(o.metrics.preemptions for o in outs) > 0
-    assert eng.spiller.failed_spills == 0 and eng.scheduler.recomputed_tokens == 0
-    assert eng.spiller.made_room > 0  # the oldest prefixes made room for the spills
+    assert offloaded(eng).failed_parks == 0 and eng.stats().recomputed_tokens == 0
+    assert offloaded(eng).prefixes_dropped_for_parks > 0  # the oldest made room for the spills
     eng.close()
 
 
@@ -118,19 +126,19 @@ def test_a_corrupt_offloaded_prefix_is_computed_never_used(tmp_path, reference, 
     run(eng, [SHARED + [1, 2, 3]])
     for filler in FILLERS:
         run(eng, [filler])
-    disk = eng.spiller.store.tiers[-1]
+    disk = eng.kv.offload.tiers[-1]
     disk.flush()
-    second = eng.allocator.prefix_hashes(SHARED, 2)[1]
-    with open(disk._entries[prefix_key(second)].path, "r+b") as f:  # the second shared block
+    second = eng.kv.allocator.prefix_hashes(SHARED, 2)[1]
+    with open(disk._entries[Prefix(second)].path, "r+b") as f:  # the second shared block
         byte = f.read(1)[0]
         f.seek(0)
         f.write(bytes([byte ^ 0x40]))
     caplog.set_level(logging.WARNING)
     out = run(eng, [SHARED + [9, 8]])[0]
-    assert out.token_ids == reference([SHARED + [9, 8]])[0]
+    assert out.output_token_ids == reference([SHARED + [9, 8]])[0]
     assert out.metrics.cached_prompt_tokens == 4  # the first block only; the rest computed
     assert "fails its checksum" in caplog.text
-    assert second not in eng.prefixes
+    assert not eng.kv.offload.has_prefix(second)
     directory = disk.directory
     eng.close()
     assert not os.path.exists(directory)
@@ -146,31 +154,26 @@ def test_workers_reuse_cached_and_offloaded_prefixes_on_both_sides():
     prefill worker evicts the shared prefix to its host tier and reloads it; the decode
     worker shares its cached copy at Reserve, later reloads its offloaded copy, and either
     way the prefill worker pushes only the blocks after the prefix."""
-    from test_handoff import destination
+    from workers import decode_worker, destination, drain, prefill_worker
 
-    from decode.worker import DecodeWorker
     from pdserve import LLM
-    from prefill.worker import PrefillWorker
 
     shared = list(range(3, 51))  # 48 tokens: 3 full blocks of 16
-    prefill = PrefillWorker(
+    prefill = prefill_worker(
         "tiny-llama", "p-offload", "nixl", EngineArgs(num_kv_blocks=8, prefix_offload=True)
     )
-    decode = DecodeWorker(
+    decode = decode_worker(
         "tiny-llama", "d-offload", "nixl", EngineArgs(num_kv_blocks=10, prefix_offload=True)
     )
-    block_bytes = decode.geometry.block_bytes * decode.wire()["planes"]
+    block_bytes = decode.endpoint.bytes_per_block
     reference = LLM("tiny-llama", block_size=16)
     try:
 
         def handoff(rid: str, prompt: list[int]) -> tuple[list[int], int, int]:
             """-> (tokens, blocks the decode worker already had, bytes pushed)."""
             reserved = decode.reserve(rid, prompt, GREEDY, lease_s=30)
-            dest = destination(decode, reserved.block_ids, reserved.cached_blocks)
-            result = prefill.submit(rid, prompt, GREEDY, dest).result(60)
-            stream, tokens = decode.start(rid, result.first_token), []
-            while not isinstance(item := stream.tokens.get(timeout=30), tuple):
-                tokens.append(item)
+            result = prefill.submit(rid, prompt, GREEDY, destination(decode, reserved)).result(60)
+            tokens, _ = drain(decode.start(rid, result.first_token))
             decode.check_integrity()
             prefill.check_integrity()
             return tokens, reserved.cached_blocks, result.transfer_bytes
@@ -185,16 +188,19 @@ def test_workers_reuse_cached_and_offloaded_prefixes_on_both_sides():
         assert handoff("b", second) == (expected(second), 3, block_bytes)
         for i in range(3):  # 100-token prompts: 7 blocks each, on both sides
             handoff(f"fill-{i}", [200 + 3 * i + j for j in range(100)])
-        hashes = prefill.engine.allocator.prefix_hashes(shared, 3)
+        hashes = prefill.core.kv.allocator.prefix_hashes(shared, 3)
         for worker in (prefill, decode):  # evicted from both devices, offloaded on both
-            assert all(h in worker.engine.prefixes for h in hashes)
-            assert not any(h in worker.engine.allocator.hash_to_block for h in hashes)
-        reloads = [w.engine.prefixes.reloaded_blocks for w in (prefill, decode)]
+            kv = worker.core.kv
+            assert all(kv.offload.has_prefix(h) for h in hashes)
+            assert not any(h in kv.allocator.hash_to_block for h in hashes)
+
+        def reloads():
+            return [offloaded(w.core).prefix_blocks_reloaded for w in (prefill, decode)]
+
+        before = reloads()
         third = shared + [5, 5]
         assert handoff("c", third) == (expected(third), 3, block_bytes)
-        assert [
-            w.engine.prefixes.reloaded_blocks - r for w, r in zip((prefill, decode), reloads)
-        ] == [3, 3]
+        assert [now - r for now, r in zip(reloads(), before)] == [3, 3]
     finally:
         prefill.close()
         decode.close()

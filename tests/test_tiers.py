@@ -19,9 +19,10 @@ from transfer.tiers import (
     MemoryTier,
     ReloadFailed,
     SpillFailed,
-    TieredStore,
     TierError,
     TierFull,
+    place,
+    read_into,
 )
 from transfer.tiers import disk as disk_mod
 
@@ -103,38 +104,46 @@ def test_memory_slots_are_taken_lowest_first():
     tier.check_integrity()
 
 
-def test_store_fills_host_then_cxl_then_disk_and_reloads_bit_exact(tmp_path):
+def read_back(tier, key) -> torch.Tensor:
+    pieces = []
+    read_into(tier, key, lambda rows, start, stop: pieces.append(rows.clone()))
+    return torch.cat(pieces)
+
+
+def test_place_fills_host_then_cxl_then_disk_and_reads_back_bit_exact(tmp_path):
     bb = block_bytes()
-    store = TieredStore([MemoryTier(2, bb), CXLTier(2, bb), DiskTier(8, bb, root=str(tmp_path))])
+    tiers = [MemoryTier(2, bb), CXLTier(2, bb), DiskTier(8, bb, root=str(tmp_path))]
     try:
         data = {k: staging(2, seed=i) for i, k in enumerate("abcd")}
-        assert [store.spill(k, v) for k, v in data.items()] == ["host", "cxl", "disk", "disk"]
-        store.check_integrity()
+        where = {k: place(tiers, k, v) for k, v in data.items()}
+        assert [where[k].name for k in "abcd"] == ["host", "cxl", "disk", "disk"]
         for k in "dbca":
-            assert torch.equal(store.reload(k), data[k])
-            assert k not in store
-            store.check_integrity()
-        stats = store.stats()
-        assert stats["host"]["spilled_bytes"] == stats["host"]["reloaded_bytes"] == 2 * bb
-        assert stats["disk"]["spills"] == 2 and stats["disk"]["used_blocks"] == 0
-        with pytest.raises(ReloadFailed, match="not spilled"):
-            store.reload("a")
+            assert torch.equal(read_back(where[k], k), data[k])
+            where[k].discard(k)
+            assert k not in where[k]
+            where[k].check_integrity()
+        host, disk = tiers[0].stats, tiers[2].stats
+        assert host.spilled_bytes == host.reloaded_bytes == 2 * bb
+        assert disk.spills == 2 and tiers[2].used_blocks == 0
+        with pytest.raises(ReloadFailed, match="holds no entry 'a'"):
+            read_into(tiers[0], "a", lambda *_: None)
     finally:
-        store.close()
+        for tier in tiers:
+            tier.close()
 
 
 def test_no_room_anywhere_is_spill_failed(tmp_path):
-    store = TieredStore([MemoryTier(1, block_bytes())])
+    tier = MemoryTier(1, block_bytes())
     with pytest.raises(SpillFailed, match="no tier took 'big'"):
-        store.spill("big", staging(2))
-    store.check_integrity()
+        place([tier], "big", staging(2))
+    assert tier.used_blocks == 0
+    tier.check_integrity()
 
 
 def test_corrupted_spill_file_is_detected_by_its_checksum(tmp_path):
     tier = DiskTier(8, block_bytes(), root=str(tmp_path))
-    store = TieredStore([tier])
     try:
-        store.spill("r", staging(3))
+        place([tier], "r", staging(3))
         entry = tier._entries["r"]
         entry.written.wait()
         with open(entry.path, "r+b") as f:  # flip the bits of one byte of the last block
@@ -145,38 +154,36 @@ def test_corrupted_spill_file_is_detected_by_its_checksum(tmp_path):
         with pytest.raises(CorruptBlock, match="block 2 of 'r' fails its checksum"):
             tier.get("r")
         with pytest.raises(ReloadFailed, match="checksum"):
-            store.reload("r")
-        assert "r" not in store and tier.used_blocks == 0  # the bad entry is dropped
-        store.spill("r2", staging(1))
+            read_into(tier, "r", lambda *_: None)
+        place([tier], "r2", staging(1))
         tier._entries["r2"].written.wait()
         open(tier._entries["r2"].path, "wb").close()  # truncated to nothing
         with pytest.raises(ReloadFailed, match="truncated"):
-            store.reload("r2")
+            read_into(tier, "r2", lambda *_: None)
     finally:
-        store.close()
+        tier.close()
 
 
-def test_a_full_file_system_is_tier_full_and_the_store_moves_on(tmp_path, monkeypatch):
+def test_a_full_file_system_is_tier_full_and_placing_moves_on(tmp_path, monkeypatch):
     disk = DiskTier(8, block_bytes(), root=str(tmp_path))
-    store = TieredStore([disk])
     full = shutil._ntuple_diskusage(total=1 << 30, used=1 << 30, free=1024)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: full)
     with pytest.raises(TierFull, match="is full"):
         disk.put("x", staging(1))
     with pytest.raises(SpillFailed, match="is full"):
-        store.spill("x", staging(1))
-    store.close()
+        place([disk], "x", staging(1))
+    disk.close()
 
 
 def test_an_unwritable_spill_directory_warns_and_falls_back(tmp_path, caplog):
     disk = DiskTier(8, block_bytes(), root=str(tmp_path))
     shutil.rmtree(disk.directory)  # e.g. cleaned away under us
-    store = TieredStore([disk, MemoryTier(4, block_bytes())])
-    assert store.spill("x", staging(1)) == "host"
+    host = MemoryTier(4, block_bytes())
+    assert place([disk, host], "x", staging(1)) is host
     assert "not writable" in caplog.text
     with pytest.raises(TierError, match="not writable"):
         disk.put("y", staging(1))
-    store.close()
+    disk.close()
     with pytest.raises(TierError, match="cannot create a spill directory"):
         DiskTier(8, block_bytes(), root=str(tmp_path / "no" / "such" / "dir"))
 

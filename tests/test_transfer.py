@@ -16,6 +16,13 @@ from transfer import (
     check_handshake,
     make_agent,
 )
+from transfer.loopback import LoopbackFabric
+
+
+def pair(backend: str, a: str, b: str):
+    """Two agents of `backend` that can reach each other (loopback: on one fabric)."""
+    options = {"fabric": LoopbackFabric()} if backend == "loopback" else {}
+    return make_agent(backend, a, **options), make_agent(backend, b, **options)
 
 
 def available(backend: str) -> bool:
@@ -46,7 +53,7 @@ def test_write_moves_exactly_the_described_blocks_and_notifies(backend):
     src_pool = torch.randn(12, 1024, generator=gen)
     dst_pool = torch.full((12, 1024), float("nan"))
     block_bytes = 1024 * 4
-    src, dst = make_agent(backend, f"{backend}-prefill"), make_agent(backend, f"{backend}-decode")
+    src, dst = pair(backend, f"{backend}-prefill", f"{backend}-decode")
     try:
         src_region = src.register(src_pool)
         dst_region = dst.register(dst_pool)
@@ -80,7 +87,7 @@ def test_write_moves_exactly_the_described_blocks_and_notifies(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_read_pulls_remote_ranges(backend):
-    a, b = make_agent(backend, f"{backend}-a"), make_agent(backend, f"{backend}-b")
+    a, b = pair(backend, f"{backend}-a", f"{backend}-b")
     try:
         local = torch.zeros(256, dtype=torch.uint8)
         remote = torch.arange(256, dtype=torch.uint8)
@@ -98,7 +105,7 @@ def test_read_pulls_remote_ranges(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_descriptors_are_refused_before_any_byte_moves(backend):
-    a, b = make_agent(backend, f"{backend}-x"), make_agent(backend, f"{backend}-y")
+    a, b = pair(backend, f"{backend}-x", f"{backend}-y")
     try:
         ra = a.register(torch.zeros(64, dtype=torch.uint8))
         rb = b.register(torch.zeros(64, dtype=torch.uint8))
@@ -125,8 +132,23 @@ def test_unknown_backend_names_the_valid_ones():
         make_agent("rdma-magic", "x")
 
 
+def test_loopback_agents_reach_only_peers_on_their_own_fabric():
+    a, b = pair("loopback", "fa", "fb")
+    stranger = make_agent("loopback", "fb", fabric=LoopbackFabric())  # same name, other fabric
+    pool, into = torch.ones(4), torch.zeros(4)
+    ra, rb = a.register(pool), b.register(into)
+    peer = a.add_peer(b.metadata())
+    a.write(peer, [Desc(ra, 0, 16)], [Desc(rb, 0, 16)], b"hello").wait()
+    assert torch.equal(into, pool)
+    assert stranger.notifications() == {}
+    assert b.notifications() == {"fa": [b"hello"]}
+    assert b.notifications() == {}  # delivered once
+    with pytest.raises(ValueError, match="pass fabric=LoopbackFabric"):
+        make_agent("loopback", "alone")
+
+
 def test_backends_refuse_each_others_metadata():
-    a = make_agent("loopback", "lb")
+    a = make_agent("loopback", "lb", fabric=LoopbackFabric())
     n = make_agent("nixl", "nx")
     try:
         with pytest.raises(ValueError, match="speaks transfer backend 'loopback'"):
@@ -153,7 +175,7 @@ def test_prepared_tiles_move_the_indexed_blocks(backend):
 
     src_pool = torch.arange(8 * 64, dtype=torch.float32).view(8, 64)
     dst_pool = torch.zeros(6, 64)
-    a, b = make_agent(backend, f"{backend}-ta"), make_agent(backend, f"{backend}-tb")
+    a, b = pair(backend, f"{backend}-ta", f"{backend}-tb")
     try:
         ra, rb = a.register(src_pool), b.register(dst_pool)
         peer = a.add_peer(b.metadata())

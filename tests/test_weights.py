@@ -135,4 +135,4 @@ def test_unpermute_inverts_llama_cpp_permutation():
 def test_mistral_sliding_window_caps_the_model_length(hf_checkpoints):
     directory, _ = hf_checkpoints("mistral")
     # full attention equals sliding-window attention within one window
-    assert LLM(str(directory)).engine.model_config.max_position == 512
+    assert LLM(str(directory)).model_config.max_position == 512

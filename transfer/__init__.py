@@ -2,7 +2,7 @@
 loopback), the wire/layout handshake, and the spill tiers (`transfer.tiers`: host, CXL,
 disk). Depends on nothing else of pdserve.
 
-    agent = make_agent("nixl", name)         # or "ucxx", "loopback"
+    agent = make_agent("nixl", name)         # or "ucxx"; "loopback" in-process (tests)
     region = agent.register(pool_tensor)     # register memory
     meta = agent.metadata()                  # exchange metadata (bytes, over the control plane)
     peer = other.add_peer(meta)
@@ -14,6 +14,7 @@ disk). Depends on nothing else of pdserve.
 
 from transfer.agent import (
     BACKENDS,
+    PROCESS_BACKENDS,
     Desc,
     Tiles,
     Transfer,
@@ -22,14 +23,24 @@ from transfer.agent import (
     XferState,
     make_agent,
 )
-from transfer.wire import KV_WIRE_VERSION, HandshakeRefused, KVLayoutSpec, check_handshake
+from transfer.wire import (
+    KV_WIRE_VERSION,
+    HandshakeRefused,
+    KVLayoutSpec,
+    PoolGeometry,
+    PoolLayout,
+    check_handshake,
+)
 
 __all__ = [
     "BACKENDS",
     "KV_WIRE_VERSION",
+    "PROCESS_BACKENDS",
     "Desc",
     "HandshakeRefused",
     "KVLayoutSpec",
+    "PoolGeometry",
+    "PoolLayout",
     "Transfer",
     "TransferAgent",
     "Tiles",

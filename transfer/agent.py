@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
 import torch
+
+from pdserve.registry import Registry
 
 
 class XferState(Enum):
@@ -162,24 +165,30 @@ def _ucxx(name: str) -> TransferAgent:
     return UcxxAgent(name)
 
 
-def _loopback(name: str) -> TransferAgent:
+def _loopback(name: str, fabric=None) -> TransferAgent:
     from transfer.loopback import LoopbackAgent
 
-    return LoopbackAgent(name)
-
-
-BACKENDS = {"nixl": _nixl, "ucxx": _ucxx, "loopback": _loopback}
-
-
-def make_agent(backend: str, name: str) -> TransferAgent:
-    """Backends: nixl (default; NIXL's UCX backend), ucxx (UCX through ucxx), loopback
-    (in-process, unit tests only)."""
-    if backend not in BACKENDS:
+    if fabric is None:
         raise ValueError(
-            f"transfer backend: unknown {backend!r}; choose one of {', '.join(BACKENDS)}"
+            "transfer backend 'loopback': pass fabric=LoopbackFabric() shared by the peers "
+            "(in-process only; between processes use nixl or ucxx)"
         )
+    return LoopbackAgent(name, fabric)
+
+
+BACKENDS: Registry[Callable[..., TransferAgent]] = Registry(
+    "transfer backend", {"nixl": _nixl, "ucxx": _ucxx, "loopback": _loopback}
+)
+# the backends that move bytes between processes (what a worker's --transfer may name)
+PROCESS_BACKENDS = ("nixl", "ucxx")
+
+
+def make_agent(backend: str, name: str, **options) -> TransferAgent:
+    """Backends: nixl (default; NIXL's UCX backend), ucxx (UCX through ucxx), loopback
+    (in-process, unit tests only: `fabric=` names the peers' shared LoopbackFabric)."""
+    factory = BACKENDS[backend]
     try:
-        return BACKENDS[backend](name)
+        return factory(name, **options)
     except ImportError as e:
         raise ValueError(
             f"transfer backend {backend!r} is not available ({e}); valid backends: "

@@ -1,22 +1,41 @@
 """In-process loopback backend: peers live in the same process and bytes move with memmove.
-For unit tests of code above the transfer layer only; DRAM regions only."""
+For unit tests of code above the transfer layer only; DRAM regions only.
+
+Agents that should reach each other share one `LoopbackFabric`, which carries their
+notifications (nothing is global: two tests never see each other's agents):
+
+    fabric = LoopbackFabric()
+    a, b = make_agent("loopback", "a", fabric=fabric), make_agent("loopback", "b", fabric=fabric)
+"""
 
 from __future__ import annotations
 
 import ctypes
 import itertools
-import weakref
+import threading
 
 import torch
 
 from transfer import metadata as md
-from transfer.agent import (
-    Desc,
-    Transfer,
-    XferState,
-    check_descs,
-)
+from transfer.agent import Desc, Transfer, XferState, check_descs
 from transfer.region_agent import RegionTableAgent
+
+
+class LoopbackFabric:
+    """The 'network' between loopback agents: one notification inbox per agent name."""
+
+    def __init__(self) -> None:
+        self._inboxes: dict[str, dict[str, list[bytes]]] = {}
+        self._lock = threading.Lock()
+
+    def deliver(self, target: str, sender: str, notif: bytes) -> None:
+        with self._lock:
+            self._inboxes.setdefault(target, {}).setdefault(sender, []).append(notif)
+
+    def collect(self, name: str) -> dict[str, list[bytes]]:
+        """Everything delivered to `name` since the last call, by sender."""
+        with self._lock:
+            return self._inboxes.pop(name, {})
 
 
 class _Done(Transfer):
@@ -29,13 +48,11 @@ class _Done(Transfer):
 
 class LoopbackAgent(RegionTableAgent):
     backend = "loopback"
-    _live: weakref.WeakValueDictionary[str, LoopbackAgent] = weakref.WeakValueDictionary()
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, fabric: LoopbackFabric) -> None:
         super().__init__(name)
+        self.fabric = fabric
         self._ids = itertools.count()
-        self._inbox: dict[str, list[bytes]] = {}
-        LoopbackAgent._live[name] = self
 
     def register(self, tensor: torch.Tensor) -> int:
         region = md.region_of(tensor)
@@ -69,9 +86,8 @@ class LoopbackAgent(RegionTableAgent):
             if not write:
                 src, dst = dst, src
             ctypes.memmove(dst, src, a.length)
-        target = LoopbackAgent._live.get(peer)
-        if notif and target is not None:
-            target._inbox.setdefault(self.name, []).append(notif)
+        if notif:
+            self.fabric.deliver(peer, self.name, notif)
         return _Done()
 
     def write(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
@@ -81,8 +97,7 @@ class LoopbackAgent(RegionTableAgent):
         return self._move(peer, local, remote, notif, write=False)
 
     def notifications(self) -> dict[str, list[bytes]]:
-        inbox, self._inbox = self._inbox, {}
-        return inbox
+        return self.fabric.collect(self.name)
 
     def close(self) -> None:
         self._regions.clear()

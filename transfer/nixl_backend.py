@@ -4,6 +4,7 @@ on GPU, with notifications delivered to the target agent."""
 from __future__ import annotations
 
 import itertools
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -20,7 +21,9 @@ from transfer.agent import (
     check_tiles,
 )
 
-_STATES = {"DONE": XferState.DONE, "PROC": XferState.PENDING, "ERR": XferState.FAILED}
+_STATES = MappingProxyType(
+    {"DONE": XferState.DONE, "PROC": XferState.PENDING, "ERR": XferState.FAILED}
+)
 
 
 class NixlTransfer(Transfer):

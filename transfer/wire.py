@@ -1,9 +1,15 @@
-"""The wire contract between a prefill and a decode worker: a version and a layout hash.
+"""The wire contract between a prefill and a decode worker: what a pool looks like to a peer.
 
-Both sides describe their KV pool with `KVLayoutSpec`; the decode worker sends its
-`(KV_WIRE_VERSION, layout_hash)` with every reservation and the prefill worker refuses to
-push into a pool whose layout differs from its own (model, dtype, block size, head layout,
-layer count), or whose wire version it does not speak.
+Both sides describe their KV pool's contents with `KVLayoutSpec` (model, dtype, block size,
+head layout, layer count) and its bytes with `PoolGeometry`; a `PoolLayout` is the two
+together as a peer receives them with every reservation: `(KV_WIRE_VERSION, layout_hash)`
+for the handshake, and where each block of each layer plane lies in the registered region.
+The prefill worker refuses to push into a pool whose layout hash differs from its own, or
+whose wire version it does not speak.
+
+A pool `[*planes, num_blocks, *block]` (see pdserve/kv/kv_cache.py) is `planes` runs of
+`num_blocks` blocks: GQA has 2 planes per layer (K, V), MLA one. Block b of plane p starts
+at `(p * num_blocks + b) * block_bytes`.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-KV_WIRE_VERSION = 1
+import numpy as np
+
+KV_WIRE_VERSION = 2  # 2: PoolLayout carries planes per layer
 
 
 class HandshakeRefused(RuntimeError):
@@ -32,6 +40,32 @@ class KVLayoutSpec:
     def layout_hash(self) -> str:
         text = json.dumps(asdict(self), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    num_blocks: int
+    block_bytes: int  # one block of one plane
+    planes_per_layer: int  # 2 (GQA: K, V) or 1 (MLA: the latent)
+
+    def offset(self, plane: int, block: int) -> int:
+        return (plane * self.num_blocks + block) * self.block_bytes
+
+    def tile_indices(self, layer: int, blocks: np.ndarray) -> np.ndarray:
+        """Indices of (plane of `layer`, block) tiles when the pool is cut into blocks:
+        plane-major, so two pools give matching pairs for matching block lists."""
+        planes = np.arange(layer * self.planes_per_layer, (layer + 1) * self.planes_per_layer)
+        return (planes[:, None] * self.num_blocks + blocks[None, :]).ravel()
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """A worker's KV pool as a peer sees it: the handshake and the bytes."""
+
+    wire_version: int
+    layout_hash: str
+    geometry: PoolGeometry
+    region: int  # the pool's region id in the owner's agent metadata
 
 
 def check_handshake(ours: KVLayoutSpec, wire_version: int, layout_hash: str) -> None:

@@ -30,7 +30,7 @@ def hf_model_from(llm: LLM):
     """A transformers LlamaForCausalLM holding the very tensors pdserve loaded."""
     import transformers
 
-    cfg: ModelConfig = llm.engine.model_config
+    cfg: ModelConfig = llm.model_config
     if cfg.architecture != "llama" or cfg.rope.rope_type != "default" or cfg.qkv_bias:
         raise ValueError("bench offline: the transformers baseline supports Llama-family models")
     hf_cfg = transformers.LlamaConfig(
@@ -47,8 +47,8 @@ def hf_model_from(llm: LLM):
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope.theta},
         pad_token_id=0,
     )
-    model = transformers.LlamaForCausalLM(hf_cfg).to(llm.engine.dtype)
-    ours = llm.engine.model
+    model = transformers.LlamaForCausalLM(hf_cfg).to(llm.core.kv_pool.dtype)
+    ours = llm.core.runner.model  # the real runner (pdserve/engine/model_runner.py)
     state = {}
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for name, tensor in ours.state_dict().items():
@@ -115,7 +115,7 @@ def bench_offline(
 ) -> dict:
     llm = LLM(model, max_num_seqs=max(batch_sizes), **engine_args)
     hf = hf_model_from(llm)
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.model_config.vocab_size
     warm = Workload([[vocab - 1] * 8, [vocab - 2] * 12], [4, 4])
     run_pdserve(llm, warm)
     run_transformers(hf, warm)
@@ -149,7 +149,7 @@ def bench_offline(
         "machine": machine_info(),
         "workload": {"kind": workload, "seed": seed, "sampling": "greedy, ignore_eos"},
         "engine_args": engine_args,
-        "dtype": str(llm.engine.dtype),
+        "dtype": str(llm.core.kv_pool.dtype),
         "results": rows,
     }
 

@@ -7,7 +7,8 @@ context length L this measures, in one engine and one process:
 
     decode step   one step of `batch` requests, each at context L (median of `steps`)
     recompute     the prefill of one L-token context (what recompute preemption redoes)
-    swap          KVSpiller.spill + reload of that context's blocks through the host tier
+    swap          a park + unpark of that context's blocks through the host tier (what
+                  swap/tiered preemption does: pdserve/kv/offload.py)
 
 and reports recompute and swap in decode steps (and in tokens the batch could have made).
 Where recompute costs many steps and swap few, recompute preemption collapses throughput
@@ -24,17 +25,23 @@ import torch
 
 from pdserve.bench.report import machine_info
 from pdserve.engine.args import EngineArgs
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.build import build_engine
+from pdserve.engine.core import EngineCore
 from pdserve.progress import progress
 from pdserve.sampling_params import SamplingParams
 
 
-def _timed_step(engine: LLMEngine) -> float:
-    start = time.perf_counter()
-    engine.step()
-    if engine.device.type == "cuda":
+def _sync(core: EngineCore) -> None:
+    if core.kv_pool.device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+
+
+def _timed_step(core: EngineCore) -> tuple[float, int]:
+    """-> (seconds, requests that ran)."""
+    start = time.perf_counter()
+    out = core.step()
+    _sync(core)
+    return time.perf_counter() - start, len(out.ran)
 
 
 def _prompt(gen: torch.Generator, vocab: int, n: int) -> list[int]:
@@ -63,51 +70,56 @@ def bench_preempt_cost(
         spill_host_blocks=blocks,
         seed=seed,
     )
-    engine = LLMEngine(model, args)
-    if max(contexts) + steps + 2 > engine.scheduler_config.max_model_len:
+    core, _ = build_engine(model, args)
+    if max(contexts) + steps + 2 > core.validator.max_model_len:
         raise ValueError(f"contexts: {max(contexts)} is too long for {model}")
-    vocab, gen = engine.model_config.vocab_size, torch.Generator().manual_seed(seed)
+    vocab, gen = core.model_config.vocab_size, torch.Generator().manual_seed(seed)
     rows = []
     try:
         for length in progress(list(contexts), desc="bench preempt-cost", unit="context"):
             # recompute: the prefill of one whole context (a warm-up first)
             prefill = []
             for r in range(reps + 1):
-                engine.add_request(_prompt(gen, vocab, length), SamplingParams(max_tokens=1))
-                elapsed = _timed_step(engine)
-                assert not engine.has_unfinished_requests()
+                core.add(
+                    core.make_request(_prompt(gen, vocab, length), SamplingParams(max_tokens=1))
+                )
+                elapsed, _ = _timed_step(core)
+                assert not core.has_unfinished
                 if r:
                     prefill.append(elapsed)
             # a decode step of `batch` requests at this context
             # (long contexts take several steps to prefill: the first requests decode
             # meanwhile, so every request may run well past `steps` tokens)
-            budget = engine.scheduler_config.max_num_batched_tokens
+            budget = core.token_budget
             extra = -(-batch * length // budget) + 2  # steps it takes to prefill them all
             params = SamplingParams(max_tokens=steps + 2 + extra, ignore_eos=True)
-            ids = [engine.add_request(_prompt(gen, vocab, length), params) for _ in range(batch)]
-            running = engine.scheduler.running
-            while len(running) < batch or any(r.num_output_tokens == 0 for r in running):
-                engine.step()  # prefill every prompt (a few per step within the budget)
-            engine.step()  # a first decode step of all of them (warm-up)
-            decode = [_timed_step(engine) for _ in range(steps)]
-            assert len(running) == batch and not engine.scheduler.waiting
-            for request_id in ids:
-                engine.abort_request(request_id)
-            # swap: spill one context's blocks to the host tier and reload them
-            spiller, alloc = engine.spiller, engine.allocator
-            ids = alloc.allocate_fresh(alloc.blocks_needed(length))
+            reqs = [core.make_request(_prompt(gen, vocab, length), params) for _ in range(batch)]
+            for req in reqs:
+                core.add(req)
+            while core.stats().running < batch or any(r.num_output_tokens == 0 for r in reqs):
+                core.step()  # prefill every prompt (a few per step within the budget)
+            core.step()  # a first decode step of all of them (warm-up)
+            decode = []
+            for _ in range(steps):
+                elapsed, ran = _timed_step(core)
+                assert ran == batch
+                decode.append(elapsed)
+            for req in reqs:
+                core.abort(req.request_id)
+            # swap: park one context's blocks in the host tier and bring them back
+            kv = core.kv
+            ids = kv.allocate_fresh(kv.blocks_needed(length))
             spill, reload = [], []
             for r in range(reps + 1):
                 start = time.perf_counter()
-                assert spiller.spill("cost", ids) == "host"
+                assert kv.park("cost", ids)
                 middle = time.perf_counter()
-                assert spiller.reload("cost", ids)
-                if engine.device.type == "cuda":
-                    torch.cuda.synchronize()
+                assert kv.unpark("cost", ids)
+                _sync(core)
                 if r:
                     spill.append(middle - start)
                     reload.append(time.perf_counter() - middle)
-            alloc.free(ids)
+            kv.free(ids)
             step = statistics.median(decode)
             recompute = statistics.median(prefill)
             swap = statistics.median(spill) + statistics.median(reload)
@@ -123,16 +135,19 @@ def bench_preempt_cost(
                     "swap_steps": swap / step,
                     "recompute_tokens_lost": batch * recompute / step,
                     "swap_tokens_lost": batch * swap / step,
-                    "kv_bytes": len(ids) * engine.kv_cache.nbytes // engine.cache_config.num_blocks,
+                    "kv_bytes": len(ids)
+                    * core.kv_pool.numel()
+                    * core.kv_pool.element_size()
+                    // core.num_blocks,
                 }
             )
-            engine.check_integrity()
+            core.check_integrity()
     finally:
-        engine.close()
+        core.close()
     return {
         "benchmark": "preempt-cost",
         "model": model,
-        "device": str(engine.device),
+        "device": str(core.kv_pool.device),
         "machine": machine_info(),
         "rows": rows,
     }

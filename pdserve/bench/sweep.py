@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
+from types import MappingProxyType
 
 from pdserve.bench.report import machine_info
 from pdserve.bench.serve import _drive, percentile
@@ -23,12 +24,14 @@ from pdserve.bench.workload import make_workload
 from pdserve.progress import progress
 
 DEFAULT_POLICIES = ("greedy+recompute", "kv-aware+tiered")
-COUNTERS = {
-    "preemptions": "pdserve_decode_preemptions_total",
-    "recomputed_tokens": "pdserve_decode_recomputed_tokens_total",
-    "spilled_bytes": "pdserve_decode_spilled_bytes_total",
-    "refused": "pdserve_decode_admission_refused_total",
-}
+COUNTERS = MappingProxyType(
+    {
+        "preemptions": "pdserve_decode_preemptions_total",
+        "recomputed_tokens": "pdserve_decode_recomputed_tokens_total",
+        "spilled_bytes": "pdserve_decode_spilled_bytes_total",
+        "refused": "pdserve_decode_admission_refused_total",
+    }
+)
 
 
 def parse_policy(policy: str) -> tuple[str, str]:

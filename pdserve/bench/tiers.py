@@ -3,9 +3,9 @@ bytes, in the same run.
 
 For n blocks of the model's real KV pool (every layer, K and V), laid out as one run of
 consecutive blocks or scattered (every other block), a spill is what the scheduler does on
-preemption (`KVSpiller.spill`: the blocks packed by kernels/block_copy straight into the
+preemption (`OffloadedKV.park`: the blocks packed by kernels/block_copy straight into the
 tier's memory; for disk, until the file is written) and a reload the way back
-(`KVSpiller.reload`: read, verify checksums for disk, unpack into the blocks). Baselines,
+(`OffloadedKV.unpark`: read, verify checksums for disk, unpack into the blocks). Baselines,
 same bytes: host and CXL against one contiguous tensor copy; disk against one sequential
 file write of a ready buffer, then one read into a reused buffer. Rounds alternate tier and
 baseline; a fraction of raw is the median over rounds of their time ratio. Every reload is checked
@@ -23,10 +23,10 @@ import torch
 
 from pdserve.bench.report import machine_info
 from pdserve.kv import KVCache
-from pdserve.kv.spill import KVSpiller
+from pdserve.kv.offload import OffloadedKV
 from pdserve.progress import progress
 from pdserve.weights import resolve
-from transfer.tiers import CXLTier, DiskTier, MemoryTier, TieredStore
+from transfer.tiers import CXLTier, DiskTier, MemoryTier
 
 # the sequence's blocks: one run of consecutive blocks (what the allocator hands out when it
 # can), or every other block (a sequence that grew among others: no two blocks adjacent)
@@ -76,19 +76,19 @@ def bench_tiers(model: str = "smollm2-135m", quick: bool = False) -> dict:
             dst = torch.empty_like(src)
             payload, into = src.numpy().tobytes(), bytearray(nbytes)
             for name, make in tiers.items():
-                spiller = KVSpiller(kv, TieredStore([make()]))
-                tier = spiller.store.tiers[0]
+                tier = make()
+                offload = OffloadedKV(kv, [tier])
                 spill_t, reload_t, raw_w, raw_r, exact = [], [], [], [], True
                 for r in range(reps + 1):
                     expected = [kv.pool.select(kv.block_dim, b).clone() for b in ids]
                     start = time.perf_counter()
-                    assert spiller.spill("k", ids) == name
+                    assert offload.park("k", ids) == name
                     if name == "disk":
                         tier.flush()
                     t_spill = time.perf_counter() - start
                     kv.pool.select(kv.block_dim, ids[0]).zero_()  # reload must restore it
                     start = time.perf_counter()
-                    assert spiller.reload("k", ids)
+                    assert offload.unpark("k", ids)
                     t_reload = time.perf_counter() - start
                     exact &= all(
                         torch.equal(kv.pool.select(kv.block_dim, b), e)
@@ -105,7 +105,7 @@ def bench_tiers(model: str = "smollm2-135m", quick: bool = False) -> dict:
                         reload_t.append(t_reload)
                         raw_w.append(w)
                         raw_r.append(rd)
-                spiller.close()
+                offload.close()
                 rows.append(
                     {
                         "tier": name,

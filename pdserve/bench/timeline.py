@@ -4,22 +4,25 @@ request, a coloured bar per stage, layer pushes and decode steps as ticks)."""
 from __future__ import annotations
 
 import statistics
+from types import MappingProxyType
 
 from pdserve.trace import STAGES, coverage
 
-COLOURS = {
-    "router.queue": "#9e9e9e",
-    "decode.reserve": "#8d6e63",
-    "rpc.prefill": "#d7ccc8",
-    "prefill.queue": "#ffcc80",
-    "prefill.compute": "#ef6c00",
-    "transfer.tail": "#7b1fa2",
-    "rpc.prefill_reply": "#d7ccc8",
-    "rpc.start": "#d7ccc8",
-    "decode.admission": "#90caf9",
-    "decode.run": "#1565c0",
-    "router.stream": "#bdbdbd",
-}
+COLOURS = MappingProxyType(
+    {
+        "router.queue": "#9e9e9e",
+        "decode.reserve": "#8d6e63",
+        "rpc.prefill": "#d7ccc8",
+        "prefill.queue": "#ffcc80",
+        "prefill.compute": "#ef6c00",
+        "transfer.tail": "#7b1fa2",
+        "rpc.prefill_reply": "#d7ccc8",
+        "rpc.start": "#d7ccc8",
+        "decode.admission": "#90caf9",
+        "decode.run": "#1565c0",
+        "router.stream": "#bdbdbd",
+    }
+)
 
 
 def stage_table(records: list[dict]) -> str:

@@ -12,13 +12,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
 from pathlib import Path
+from types import MappingProxyType
 
 TRACE_DIR = Path(__file__).resolve().parent.parent / "data" / "traces"
-TRACES = {
-    "azure-conv": "azure2023_conv.csv",
-    "azure-code": "azure2023_code.csv",
-    "mooncake-conv": "mooncake_conversation.jsonl",
-}
+TRACES = MappingProxyType(
+    {
+        "azure-conv": "azure2023_conv.csv",
+        "azure-code": "azure2023_code.csv",
+        "mooncake-conv": "mooncake_conversation.jsonl",
+    }
+)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 TTFT with layer-wise push against push-after-prefill.
 
 Part 1 (same process, two NIXL agents, the model's real KV pool layout): for n blocks, the
-handoff posts what the prefill worker posts (serving.kv_endpoint.write_layers: one
+handoff posts what the prefill worker posts (prefill/push.py write_layers: one
 descriptor per plane and run of blocks consecutive on both sides, else prepared tiles):
 every layer in one WRITE, and, for the allocator layout, also one WRITE per layer as the
 layer-wise push does. The raw baseline writes the same number of bytes as one contiguous
@@ -33,8 +33,9 @@ from pdserve.kv import KVCache
 from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.progress import progress
 from pdserve.sampling_params import SamplingParams
-from pdserve.serving.kv_endpoint import PoolSide, block_runs, pool_geometry, write_layers
+from pdserve.serving.kv_pool import pool_geometry
 from pdserve.weights import resolve
+from prefill.push import PoolSide, block_runs, write_layers
 from transfer import Desc, make_agent
 
 LAYOUTS = ("contiguous", "allocator", "scattered")
@@ -74,11 +75,10 @@ def churned_ids(num_blocks: int, n: int, rng: np.random.Generator) -> np.ndarray
         size = int(rng.integers(1, 33))
         if size > alloc.num_free_blocks - n:
             break
-        held.append(alloc.allocate([0] * size)[0])
+        held.append(alloc.allocate([0] * size).block_ids)
     for i in rng.permutation(len(held))[: len(held) // 2]:
         alloc.free(held[i])
-    ids, _ = alloc.allocate([0] * n)
-    return np.array(ids)
+    return np.array(alloc.allocate([0] * n).block_ids)
 
 
 def _runs(ids: np.ndarray) -> int:
@@ -174,19 +174,25 @@ def handoff_vs_raw(model: str, counts: list[int], backend: str, reps: int) -> li
 
 
 def ttft_layerwise(model: str, prompt_lens: list[int], backend: str, reps: int) -> list[dict]:
+    from decode.config import DecodeConfig
     from decode.worker import DecodeWorker
-    from prefill.worker import Destination, PrefillWorker
+    from prefill.config import PrefillConfig
+    from prefill.push import Destination
+    from prefill.worker import PrefillWorker
 
     args = EngineArgs(
         block_size=16, num_kv_blocks=2 + 2 * max(prompt_lens) // 16, enable_prefix_caching=False
     )
-    prefill = PrefillWorker(model, "bench-prefill", backend, args)
-    decode = DecodeWorker(model, "bench-decode", backend, args)
+    prefill = PrefillWorker.build(
+        model, args, PrefillConfig("bench-prefill"), make_agent(backend, "bench-prefill")
+    )
+    decode = DecodeWorker.build(
+        model, args, DecodeConfig("bench-decode"), make_agent(backend, "bench-decode")
+    )
     params = SamplingParams(max_tokens=1, temperature=0)
     rows = []
     try:
-        wire = decode.wire()
-        vocab = prefill.engine.model_config.vocab_size
+        vocab = prefill.core.model_config.vocab_size
         gen = torch.Generator().manual_seed(1)
         for n in prompt_lens:
             prompt = torch.randint(vocab // 4, vocab, (n,), generator=gen).tolist()
@@ -197,12 +203,9 @@ def ttft_layerwise(model: str, prompt_lens: list[int], backend: str, reps: int) 
                 blocks = decode.reserve(rid, prompt, params, lease_s=60).block_ids
                 dest = Destination(
                     decode.worker_id,
-                    decode.agent.metadata(),
+                    decode.endpoint.agent.metadata(),
+                    decode.endpoint.layout,
                     blocks,
-                    wire["wire_version"],
-                    wire["layout_hash"],
-                    decode.geometry,
-                    wire["region"],
                 )
                 prefill.layerwise = layerwise
                 start = time.perf_counter()

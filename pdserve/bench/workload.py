@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -35,11 +36,13 @@ class Workload:
 
 
 # Trace lengths scaled to a small model on a CPU: (prompt factor, output factor).
-TRACE_SCALES = {
-    "azure-conv": (1 / 8, 1 / 2),
-    "azure-code": (1 / 8, 1),
-    "mooncake-conv": (1 / 32, 1 / 2),
-}
+TRACE_SCALES = MappingProxyType(
+    {
+        "azure-conv": (1 / 8, 1 / 2),
+        "azure-code": (1 / 8, 1),
+        "mooncake-conv": (1 / 32, 1 / 2),
+    }
+)
 TRACE_CLIP = ((4, 512), (4, 256))
 WORKLOADS = (*TRACE_SCALES, "uniform", "reasoning")
 REASONING_SIGMA = 1.0

@@ -6,10 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.attention import ATTENTION_BACKENDS
+from pdserve.config import PREEMPTION, CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.kv.kv_cache import bytes_per_block
+from pdserve.registry import Registry
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES: Registry[torch.dtype] = Registry(
+    "dtype", {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+)
 DEFAULT_CPU_KV_BYTES = 512 * 2**20
 GPU_KV_FRACTION = 0.5  # of the memory left free after loading weights
 
@@ -45,6 +49,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r}; choose auto, {', '.join(DTYPES)}")
+        ATTENTION_BACKENDS.check(self.attention_backend)
+        PREEMPTION.check(self.preemption)
         if self.block_size <= 0:
             raise ValueError(f"block_size: must be > 0, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

@@ -6,19 +6,19 @@ Block tables are padded with block 0 to the longest table of their part; padding
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from pdserve.attention import AttentionMetadata, TorchAttentionBackend
+from pdserve.engine.batch import RunResult, ScheduledChunk
 from pdserve.engine.sampler import sample, top_logprobs
-from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.kv import KVCache
 from pdserve.models import CausalLM
 
 
-def _block_table(chunks: list[ScheduledChunk], device: torch.device) -> torch.Tensor:
+def _block_table(chunks: Sequence[ScheduledChunk], device: torch.device) -> torch.Tensor:
     width = max((len(c.block_ids) for c in chunks), default=0)
     table = np.zeros((len(chunks), max(width, 1)), dtype=np.int32)
     for i, c in enumerate(chunks):
@@ -27,6 +27,8 @@ def _block_table(chunks: list[ScheduledChunk], device: torch.device) -> torch.Te
 
 
 class ModelRunner:
+    """The real runner (see pdserve/engine/runner.py): the model's forward pass on the pool."""
+
     def __init__(
         self,
         model: CausalLM,
@@ -43,7 +45,7 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(seed)
 
     def prepare(
-        self, chunks: list[ScheduledChunk]
+        self, chunks: Sequence[ScheduledChunk]
     ) -> tuple[list[int], torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """-> (packed order, input_ids, positions, metadata, indices of tokens to sample)."""
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) > 1)
@@ -84,15 +86,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, chunks: list[ScheduledChunk], on_layer_done: Callable[[int], None] | None = None
-    ) -> tuple[list[int], list[dict[int, float]] | None]:
-        """-> (sampled token per sampling chunk in chunk order, their logprobs if asked)."""
+        self, chunks: Sequence[ScheduledChunk], on_layer_done: Callable[[int], None] | None = None
+    ) -> RunResult:
+        """-> the sampled token of each sampling chunk in chunk order (and logprobs if asked)."""
         order, input_ids, positions, meta, sample_at = self.prepare(chunks)
         hidden = self.model(
             input_ids, positions, self.kv_cache.layers, meta, self.backend, on_layer_done
         )
         if not sample_at:
-            return [], None
+            return RunResult([])
         logits = self.model.compute_logits(hidden[sample_at])  # [S, vocab], packed order
         packed = [chunks[i] for i in order if chunks[i].sample]
         # back to the caller's chunk order
@@ -109,4 +111,4 @@ class ModelRunner:
                 top_logprobs(logits[j], c.params.logprobs) if c.params.logprobs else {}
                 for j, c in enumerate(sampling)
             ]
-        return tokens, logprobs
+        return RunResult(tokens, logprobs)

@@ -1,52 +1,45 @@
 """Continuous batching with chunked prefill under a token budget.
 
 Each step: every running request gets its next tokens (one for decoding requests, the rest of
-its prompt up to the budget for prefilling ones), in admission order; then waiting requests
-are admitted while the budget, `max_num_seqs` and free KV blocks allow. A running request that
-cannot get a block preempts the most recently admitted one (the victim: it has made the least
-progress since admission, and LIFO keeps the oldest requests moving).
+its prompt up to the budget for prefilling ones), in admission order; then parked requests
+come back; then waiting requests are admitted while the budget, `max_num_seqs` and free KV
+blocks allow. A running request that cannot get a block preempts the most recently admitted
+one (the victim: it has made the least progress since admission, and LIFO keeps the oldest
+requests moving).
 
 What happens to the victim's KV is the preemption policy (`SchedulerConfig.preemption`):
 `recompute` drops it and the request waits to be computed again (from its prefix-cache hits
-where they survive, on the device or offloaded to the tiers: pdserve/kv/prefix_offload.py);
-`swap`/`tiered` hand its blocks to the spiller (host, then CXL, then disk), free them, and
-park the request in `swapped`; parked requests come back, their KV reloaded into fresh
-blocks, before any new request is admitted. A spill no tier can take, or
-a reload that fails (lost, checksum), falls back to recompute.
+where they survive, on the device or offloaded to the tiers); `swap`/`tiered` park its
+blocks in the tiers (host, then CXL, then disk), free them, and keep the request in
+`parked`; parked requests come back, their KV unpacked into fresh blocks, before any new
+request is admitted. A park no tier can take, or an unpark that fails (lost, checksum),
+falls back to recompute.
 
-The runner gets plain data (`ScheduledChunk`), never the scheduler's own objects.
+The scheduler keeps books only: blocks through the KVManager, bytes never. The runner gets
+plain data (`ScheduledChunk`), never the scheduler's own objects.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
-
-import torch
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
+from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.kv import BlockAllocator
-from pdserve.sampling_params import SamplingParams
-
-
-@dataclass
-class ScheduledChunk:
-    token_ids: list[int]  # the tokens to compute this step
-    start: int  # position of token_ids[0] (= tokens already in the cache)
-    block_ids: list[int]  # the request's block table
-    sample: bool  # the chunk ends the known tokens: sample the next one
-    params: SamplingParams
-    generator: torch.Generator | None
+from pdserve.kv.manager import KVManager
 
 
 @dataclass
 class ScheduledBatch:
-    requests: list[Request]  # parallel to chunks
-    chunks: list[ScheduledChunk]
-    copies: list[tuple[int, int]]  # copy-on-write block copies to do before running
-    preempted: list[Request]
+    requests: list[Request] = field(default_factory=list)  # parallel to chunks
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before running
+    preempted: list[Request] = field(default_factory=list)  # every victim of this step
+    parked: list[Request] = field(default_factory=list)  # victims whose KV went to a tier
+    unparked: list[Request] = field(default_factory=list)  # parked requests brought back
 
     @property
     def empty(self) -> bool:
@@ -54,61 +47,63 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(
-        self, config: SchedulerConfig, allocator: BlockAllocator, spiller=None, prefixes=None
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
         self.config = config
-        self.allocator = allocator
+        self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.swapped: deque[Request] = deque()  # preempted, KV parked in a spill tier
-        # pdserve.kv.spill.KVSpiller (or anything with spill/reload/discard)
-        self.spiller = spiller if config.preemption != "recompute" else None
-        # pdserve.kv.prefix_offload.PrefixOffload: reloads offloaded prefix blocks on admission
-        self.prefixes = prefixes
+        self.parked: deque[Request] = deque()  # preempted, KV in a spill tier
+        self.park_victims = config.preemption != "recompute" and kv.can_park
         self.preemptions = 0
         self.recomputed_tokens = 0
 
+    # -- requests -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
+        """A new request: its prompt is computed here, in chunks, before it decodes."""
         self.waiting.append(request)
+
+    def admit_running(self, request: Request) -> None:
+        """A request whose computed tokens' KV is already in its blocks joins the batch."""
+        assert request.block_ids, "a running request holds its blocks"
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.parked)
 
-    def unfinished(self):
+    def unfinished(self) -> Iterator[Request]:
         """Every request not finished: running, waiting (new or to recompute), parked."""
         yield from self.running
         yield from self.waiting
-        yield from self.swapped
+        yield from self.parked
 
+    def find(self, request_id: str) -> Request | None:
+        return next((r for r in self.unfinished() if r.request_id == request_id), None)
+
+    # -- one step -------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
-        batch = ScheduledBatch([], [], [], [])
+        batch = ScheduledBatch()
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self._make_room(req, n, batch):
-                batch.copies += self.allocator.append_slots(
-                    req.block_ids, req.num_computed_tokens, n
-                )
-                self._add_chunk(batch, req, n)
-                budget -= n
-                idx += 1
-            else:
+            if not self._make_room(req, n, batch):
                 break  # req itself was preempted; everything after it is gone too
-        budget = self._swap_in(batch, budget)
-        while self.waiting and budget > 0 and not batch.preempted and not self.swapped:
+            batch.copies += self.kv.grow(req.block_ids, req.num_computed_tokens, n)
+            self._add_chunk(batch, req, n)
+            budget -= n
+            idx += 1
+        budget = self._unpark(batch, budget)
+        while self.waiting and budget > 0 and not batch.preempted and not self.parked:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
-            if not self.allocator.can_allocate(req.token_ids):
+            if not self.kv.can_allocate(req.token_ids):
                 break
             self.waiting.popleft()
-            req.block_ids, cached = self.allocator.allocate(req.token_ids)
-            if self.prefixes is not None:
-                cached = self.prefixes.extend(req.token_ids, req.block_ids, cached)
+            req.block_ids, cached = self.kv.allocate_prompt(req.token_ids)
             req.num_computed_tokens = cached
             if req.dropped_tokens:  # computed before a preemption dropped them
                 redo = max(0, req.dropped_tokens - cached)
@@ -118,8 +113,7 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.monotonic()
                 req.metrics.cached_prompt_tokens = cached
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self.admit_running(req)
             n = min(req.num_tokens - cached, budget)
             self._add_chunk(batch, req, n)
             budget -= n
@@ -127,57 +121,54 @@ class Scheduler:
 
     def _make_room(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
         """Preempt from the tail until `req` can grow by n tokens; False if req was the victim."""
-        while not self.allocator.can_append(req.block_ids, req.num_computed_tokens, n):
+        while not self.kv.can_grow(req.block_ids, req.num_computed_tokens, n):
             victim = self.running.pop()
-            self._preempt(victim)
-            batch.preempted.append(victim)
+            self._preempt(victim, batch)
             if victim is req:
                 return False
         return True
 
-    def _swap_in(self, batch: ScheduledBatch, budget: int) -> int:
+    def _unpark(self, batch: ScheduledBatch, budget: int) -> int:
         """Bring parked requests back, oldest first, while their KV and next token fit."""
-        while self.swapped and budget > 0 and not batch.preempted:
+        while self.parked and budget > 0 and not batch.preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            req = self.swapped[0]
-            if self.allocator.blocks_needed(req.num_tokens) > self.allocator.num_free_blocks:
+            req = self.parked[0]
+            if self.kv.blocks_needed(req.num_tokens) > self.kv.num_free_blocks:
                 break
-            self.swapped.popleft()
-            blocks = self.allocator.allocate_fresh(
-                self.allocator.blocks_needed(req.num_computed_tokens)
-            )
-            if not self.spiller.reload(req.request_id, blocks):
-                self.allocator.free(blocks)
+            self.parked.popleft()
+            blocks = self.kv.allocate_fresh(self.kv.blocks_needed(req.num_computed_tokens))
+            if not self.kv.unpark(req.request_id, blocks):
+                self.kv.free(blocks)
                 self._drop_kv(req)
                 self.waiting.appendleft(req)
                 continue
             req.block_ids = blocks
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self.admit_running(req)
+            batch.unparked.append(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            batch.copies += self.allocator.append_slots(req.block_ids, req.num_computed_tokens, n)
+            batch.copies += self.kv.grow(req.block_ids, req.num_computed_tokens, n)
             self._add_chunk(batch, req, n)
             budget -= n
         return budget
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         req.metrics.preemptions += 1
         self.preemptions += 1
+        batch.preempted.append(req)
         req.status = RequestStatus.WAITING
         computed = req.num_computed_tokens
-        if self.spiller is not None and computed > 0:
-            held = req.block_ids[: self.allocator.blocks_needed(computed)]
-            if self.spiller.spill(req.request_id, held) is not None:
-                self.allocator.free(req.block_ids)
-                req.block_ids = []
-                req.metrics.spills += 1
-                self.swapped.append(req)
-                return
-        self.allocator.free(req.block_ids)
+        held = req.block_ids[: self.kv.blocks_needed(computed)]
+        parked = self.park_victims and computed > 0 and self.kv.park(req.request_id, held)
+        self.kv.free(req.block_ids)
         req.block_ids = []
-        self._drop_kv(req)
-        self.waiting.appendleft(req)
+        if parked:
+            req.metrics.spills += 1
+            batch.parked.append(req)
+            self.parked.append(req)
+        else:
+            self._drop_kv(req)
+            self.waiting.appendleft(req)
 
     def _drop_kv(self, req: Request) -> None:
         """The request's KV is gone: what it had computed will be computed again when it is
@@ -202,12 +193,13 @@ class Scheduler:
 
     def update(
         self, batch: ScheduledBatch, sampled: list[int], logprobs: list[dict[int, float]] | None
-    ) -> list[Request]:
-        """Account a finished step: computed tokens, new tokens, finished requests."""
-        finished, k, now = [], 0, time.monotonic()
+    ) -> tuple[list[tuple[Request, int]], list[Request]]:
+        """Account a finished step -> ((request, new token) for every request that sampled,
+        the requests that finished)."""
+        new, finished, k, now = [], [], 0, time.monotonic()
         for req, chunk in zip(batch.requests, batch.chunks):
             req.num_computed_tokens += len(chunk.token_ids)
-            self.allocator.commit(req.block_ids, req.token_ids, req.num_computed_tokens)
+            self.kv.commit(req.block_ids, req.token_ids, req.num_computed_tokens)
             if not chunk.sample:
                 continue
             if req.metrics.first_token_time is None:
@@ -215,31 +207,29 @@ class Scheduler:
             if logprobs is not None:
                 req.logprobs.append(logprobs[k])
             req.append_token(sampled[k])
+            new.append((req, sampled[k]))
             k += 1
             if req.status.finished:
-                self._finish(req, now)
+                self.running.remove(req)
+                self._release(req, now)
                 finished.append(req)
-        return finished
+        return new, finished
 
     def abort(self, request_id: str) -> Request | None:
-        for queue in (self.running, self.waiting, self.swapped):
+        for queue in (self.running, self.waiting, self.parked):
             for req in queue:
                 if req.request_id == request_id:
                     queue.remove(req)
-                    if queue is self.swapped:
-                        self.spiller.discard(request_id)
+                    if queue is self.parked:
+                        self.kv.drop_parked(request_id)
                     req.status = RequestStatus.FINISHED_ABORTED
                     self._release(req, time.monotonic())
                     return req
         return None
 
-    def _finish(self, req: Request, now: float) -> None:
-        self.running.remove(req)
-        self._release(req, now)
-
     def _release(self, req: Request, now: float) -> None:
         if req.block_ids:
-            self.allocator.free(req.block_ids)
+            self.kv.free(req.block_ids)
             req.block_ids = []
         req.metrics.finished_time = now
 

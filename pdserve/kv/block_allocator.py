@@ -16,6 +16,11 @@ A new sequence's fresh blocks are taken as one run of consecutive ids when FREE 
 (the smallest run that fits, so large runs survive); otherwise, like single blocks for a
 growing sequence, lowest ids first. Consecutive blocks are adjacent in the KV pool, so a
 handoff of them is one descriptor per layer plane instead of one per block.
+
+Every call that takes blocks returns the cached blocks it evicted to do so (`Evicted`:
+block, hash), whose KV is still intact until the caller writes into them: whoever keeps
+evicted prefixes elsewhere (pdserve/kv/manager.py) copies them out first. The allocator
+itself only keeps books and never touches KV.
 """
 
 from __future__ import annotations
@@ -23,13 +28,36 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 
 class NoFreeBlocks(RuntimeError):
     """The pool cannot supply the blocks asked for; the caller should wait or preempt."""
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """A cached block handed out again: its KV (of the prefix hashed `hash`) is still in
+    the pool until the new owner writes into it."""
+
+    block: int
+    hash: int
+
+
+@dataclass(frozen=True)
+class Allocation:
+    block_ids: list[int]
+    cached_tokens: int  # leading tokens whose KV the blocks already hold (prefix hits)
+    evicted: tuple[Evicted, ...] = ()
+
+
+@dataclass(frozen=True)
+class Growth:
+    copies: list[tuple[int, int]]  # copy-on-write (src, dst) the caller copies before writing
+    evicted: tuple[Evicted, ...] = ()
 
 
 def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
@@ -53,9 +81,6 @@ class BlockAllocator:
         self._num_free = num_blocks
         self._free_heap: list[int] = list(range(num_blocks))  # may hold stale ids
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        # called as on_evict(block, hash) just before a cached block is reused, while its KV
-        # is intact (pdserve/kv/prefix_offload.py copies it to the spill tiers)
-        self.on_evict: Callable[[int, int], None] | None = None
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -98,8 +123,9 @@ class BlockAllocator:
         return fresh + revived + reserve <= self.num_free_blocks
 
     # -- mutations ------------------------------------------------------------------------
-    def allocate(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
-        """Blocks for a new sequence of `token_ids` -> (block ids, number of cached tokens)."""
+    def allocate(self, token_ids: Sequence[int]) -> Allocation:
+        """Blocks for a new sequence of `token_ids`: its cached prefix blocks (shared), then
+        fresh ones."""
         if not token_ids:
             raise ValueError("token_ids: cannot allocate an empty sequence")
         if not self.can_allocate(token_ids):
@@ -109,37 +135,37 @@ class BlockAllocator:
             if self.ref_counts[block] == 0:
                 del self._evictable[block]
             self.ref_counts[block] += 1
-        fresh = self._take_run(self.blocks_needed(len(token_ids)) - len(hits))
-        return hits + fresh, len(hits) * self.block_size
+        evicted: list[Evicted] = []
+        fresh = self._take_run(self.blocks_needed(len(token_ids)) - len(hits), evicted)
+        return Allocation(hits + fresh, len(hits) * self.block_size, tuple(evicted))
 
-    def allocate_fresh(self, n: int) -> list[int]:
+    def allocate_fresh(self, n: int) -> Allocation:
         """`n` private blocks with no prefix (a reloaded sequence's KV goes there)."""
         if n > self.num_free_blocks:
             raise NoFreeBlocks(f"{n} blocks needed, {self.num_free_blocks} free")
-        return self._take_run(n)
+        evicted: list[Evicted] = []
+        return Allocation(self._take_run(n, evicted), 0, tuple(evicted))
 
-    def append_slots(
-        self, block_ids: list[int], num_tokens: int, new_tokens: int
-    ) -> list[tuple[int, int]]:
+    def append_slots(self, block_ids: list[int], num_tokens: int, new_tokens: int) -> Growth:
         """Grow a sequence of `num_tokens` by `new_tokens`, in place on `block_ids`.
 
-        Returns copy-on-write pairs (src, dst): a shared last block that would be written is
-        replaced by a private copy, whose contents the caller must copy from src.
+        A shared last block that would be written is replaced by a private copy: the copy
+        pairs (src, dst) come back, and the caller copies src's contents first.
         """
         needed = self.blocks_needed(num_tokens + new_tokens) - len(block_ids)
         writes_last = num_tokens % self.block_size != 0
         cow = writes_last and self.ref_counts[block_ids[-1]] > 1
         if needed + int(cow) > self.num_free_blocks:
             raise NoFreeBlocks(f"{needed + int(cow)} blocks needed")
-        copies = []
+        copies, evicted = [], []
         if cow:
             src = block_ids[-1]
-            dst = self._take()
+            dst = self._take(evicted)
             self.ref_counts[src] -= 1
             block_ids[-1] = dst
             copies.append((src, dst))
-        block_ids.extend(self._take() for _ in range(needed))
-        return copies
+        block_ids.extend(self._take(evicted) for _ in range(needed))
+        return Growth(copies, tuple(evicted))
 
     def can_append(self, block_ids: list[int], num_tokens: int, new_tokens: int) -> bool:
         needed = self.blocks_needed(num_tokens + new_tokens) - len(block_ids)
@@ -196,7 +222,7 @@ class BlockAllocator:
         self.ref_counts[block] = 1
         return block
 
-    def _take_run(self, n: int) -> list[int]:
+    def _take_run(self, n: int, evicted: list[Evicted]) -> list[int]:
         """`n` fresh blocks: the smallest run of consecutive FREE ids that fits, else `_take`."""
         if n <= 0:
             return []
@@ -207,9 +233,11 @@ class BlockAllocator:
             if fits.size:
                 best = fits[np.argmin((ends - starts)[fits])]
                 return [self._claim(b) for b in range(int(starts[best]), int(starts[best]) + n)]
-        return [self._take() for _ in range(n)]
+        return [self._take(evicted) for _ in range(n)]
 
-    def _take(self) -> int:
+    def _take(self, evicted: list[Evicted]) -> int:
+        """A FREE block (lowest id), else the least recently used CACHED one, whose hash is
+        forgotten and which is noted in `evicted`."""
         while self._free_heap:
             block = heapq.heappop(self._free_heap)
             if self._is_free[block]:
@@ -218,8 +246,7 @@ class BlockAllocator:
             block, _ = self._evictable.popitem(last=False)
             h = self.block_hash[block]
             assert h is not None
-            if self.on_evict is not None:
-                self.on_evict(block, h)
+            evicted.append(Evicted(block, h))
             del self.hash_to_block[h]
             self.block_hash[block] = None
             assert self.ref_counts[block] == 0

@@ -8,11 +8,11 @@ from pdserve.config import ModelConfig
 from pdserve.models.base import CausalLM
 from pdserve.models.deepseek import DeepseekForCausalLM, MoEGate
 from pdserve.models.llama import LlamaForCausalLM
+from pdserve.registry import Registry
 
-MODEL_CLASSES: dict[str, type[CausalLM]] = {
-    "llama": LlamaForCausalLM,
-    "deepseek": DeepseekForCausalLM,
-}
+MODEL_CLASSES: Registry[type[CausalLM]] = Registry(
+    "architecture", {"llama": LlamaForCausalLM, "deepseek": DeepseekForCausalLM}
+)
 
 
 def build_model(

@@ -18,27 +18,33 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
 
 import grpc
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from pdserve.client import build_request, timings_of
 from pdserve.openai import protocol as proto
 from pdserve.openai.detok import TextStream
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
+from pdserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
 MAX_BODY_BYTES = 8 << 20
 
-_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-}
+_STATUS = MappingProxyType(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+        grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+        grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+        grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    }
+)
 
 
 def _json_error(status: int, message: str, kind: str, param: str | None = None):
@@ -58,9 +64,20 @@ def _grpc_error(e: grpc.RpcError):
     return _json_error(status, message, kind, _param_of(message) if status == 400 else None)
 
 
+@dataclass(frozen=True)
+class RouterView:
+    """What the front door needs of the router beside it (it calls the router over gRPC)."""
+
+    vocab_size: int
+    max_model_len: int
+    tokenizer: Tokenizer | None
+    metrics: CollectorRegistry  # served at /metrics
+    workers: Callable[[], tuple[int, int]]  # live (prefill, decode) workers now
+
+
 class OpenAIFrontDoor:
-    def __init__(self, service, grpc_address: str, model_name: str) -> None:
-        self.service = service  # pdserve.router.RouterService (registry, tokenizer, metrics)
+    def __init__(self, service: RouterView, grpc_address: str, model_name: str) -> None:
+        self.service = service
         self.grpc_address = grpc_address
         self.model_name = model_name
         self.stub = None  # created on the server's loop
@@ -113,14 +130,13 @@ class OpenAIFrontDoor:
         )
 
     async def health(self, request) -> web.Response:
-        registry = self.service.registry
-        prefill, decode = len(registry.alive("prefill")), len(registry.alive("decode"))
+        prefill, decode = self.service.workers()
         body = {"status": "ok" if prefill and decode else "unavailable"}
         body.update(prefill_workers=prefill, decode_workers=decode)
         return web.json_response(body, status=200 if prefill and decode else 503)
 
     async def metrics(self, request) -> web.Response:
-        body = generate_latest(self.service.metrics.registry)
+        body = generate_latest(self.service.metrics)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # -- generation ------------------------------------------------------------------------
@@ -132,7 +148,7 @@ class OpenAIFrontDoor:
 
     async def completions(self, request) -> web.StreamResponse:
         body = await self._body(request)
-        vocab = self.service.config.vocab_size
+        vocab = self.service.vocab_size
         return await self._generate(request, proto.parse_completion(body, vocab))
 
     async def chat_completions(self, request) -> web.StreamResponse:
@@ -140,7 +156,7 @@ class OpenAIFrontDoor:
         if tokenizer is None:
             raise proto.BadRequest(None, "this model has no tokenizer, so no chat template")
         body = await self._body(request)
-        vocab = self.service.config.vocab_size
+        vocab = self.service.vocab_size
         parsed = proto.parse_chat(body, vocab, tokenizer.apply_chat_template)
         return await self._generate(request, parsed)
 
@@ -289,7 +305,7 @@ class HTTPServerThread:
             self._thread.join(timeout=10)
 
 
-def start_http(service, grpc_port: int, host: str, port: int, model_name: str):
+def start_http(service: RouterView, grpc_port: int, host: str, port: int, model_name: str):
     connect = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     front = OpenAIFrontDoor(service, f"{connect}:{grpc_port}", model_name)
     started = time.monotonic()

@@ -51,16 +51,18 @@ class Span(_message.Message):
     def __init__(self, name: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., worker: _Optional[str] = ..., layer: _Optional[int] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ok", "role", "worker_id", "protocol_version")
+    __slots__ = ("ok", "role", "worker_id", "protocol_version", "reason")
     OK_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     role: str
     worker_id: str
     protocol_version: int
-    def __init__(self, ok: _Optional[bool] = ..., role: _Optional[str] = ..., worker_id: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    reason: str
+    def __init__(self, ok: _Optional[bool] = ..., role: _Optional[str] = ..., worker_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -179,20 +181,20 @@ class RegisterResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("wire_version", "layout_hash", "num_blocks", "block_bytes", "planes", "region")
+    __slots__ = ("wire_version", "layout_hash", "num_blocks", "block_bytes", "planes_per_layer", "region")
     WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
-    PLANES_FIELD_NUMBER: _ClassVar[int]
+    PLANES_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     wire_version: int
     layout_hash: str
     num_blocks: int
     block_bytes: int
-    planes: int
+    planes_per_layer: int
     region: int
-    def __init__(self, wire_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., planes: _Optional[int] = ..., region: _Optional[int] = ...) -> None: ...
+    def __init__(self, wire_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., planes_per_layer: _Optional[int] = ..., region: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_s")
@@ -207,18 +209,20 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("block_ids", "layout", "agent_metadata", "worker_id", "cached_blocks")
+    __slots__ = ("block_ids", "layout", "agent_metadata", "worker_id", "cached_blocks", "headroom_cost_blocks")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HEADROOM_COST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     layout: KVLayout
     agent_metadata: bytes
     worker_id: str
     cached_blocks: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
+    headroom_cost_blocks: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., headroom_cost_blocks: _Optional[int] = ...) -> None: ...
 
 class StartRequest(_message.Message):
     __slots__ = ("request_id", "first_token")

@@ -1,10 +1,17 @@
-"""proto messages <-> pdserve dataclasses, at the process edge."""
+"""proto messages <-> pdserve dataclasses, at the process edge and nowhere else (the KV
+pool's layout converts in pdserve/serving/kv_pool.py, which needs the transfer package;
+this module stays light enough for the client SDK)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.sampling_params import SamplingParams
 from pdserve.trace import Span
+
+if TYPE_CHECKING:
+    from pdserve.serving.registration import WorkerStats
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
@@ -42,3 +49,15 @@ def spans_to_proto(spans) -> list[pb.Span]:
 
 def spans_from_proto(msgs) -> list[Span]:
     return [Span(m.name, m.start, m.end, m.worker, m.layer) for m in msgs]
+
+
+def worker_info(base: pb.WorkerInfo, stats: WorkerStats) -> pb.WorkerInfo:
+    """A worker's identity (`base`) with its current stats, for a heartbeat."""
+    info = pb.WorkerInfo()
+    info.CopyFrom(base)
+    info.free_blocks = stats.free_blocks
+    info.total_blocks = stats.total_blocks
+    info.running = stats.running
+    info.queued_tokens = stats.queued_tokens
+    info.headroom_blocks = stats.headroom_blocks
+    return info

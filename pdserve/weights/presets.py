@@ -7,7 +7,9 @@ greedy outputs vary from token to token instead of repeating one token.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -18,46 +20,50 @@ from pdserve.weights.source import ModelSource, Weights
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RANDOM_STD = 0.1
 
-_TINY_COMMON = dict(
-    vocab_size=384,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    max_position=4096,
-    bos_token_id=ByteTokenizer.bos_token_id,
-    eos_token_ids=(ByteTokenizer.eos_token_id,),
+_TINY_COMMON = MappingProxyType(
+    dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        max_position=4096,
+        bos_token_id=ByteTokenizer.bos_token_id,
+        eos_token_ids=(ByteTokenizer.eos_token_id,),
+    )
 )
 
-TINY_CONFIGS: dict[str, ModelConfig] = {
-    "tiny-llama": ModelConfig(
-        architecture="llama", num_heads=4, num_kv_heads=2, head_dim=16, **_TINY_COMMON
-    ),
-    "tiny-qwen2": ModelConfig(
-        architecture="llama",
-        num_heads=4,
-        num_kv_heads=1,
-        head_dim=16,
-        qkv_bias=True,
-        rope=RopeConfig(theta=1_000_000.0),
-        **_TINY_COMMON,
-    ),
-    "tiny-deepseek": ModelConfig(
-        architecture="deepseek",
-        num_heads=4,
-        num_kv_heads=4,
-        head_dim=24,
-        rope=RopeConfig(interleaved=True),
-        mla=MLAConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
-        moe=MoEConfig(
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
+TINY_CONFIGS: Mapping[str, ModelConfig] = MappingProxyType(
+    {
+        "tiny-llama": ModelConfig(
+            architecture="llama", num_heads=4, num_kv_heads=2, head_dim=16, **_TINY_COMMON
         ),
-        **_TINY_COMMON,
-    ),
-}
+        "tiny-qwen2": ModelConfig(
+            architecture="llama",
+            num_heads=4,
+            num_kv_heads=1,
+            head_dim=16,
+            qkv_bias=True,
+            rope=RopeConfig(theta=1_000_000.0),
+            **_TINY_COMMON,
+        ),
+        "tiny-deepseek": ModelConfig(
+            architecture="deepseek",
+            num_heads=4,
+            num_kv_heads=4,
+            head_dim=24,
+            rope=RopeConfig(interleaved=True),
+            mla=MLAConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+            moe=MoEConfig(
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+            ),
+            **_TINY_COMMON,
+        ),
+    }
+)
 
 PRESETS = (*TINY_CONFIGS, "smollm2-135m")
 

@@ -3,9 +3,10 @@
 from transfer.tiers.base import BlockSource, CorruptBlock, Tier, TierError, TierFull
 from transfer.tiers.disk import DiskTier
 from transfer.tiers.memory import CXLTier, MemoryTier
-from transfer.tiers.store import ReloadFailed, SpillFailed, TieredStore
+from transfer.tiers.store import TIERS, ReloadFailed, SpillFailed, place, read_into
 
 __all__ = [
+    "TIERS",
     "BlockSource",
     "CXLTier",
     "CorruptBlock",
@@ -16,5 +17,6 @@ __all__ = [
     "Tier",
     "TierError",
     "TierFull",
-    "TieredStore",
+    "place",
+    "read_into",
 ]

@@ -2,7 +2,7 @@
 bit-exact (or learn that they are gone or corrupt), discard, account.
 
 A tier stores *staging* tensors `[n, planes, block_elems]` (see kernels/block_copy.py: row i
-is one block of every layer, contiguous), keyed by the caller (a request id). `put` takes
+is one block of every layer, contiguous), under a hashable key the caller chooses. `put` takes
 either such a tensor or a BlockSource, which packs blocks on demand straight into memory the
 tier chooses (its own slots, its writer's buffer): a spill is then one copy, not two. Capacity is in
 blocks; `put` raises TierFull when the entry does not fit (the caller tries the next tier or
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -88,16 +88,16 @@ class Tier(ABC):
         self.stats = TierStats()
 
     @abstractmethod
-    def put(self, key: str, data: torch.Tensor | BlockSource) -> None:
+    def put(self, key: Hashable, data: torch.Tensor | BlockSource) -> None:
         """Store the blocks under `key` (a staging tensor, or a source packed into the tier's
         own memory). Raises TierFull / TierError; nothing is stored then."""
 
     @abstractmethod
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: Hashable) -> torch.Tensor:
         """The staging tensor stored under `key` (CPU); the entry stays until discard().
         The result may be a view into the tier's own memory, valid until the next put."""
 
-    def get_into(self, key: str, sink: Callable[[torch.Tensor, int, int], None]) -> int:
+    def get_into(self, key: Hashable, sink: Callable[[torch.Tensor, int, int], None]) -> int:
         """Hand the entry's blocks to sink(rows, start, stop) (rows: [stop - start, planes,
         block_elems], valid only during the call), in one or more pieces; -> the number of
         blocks. Raises like get(); a sink may have seen earlier pieces when a later one fails
@@ -107,10 +107,10 @@ class Tier(ABC):
         return data.shape[0]
 
     @abstractmethod
-    def discard(self, key: str) -> None: ...
+    def discard(self, key: Hashable) -> None: ...
 
     @abstractmethod
-    def __contains__(self, key: str) -> bool: ...
+    def __contains__(self, key: Hashable) -> bool: ...
 
     @property
     @abstractmethod
@@ -122,7 +122,7 @@ class Tier(ABC):
     def check_integrity(self) -> None:  # noqa: B027 - optional hook
         """Accounting invariants; raises AssertionError."""
 
-    def _check_put(self, key: str, source: BlockSource) -> int:
+    def _check_put(self, key: Hashable, source: BlockSource) -> int:
         if key in self:
             raise ValueError(f"key {key!r} is already stored in the {self.name} tier")
         if len(source.row_shape) != 2:

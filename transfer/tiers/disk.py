@@ -25,7 +25,7 @@ import queue
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 import torch
@@ -78,7 +78,7 @@ class DiskTier(Tier):
             self.directory = tempfile.mkdtemp(prefix="pdserve-spill-", dir=root)  # 0700
         except OSError as e:
             raise TierError(f"disk tier: cannot create a spill directory in {root}: {e}") from None
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[Hashable, _Entry] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._buffers = _Buffers()
@@ -87,7 +87,7 @@ class DiskTier(Tier):
         self._writer.start()
         self._seq = 0
 
-    def __contains__(self, key: str) -> bool:
+    def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
 
     @property
@@ -97,7 +97,7 @@ class DiskTier(Tier):
     def _rows_per_chunk(self) -> int:
         return max(1, CHUNK_BYTES // self.block_bytes)
 
-    def put(self, key: str, data: torch.Tensor | BlockSource) -> None:
+    def put(self, key: Hashable, data: torch.Tensor | BlockSource) -> None:
         source = as_source(data)
         n = self._check_put(key, source)
         if not os.access(self.directory, os.W_OK | os.X_OK):
@@ -171,7 +171,7 @@ class DiskTier(Tier):
                 self._buffers.give(data)
                 entry.written.set()
 
-    def get_into(self, key: str, sink: Callable[[torch.Tensor, int, int], None]) -> int:
+    def get_into(self, key: Hashable, sink: Callable[[torch.Tensor, int, int], None]) -> int:
         """Read the entry back in pieces; every block is verified before `sink` sees it.
         The pieces are views of a reused buffer, valid only during the call."""
         entry = self._entries.get(key)
@@ -221,7 +221,7 @@ class DiskTier(Tier):
         self.stats.reloaded_bytes += n * bb
         return n
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: Hashable) -> torch.Tensor:
         entry = self._entries.get(key)
         if entry is None:
             raise TierError(f"disk tier holds no entry {key!r}")
@@ -229,7 +229,7 @@ class DiskTier(Tier):
         self.get_into(key, lambda rows, start, stop: out[start:stop].copy_(rows))
         return out
 
-    def discard(self, key: str) -> None:
+    def discard(self, key: Hashable) -> None:
         with self._lock:
             entry = self._entries.pop(key, None)
         if entry is not None:

@@ -17,6 +17,7 @@ import mmap
 import os
 import stat
 import time
+from collections.abc import Hashable
 
 import torch
 
@@ -48,16 +49,16 @@ class MemoryTier(Tier):
             buffer = torch.empty(capacity_blocks * block_bytes, dtype=torch.uint8, pin_memory=pin)
         self.slots = buffer.view(capacity_blocks, block_bytes)
         self._free = list(range(capacity_blocks - 1, -1, -1))  # pop() gives the lowest
-        self._entries: dict[str, tuple[list[int], torch.Size, torch.dtype]] = {}
+        self._entries: dict[Hashable, tuple[list[int], torch.Size, torch.dtype]] = {}
 
-    def __contains__(self, key: str) -> bool:
+    def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
 
     @property
     def used_blocks(self) -> int:
         return self.capacity_blocks - len(self._free)
 
-    def put(self, key: str, data: torch.Tensor | BlockSource) -> None:
+    def put(self, key: Hashable, data: torch.Tensor | BlockSource) -> None:
         """The blocks are packed straight into the slots (one copy), one run of consecutive
         slots at a time: a single run in the usual case."""
         source = as_source(data)
@@ -78,7 +79,7 @@ class MemoryTier(Tier):
         self.stats.spills += 1
         self.stats.spilled_bytes += n * self.block_bytes
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: Hashable) -> torch.Tensor:
         """May be a view into the tier's memory: use it before the next put."""
         slots, shape, dtype = self._entry(key)
         if slots and slots[-1] - slots[0] == len(slots) - 1:
@@ -88,7 +89,7 @@ class MemoryTier(Tier):
         self._account_get(len(slots))
         return data.view(dtype).reshape(shape)
 
-    def get_into(self, key: str, sink) -> int:
+    def get_into(self, key: Hashable, sink) -> int:
         """The sink reads each run of consecutive slots in place: no intermediate copy."""
         slots, shape, dtype = self._entry(key)
         for start, stop in _runs(slots):
@@ -97,7 +98,7 @@ class MemoryTier(Tier):
         self._account_get(len(slots))
         return len(slots)
 
-    def _entry(self, key: str):
+    def _entry(self, key: Hashable):
         if key not in self._entries:
             raise TierError(f"{self.name} tier holds no entry {key!r}")
         return self._entries[key]
@@ -106,7 +107,7 @@ class MemoryTier(Tier):
         self.stats.reloads += 1
         self.stats.reloaded_bytes += n * self.block_bytes
 
-    def discard(self, key: str) -> None:
+    def discard(self, key: Hashable) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._free.extend(entry[0])
@@ -160,20 +161,20 @@ class CXLTier(MemoryTier):
         if rest > 0:
             time.sleep(rest)
 
-    def put(self, key: str, data: torch.Tensor | BlockSource) -> None:
+    def put(self, key: Hashable, data: torch.Tensor | BlockSource) -> None:
         start = time.perf_counter()
         source = as_source(data)
         super().put(key, source)
         self._pace(start, source.n * self.block_bytes)
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: Hashable) -> torch.Tensor:
         """A copy of the entry out of CXL memory into DRAM."""
         start = time.perf_counter()
         data = super().get(key).clone()
         self._pace(start, data.numel() * data.element_size())
         return data
 
-    def get_into(self, key: str, sink) -> int:
+    def get_into(self, key: Hashable, sink) -> int:
         """The sink (the unpack) reads straight from CXL memory, as a load or DMA from a
         real expander would; the pacing covers that copy."""
         start = time.perf_counter()

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.serving.kv_endpoint import PoolGeometry, PoolSide, block_runs, write_layers
-from transfer import make_agent
+from prefill.push import PoolSide, block_runs, write_layers
+from transfer import PoolGeometry, make_agent
+from transfer.loopback import LoopbackFabric
 
 
 def test_block_runs_cut_where_either_side_breaks():
@@ -32,7 +33,9 @@ def test_write_layers_moves_exactly_those_layers_blocks(backend, src_ids, dst_id
     layers, planes, nblocks, block_elems = 3, 2, 12, 24
     src_pool = torch.randn(layers * planes, nblocks, block_elems)
     dst_pool = torch.zeros(layers * planes, 14, block_elems)  # pools may differ in size
-    a, b = make_agent(backend, f"{backend}-wl-a"), make_agent(backend, f"{backend}-wl-b")
+    options = {"fabric": LoopbackFabric()} if backend == "loopback" else {}
+    a = make_agent(backend, f"{backend}-wl-a", **options)
+    b = make_agent(backend, f"{backend}-wl-b", **options)
     try:
         ra, rb = a.register(src_pool), b.register(dst_pool)
         peer = a.add_peer(b.metadata())

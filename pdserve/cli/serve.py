@@ -1,8 +1,12 @@
-"""`pdserve serve router|prefill|decode`: one role per process (one per GPU node in production).
+"""`pdserve serve router|prefill|decode`: one role per process (one per GPU node in
+production), wired from its flags: the engine core, the transfer agent, the role's config,
+its gRPC service, its metrics endpoint and its registration with the router.
 
-Each prints `READY <role> <host:port>` on stdout once it serves, and stops cleanly on
-SIGINT/SIGTERM (workers deregister by going silent; the router drops them after missed
-heartbeats).
+Each prints `READY <role> <host:port> <metrics host:port> [<http host:port>]` on stdout once
+it serves, and stops cleanly on SIGINT/SIGTERM (workers deregister by going silent; the
+router drops them after missed heartbeats). gRPC and the roles are imported inside the run
+functions, so that commands that need neither (e.g. `bench kernels` on a GPU node with only
+torch and triton) still start.
 """
 
 from __future__ import annotations
@@ -14,9 +18,6 @@ import threading
 import uuid
 
 from pdserve.engine.args import EngineArgs
-
-# gRPC and the stubs are imported inside the run functions, so that `pdserve` commands that
-# need neither (e.g. `bench kernels` on a GPU node with only torch and triton) still start.
 
 
 def _stop_event() -> threading.Event:
@@ -52,21 +53,36 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
 
 
 def run_router(args: argparse.Namespace) -> int:
-    from pdserve.router import RouterService
+    from pdserve.openai.server import RouterView, start_http
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.service import RouterService
     from pdserve.rpc import pdserve_pb2_grpc as rpc
     from pdserve.serving.metrics import serve_metrics
     from pdserve.serving.server import start_server
+    from pdserve.weights import resolve
 
-    service = RouterService(args.model, args.max_model_len, args.max_queue, args.queue_timeout)
+    source = resolve(args.model)
+    config = RouterConfig(
+        max_model_len=args.max_model_len or source.config.max_position,
+        max_queue=args.max_queue,
+        queue_timeout_s=args.queue_timeout,
+    )
+    service = RouterService(config, source.config.vocab_size, source.tokenizer)
     server, port = start_server(
         lambda s: rpc.add_RouterServicer_to_server(service, s), args.host, args.port
     )
     metrics_port = serve_metrics(service.metrics.registry, args.host, args.metrics_port)
     http = None
     if args.http_port is not None:
-        from pdserve.openai.server import start_http
-
-        http = start_http(service, port, args.host, args.http_port, args.model)
+        registry = service.registry
+        view = RouterView(
+            vocab_size=source.config.vocab_size,
+            max_model_len=config.max_model_len,
+            tokenizer=source.tokenizer,
+            metrics=service.metrics.registry,
+            workers=lambda: (len(registry.alive("prefill")), len(registry.alive("decode"))),
+        )
+        http = start_http(view, port, args.host, args.http_port, args.model)
     stop = _stop_event()
     _ready("router", args.host, port, metrics_port, http.port if http else None)
     stop.wait()
@@ -82,32 +98,32 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
     from pdserve.rpc import pdserve_pb2 as pb
     from pdserve.rpc import pdserve_pb2_grpc as rpc
     from pdserve.serving.metrics import serve_metrics
-    from pdserve.serving.server import Registration, start_server
+    from pdserve.serving.registration import Registration
+    from pdserve.serving.server import start_server
+    from transfer import make_agent
 
     worker_id = args.worker_id or f"{role}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     if args.threads:
         torch.set_num_threads(args.threads)
+    agent = make_agent(args.transfer, worker_id)
     if role == "decode":
+        from decode.config import DecodeConfig
         from decode.service import DecodeService
         from decode.worker import DecodeWorker
 
-        worker = DecodeWorker(
-            args.model,
-            worker_id,
-            args.transfer,
-            engine_args(args),
-            admission=args.admission,
-            admission_margin=args.admission_margin,
+        config = DecodeConfig(
+            worker_id, admission=args.admission, admission_margin=args.admission_margin
         )
+        worker = DecodeWorker.build(args.model, engine_args(args), config, agent)
         service = DecodeService(worker)
         add = lambda s: rpc.add_DecodeServicer_to_server(service, s)  # noqa: E731
     else:
+        from prefill.config import PrefillConfig
         from prefill.service import PrefillService
         from prefill.worker import PrefillWorker
 
-        worker = PrefillWorker(
-            args.model, worker_id, args.transfer, engine_args(args), kv_push=args.kv_push
-        )
+        config = PrefillConfig(worker_id, kv_push=args.kv_push)
+        worker = PrefillWorker.build(args.model, engine_args(args), config, agent)
         service = PrefillService(worker)
         add = lambda s: rpc.add_PrefillServicer_to_server(service, s)  # noqa: E731
     server, port = start_server(add, args.host, args.port)
@@ -138,6 +154,11 @@ def run_decode(args: argparse.Namespace) -> int:
 
 
 def add_serve_parser(sub) -> None:
+    from decode.admission import ADMISSION
+    from pdserve.config import PREEMPTION
+    from prefill.config import KV_PUSH
+    from transfer import PROCESS_BACKENDS
+
     serve = sub.add_parser("serve", help="run one role (router, prefill or decode)")
     roles = serve.add_subparsers(dest="role", required=True)
     for role, func in (("router", run_router), ("prefill", run_prefill), ("decode", run_decode)):
@@ -159,7 +180,7 @@ def add_serve_parser(sub) -> None:
         else:
             p.add_argument("--router", default=None, help="router address to register with")
             p.add_argument("--worker-id", default=None)
-            p.add_argument("--transfer", default="nixl", help="nixl | ucxx | loopback")
+            p.add_argument("--transfer", default="nixl", choices=PROCESS_BACKENDS)
             p.add_argument("--block-size", type=int, default=16)
             p.add_argument("--num-kv-blocks", type=int, default=None)
             p.add_argument("--kv-cache-memory", type=int, default=None)
@@ -177,11 +198,9 @@ def add_serve_parser(sub) -> None:
                 "--spill-host-blocks", type=int, default=None, help="host tier size in blocks"
             )
             if role == "decode":
-                p.add_argument("--admission", default="greedy", choices=["greedy", "kv-aware"])
+                p.add_argument("--admission", default="greedy", choices=ADMISSION.names)
                 p.add_argument("--admission-margin", type=float, default=0.05)
-                p.add_argument(
-                    "--preemption", default="recompute", choices=["recompute", "swap", "tiered"]
-                )
+                p.add_argument("--preemption", default="recompute", choices=PREEMPTION.names)
                 p.add_argument("--spill-cxl-blocks", type=int, default=None)
                 p.add_argument("--spill-disk-blocks", type=int, default=None)
                 p.add_argument("--spill-dir", default=None, help="parent of the spill directory")
@@ -190,7 +209,7 @@ def add_serve_parser(sub) -> None:
                 p.add_argument(
                     "--kv-push",
                     default="auto",
-                    choices=["auto", "layerwise", "after"],
+                    choices=KV_PUSH,
                     help="push each layer as it is computed, or all after the forward pass "
                     "(auto: layer-wise on CUDA)",
                 )

@@ -1,0 +1,31 @@
+"""The decode worker's settings: every timeout, lease and policy choice, one default each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from decode.admission import ADMISSION
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    worker_id: str
+    admission: str = "greedy"  # decode/admission.py: greedy | kv-aware
+    admission_margin: float = 0.05  # kv-aware keeps this fraction of the pool free
+    # a reservation whose Start has not come by then returns its blocks; used when the
+    # router names no lease (it normally does: pdserve/router/config.py)
+    default_lease_s: float = 30.0
+    kv_arrival_timeout_s: float = 10.0  # Start waits this long for the push's notification
+    kv_arrival_poll_s: float = 0.0005
+    # a stream that produced nothing for this long, for a request the engine no longer
+    # holds, is ended DEADLINE_EXCEEDED (one waiting for room to run is alive)
+    stream_idle_s: float = 60.0
+    idle_wait_s: float = 0.05  # the step loop's sleep when nothing runs (woken on Start)
+
+    def __post_init__(self) -> None:
+        ADMISSION.check(self.admission)
+        if not 0 <= self.admission_margin < 1:
+            raise ValueError(f"admission_margin: must be in [0, 1), got {self.admission_margin}")
+        for name in ("default_lease_s", "kv_arrival_timeout_s", "stream_idle_s", "idle_wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")

@@ -1,0 +1,64 @@
+"""A decode request's token stream: typed events from the step loop to the gRPC stream, and
+the spans it records for the request's trace.
+
+    TokenEvent(token)    one new token
+    EndEvent(reason)     the last event: "stop" | "length" | "abort"
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+
+from pdserve.trace import Span, now
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: int
+
+
+@dataclass(frozen=True)
+class EndEvent:
+    finish_reason: str
+
+
+StreamEvent = TokenEvent | EndEvent
+
+
+@dataclass
+class Stream:
+    worker: str
+    events: queue.Queue[StreamEvent] = field(default_factory=queue.Queue)
+    started: float = field(default_factory=time.monotonic)
+    last_token: float = field(default_factory=time.monotonic)
+    # trace (wall clock): Start received, first step, pending preemption, finished spans
+    received: float = field(default_factory=now)
+    first_step: float | None = None
+    preempted_at: float | None = None
+    spans: list[Span] = field(default_factory=list)
+
+    def token(self, token: int) -> float:
+        """Hand a token to the stream -> seconds since the previous one."""
+        t = time.monotonic()
+        gap, self.last_token = t - self.last_token, t
+        self.events.put(TokenEvent(token))
+        return gap
+
+    def stepped(self, start: float, end: float) -> None:
+        if self.first_step is None:
+            self.first_step = start
+            self.spans.append(Span("decode.admission", self.received, start, self.worker))
+        if self.preempted_at is not None:
+            self.spans.append(Span("decode.preempted", self.preempted_at, start, self.worker))
+            self.preempted_at = None
+        self.spans.append(Span("decode.step", start, end, self.worker))
+
+    def end(self, finish_reason: str) -> None:
+        t = now()
+        if self.first_step is None:  # done at its first token: never stepped
+            self.spans.append(Span("decode.admission", self.received, t, self.worker))
+        else:
+            self.spans.append(Span("decode.run", self.first_step, t, self.worker))
+        self.events.put(EndEvent(finish_reason))

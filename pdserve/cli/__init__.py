@@ -1,0 +1,115 @@
+"""The `pdserve` command line.
+
+pdserve generate --model M --prompt "..." [--chat] [--max-tokens N] [--temperature T]
+pdserve bench offline --model M [--batch-sizes 1,8,32] [--workload azure-conv] --json out.json
+pdserve bench kernels [--quick] --json out.json
+pdserve bench transfer [--model M] [--quick] --json out.json
+pdserve bench serve [--model M] [--concurrency N | --rate R] --json out.json [--trace t.jsonl]
+pdserve trace t.jsonl --plot timeline.png
+pdserve bench tiers [--quick] --json out.json
+pdserve bench sweep [--quick] --concurrency 1,2,4,8 --policy greedy+recompute,kv-aware+tiered
+    --json out.json --plot DIR
+pdserve launch --model M --prefill N --decode M
+pdserve serve router|prefill|decode --model M ...
+pdserve demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdserve.cli.bench import add_bench_parser
+from pdserve.cli.demo import add_demo_parser
+from pdserve.cli.serve import add_serve_parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(args.model, max_model_len=args.max_model_len)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        out = llm.generate(args.prompt, params)[0]
+    print(out.text if llm.tokenizer is not None else out.token_ids)
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from pdserve.bench.timeline import plot_timeline, stage_table
+    from pdserve.trace import read_jsonl
+
+    records = read_jsonl(args.file)
+    if not records:
+        raise ValueError(f"{args.file}: no trace records")
+    print(stage_table(records))
+    if args.plot:
+        plot_timeline(records, args.plot, args.max_requests)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from pdserve.launch import run_launch
+
+    return run_launch(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from transfer import PROCESS_BACKENDS
+
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion with the colocated engine")
+    gen.add_argument("--model", required=True, help="preset, checkpoint directory or .gguf")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.set_defaults(func=cmd_generate)
+
+    add_bench_parser(sub)
+
+    tr = sub.add_parser("trace", help="summarize and plot per-request traces")
+    tr.add_argument("file", help="JSON lines from `pdserve bench serve --trace`")
+    tr.add_argument("--plot", default=None, help="write a timeline PNG here")
+    tr.add_argument("--max-requests", type=int, default=64, help="rows in the timeline")
+    tr.set_defaults(func=cmd_trace)
+
+    add_serve_parser(sub)
+    launch = sub.add_parser("launch", help="a local cluster of separate processes")
+    launch.add_argument("--model", required=True)
+    launch.add_argument("--prefill", type=int, default=1)
+    launch.add_argument("--decode", type=int, default=1)
+    launch.add_argument("--port", type=int, default=0)
+    launch.add_argument("--transfer", default="nixl", choices=PROCESS_BACKENDS)
+    launch.add_argument(
+        "--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port (0: free)"
+    )
+    launch.add_argument("--num-kv-blocks", type=int, default=None)
+    launch.set_defaults(func=cmd_launch)
+
+    add_demo_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input: one clear line, no traceback
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2

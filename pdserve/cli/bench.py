@@ -1,0 +1,188 @@
+"""`pdserve bench ...`: every benchmark prints a short table, writes JSON with --json, and
+states the machine and the comparison it ran in the same process (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.cli.common import DEMO_MODEL, WORKLOAD_CHOICES, int_list, print_report
+
+
+def cmd_bench_offline(args: argparse.Namespace) -> int:
+    from pdserve.bench.offline import bench_offline, format_table
+
+    report = bench_offline(
+        args.model,
+        args.batch_sizes,
+        requests_at_batch_1=args.requests_at_batch_1,
+        workload=args.workload,
+        seed=args.seed,
+    )
+    return print_report(report, format_table, args.json)
+
+
+def cmd_bench_kernels(args: argparse.Namespace) -> int:
+    from pdserve.bench.kernels import bench_kernels, format_table
+
+    report = bench_kernels(quick=args.quick)
+    return print_report(report, format_table, args.json)
+
+
+def cmd_bench_transfer(args: argparse.Namespace) -> int:
+    from pdserve.bench.transfer import bench_transfer, format_table
+
+    report = bench_transfer(args.model, args.backend, quick=args.quick)
+    return print_report(report, format_table, args.json)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from pdserve.bench.serve import bench_serve, format_table
+
+    worker_args = ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else None
+    report = bench_serve(
+        args.model,
+        address=args.address,
+        prefill=args.prefill,
+        decode=args.decode,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        rate=args.rate,
+        workload=args.workload,
+        seed=args.seed,
+        worker_args=worker_args,
+        replay=args.replay,
+        time_scale=args.time_scale,
+        trace_path=args.trace,
+    )
+    if args.trace:
+        print(f"wrote per-request traces to {args.trace} (plot: pdserve trace {args.trace} --plot)")
+    return print_report(report, format_table, args.json)
+
+
+def cmd_bench_tiers(args: argparse.Namespace) -> int:
+    from pdserve.bench.tiers import bench_tiers, format_table
+
+    return print_report(bench_tiers(args.model, quick=args.quick), format_table, args.json)
+
+
+def cmd_bench_preempt_cost(args: argparse.Namespace) -> int:
+    from pdserve.bench.preempt_cost import bench_preempt_cost, format_table
+
+    report = bench_preempt_cost(
+        args.model, tuple(args.contexts), batch=args.batch, steps=args.steps, reps=args.reps
+    )
+    return print_report(report, format_table, args.json)
+
+
+def cmd_bench_sweep(args: argparse.Namespace) -> int:
+    from pdserve.bench.report import write_json
+    from pdserve.bench.sweep import bench_sweep, format_table
+    from pdserve.bench.sweep_plots import plot_sweep
+
+    concurrency = args.concurrency
+    policies = [p for p in args.policy.split(",") if p]
+    report = bench_sweep(
+        args.model,
+        policies,
+        concurrency,
+        prefill=args.prefill,
+        decode=args.decode,
+        num_kv_blocks=args.num_kv_blocks,
+        requests_per_client=1 if args.quick else args.requests_per_client,
+        min_requests=3 if args.quick else 4,
+        mean_output=args.mean_output,
+        seed=args.seed,
+        spill_dir=args.spill_dir,
+    )
+    print(format_table(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        for path in plot_sweep(report, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (JSON out, table to stdout)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    off = bench_sub.add_parser("offline", help="LLM.generate vs transformers generate")
+    off.add_argument("--model", default=DEMO_MODEL)
+    off.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32])
+    off.add_argument("--requests-at-batch-1", type=int, default=4)
+    off.add_argument("--workload", default="azure-conv", choices=WORKLOAD_CHOICES)
+    off.add_argument("--seed", type=int, default=0)
+    off.add_argument("--json", default=None, help="write the report here")
+    off.set_defaults(func=cmd_bench_offline)
+
+    kern = bench_sub.add_parser("kernels", help="decode/KV kernels against the memory roofline")
+    kern.add_argument("--quick", action="store_true", help="a small sweep (CPU-sized)")
+    kern.add_argument("--json", default=None, help="write the report here")
+    kern.set_defaults(func=cmd_bench_kernels)
+
+    xfer = bench_sub.add_parser("transfer", help="KV handoff vs raw NIXL, layer-wise TTFT")
+    xfer.add_argument("--model", default=DEMO_MODEL)
+    xfer.add_argument("--backend", default="nixl")
+    xfer.add_argument("--quick", action="store_true")
+    xfer.add_argument("--json", default=None)
+    xfer.set_defaults(func=cmd_bench_transfer)
+
+    srv = bench_sub.add_parser("serve", help="load generator against a router")
+    srv.add_argument("--model", default=DEMO_MODEL)
+    srv.add_argument("--address", default=None, help="an existing router; else one is launched")
+    srv.add_argument("--prefill", type=int, default=1)
+    srv.add_argument("--decode", type=int, default=1)
+    srv.add_argument("--num-kv-blocks", type=int, default=None)
+    srv.add_argument("--requests", type=int, default=32)
+    srv.add_argument("--concurrency", type=int, default=8)
+    srv.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
+    srv.add_argument("--workload", default="azure-conv", choices=WORKLOAD_CHOICES)
+    srv.add_argument("--replay", action="store_true", help="use the trace's arrival times")
+    srv.add_argument("--time-scale", type=float, default=1.0, help="replay N times faster")
+    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--json", default=None)
+    srv.add_argument("--trace", default=None, help="write each request's spans (JSON lines)")
+    srv.set_defaults(func=cmd_bench_serve)
+
+    ti = bench_sub.add_parser("tiers", help="spill/reload throughput per tier vs raw moves")
+    ti.add_argument("--model", default=DEMO_MODEL)
+    ti.add_argument("--quick", action="store_true")
+    ti.add_argument("--json", default=None)
+    ti.set_defaults(func=cmd_bench_tiers)
+
+    pc = bench_sub.add_parser(
+        "preempt-cost", help="one preemption's cost in decode steps: recompute vs spill+reload"
+    )
+    pc.add_argument("--model", default=DEMO_MODEL)
+    pc.add_argument("--contexts", type=int_list, default=[256, 1024, 2048])
+    pc.add_argument("--batch", type=int, default=8, help="requests in the decode batch")
+    pc.add_argument("--steps", type=int, default=5, help="decode steps timed per context")
+    pc.add_argument("--reps", type=int, default=3)
+    pc.add_argument("--json", default=None)
+    pc.set_defaults(func=cmd_bench_preempt_cost)
+
+    sw = bench_sub.add_parser("sweep", help="throughput and latency vs concurrency per policy")
+    sw.add_argument("--model", default=DEMO_MODEL)
+    sw.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16])
+    sw.add_argument(
+        "--policy",
+        default="greedy+recompute,kv-aware+tiered",
+        help="comma-separated admission+preemption pairs",
+    )
+    sw.add_argument("--prefill", type=int, default=1)
+    sw.add_argument("--decode", type=int, default=1)
+    sw.add_argument("--num-kv-blocks", type=int, default=48, help="per decode worker")
+    sw.add_argument(
+        "--mean-output",
+        type=int,
+        default=None,
+        help="mean output tokens (default: a quarter of the KV budget)",
+    )
+    sw.add_argument("--requests-per-client", type=int, default=3)
+    sw.add_argument("--spill-dir", default=None)
+    sw.add_argument("--quick", action="store_true", help="one request per client per point")
+    sw.add_argument("--seed", type=int, default=0)
+    sw.add_argument("--json", default=None)
+    sw.add_argument("--plot", default=None, help="directory for the PNG plots")
+    sw.set_defaults(func=cmd_bench_sweep)

@@ -1,0 +1,32 @@
+"""What the command-line modules share: defaults, argument parsers, report printing."""
+
+from __future__ import annotations
+
+import argparse
+
+DEMO_MODEL = "smollm2-135m"
+WORKLOAD_CHOICES = ("azure-conv", "azure-code", "mooncake-conv", "uniform", "reasoning")
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers."""
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def print_report(report: dict, format_table, json_path: str | None) -> int:
+    """Every bench prints its table and, when asked, writes its JSON report."""
+    from pdserve.bench.report import write_json
+
+    print(format_table(report))
+    if json_path:
+        write_json(report, json_path)
+        print(f"wrote {json_path}")
+    return 0

@@ -1,0 +1,30 @@
+"""What crosses the seam between the scheduler and a runner: plain data, never scheduler
+objects. A runner (the real model, or a cost model on a virtual clock) sees only these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's tokens to compute in one step."""
+
+    token_ids: list[int]  # the tokens to compute this step
+    start: int  # position of token_ids[0] (= tokens already in the cache)
+    block_ids: list[int]  # the request's block table
+    sample: bool  # the chunk ends the known tokens: sample the next one
+    params: SamplingParams
+    generator: torch.Generator | None  # the request's own RNG when seeded
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """A runner's answer for one step, in chunk order over the chunks that sample."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, float]] | None = None  # per sampled token, when asked for

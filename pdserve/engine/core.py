@@ -1,0 +1,302 @@
+"""EngineCore: the one engine every role drives, through a narrow API.
+
+    make_request(prompt, params, id)   validate (ValueError naming the field); nothing queued
+    add(request)                       colocated: prefill here in chunks, then decode
+    reserve(request) -> cached tokens  blocks for a prompt whose KV is computed outside the
+    release(request)                   scheduler (decode's Reserve, the prefill worker's
+                                       batch), and giving them back
+    prefill(requests, on_layer_done)   one forward pass over reserved prompts -> first tokens
+    admit_prefilled(request, token)    the prompt's KV is in its blocks: decode from here
+    step() -> StepOutput               = begin_step(), run(plan), end_step(plan, result)
+    abort(request_id)
+    stats(), held(), check_integrity()
+
+One step reads as three lines:
+
+    plan   = scheduler.schedule()            which tokens of which requests run (plain data)
+    result = runner.execute(plan.chunks)     the model (or a cost model) computes them
+    out    = scheduler.update(plan, result)  new tokens, finished requests
+
+A role that must not hold its lock while the model runs calls the three phases itself:
+`run()` touches nothing but the runner and the KV pool's bytes. An abort that arrives while
+a run is in flight is applied by `end_step()` (the run still writes into those blocks), and
+comes back as a finished request with reason "abort".
+
+The core is not thread-safe: a role serialises its calls (decode: one lock; prefill: one
+loop thread). `stats()` reads counters only and may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import ModelConfig
+from pdserve.engine.batch import RunResult, ScheduledChunk
+from pdserve.engine.output import EngineStats, FinishedRequest, HeldRequest, NewToken, StepOutput
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.runner import Runner
+from pdserve.engine.scheduler import ScheduledBatch, Scheduler
+from pdserve.kv.manager import KVManager
+from pdserve.outputs import RequestMetrics
+from pdserve.sampling_params import SamplingParams
+from pdserve.validation import Prompt, RequestValidator
+
+
+class EngineStalled(RuntimeError):
+    """Requests wait but nothing can run: a bug, never a normal state."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A scheduled step between begin_step() and end_step()."""
+
+    batch: ScheduledBatch
+    started: float  # time.monotonic()
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        scheduler: Scheduler,
+        kv: KVManager,
+        runner: Runner,
+        validator: RequestValidator,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.model_config = model_config
+        self.scheduler = scheduler
+        self.kv = kv
+        self.runner = runner
+        self.validator = validator
+        self.eos_token_ids = eos_token_ids
+        self._ids = itertools.count()
+        self._in_flight: StepPlan | None = None
+        self._abort_after_step: set[str] = set()
+
+    # -- requests -------------------------------------------------------------------------
+    def make_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        field: str = "prompt",
+    ) -> Request:
+        """Validate everything about a request without touching engine state."""
+        token_ids = self.validator.validate(prompt, params, field)
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop |= self.eos_token_ids
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        n = len(token_ids)
+        return Request(
+            request_id=request_id if request_id is not None else str(next(self._ids)),
+            token_ids=token_ids,
+            num_prompt_tokens=n,
+            params=params,
+            metrics=RequestMetrics(arrival_time=time.monotonic(), prompt_tokens=n),
+            stop_ids=frozenset(stop),
+            max_total_tokens=n + params.max_tokens,
+            generator=generator,
+        )
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def can_reserve(self, token_ids: list[int]) -> bool:
+        return self.kv.can_allocate(token_ids)
+
+    def reserve(self, request: Request) -> int:
+        """Blocks for the request's prompt, held outside the scheduler -> the leading tokens
+        whose KV they already hold (shared or reloaded prefix blocks, whole blocks only;
+        never the block of the prompt's last token)."""
+        assert not request.block_ids, f"{request.request_id} holds blocks already"
+        request.block_ids, cached = self.kv.allocate_prompt(request.token_ids)
+        request.num_computed_tokens = cached
+        request.metrics.cached_prompt_tokens = cached
+        return cached
+
+    def release(self, request: Request) -> None:
+        """Give back the blocks of a request outside the scheduler (a reservation), keeping
+        the hashes of every block computed by then (a later prompt may share them)."""
+        if request.block_ids:
+            self.kv.commit(request.block_ids, request.token_ids, request.num_computed_tokens)
+            self.kv.free(request.block_ids)
+            request.block_ids = []
+
+    def prefill(
+        self, requests: list[Request], on_layer_done: Callable[[int], None] | None = None
+    ) -> list[int]:
+        """One forward pass over reserved prompts (after their cached tokens) -> the first
+        token of each. Their KV is in their blocks afterwards; release() frees them."""
+        chunks = []
+        for req in requests:
+            start = req.num_computed_tokens
+            chunks.append(
+                ScheduledChunk(
+                    token_ids=req.token_ids[start:],
+                    start=start,
+                    block_ids=req.block_ids,
+                    sample=True,
+                    params=req.params,
+                    generator=req.generator,
+                )
+            )
+        result = self.runner.execute(chunks, on_layer_done=on_layer_done)
+        for req in requests:
+            req.num_computed_tokens = req.num_tokens
+        return result.tokens
+
+    def admit_prefilled(self, request: Request, first_token: int) -> FinishedRequest | None:
+        """The prompt's KV is in the request's (reserved) blocks and its first token was
+        sampled elsewhere: it joins the running batch, or finishes at once (-> the output)."""
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.metrics.first_token_time = time.monotonic()
+        request.append_token(first_token)
+        if request.status.finished:
+            self.release(request)
+            request.metrics.finished_time = time.monotonic()
+            return FinishedRequest.of(request)
+        self.scheduler.admit_running(request)
+        return None
+
+    def abort(self, request_id: str) -> FinishedRequest | None:
+        """Abort a request the scheduler holds -> its output (reason "abort"), or None when
+        the core does not hold it. During a run, the abort waits for end_step()."""
+        plan = self._in_flight
+        if plan is not None and any(r.request_id == request_id for r in plan.batch.requests):
+            self._abort_after_step.add(request_id)
+            return None
+        req = self.scheduler.abort(request_id)
+        return FinishedRequest.of(req) if req is not None else None
+
+    def is_aborting(self, request_id: str) -> bool:
+        return request_id in self._abort_after_step
+
+    # -- stepping -------------------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the scheduler still has the request (running, waiting, parked)."""
+        return self.scheduler.find(request_id) is not None
+
+    def step(self) -> StepOutput:
+        """One whole step, for a driver that owns every block of the pool (the colocated
+        engine): requests waiting while nothing can run is a bug there (EngineStalled)."""
+        plan = self.begin_step()
+        if plan is None:
+            if self.scheduler.waiting or self.scheduler.parked:
+                raise EngineStalled("the scheduler made no progress with requests waiting")
+            return StepOutput()
+        return self.end_step(plan, self.run(plan))
+
+    def begin_step(self) -> StepPlan | None:
+        """Schedule a step (copy-on-write copies done) -> its plan, or None when nothing can
+        run now (requests may still wait: for blocks a reservation holds, say)."""
+        assert self._in_flight is None, "a step is in flight already"
+        if not self.scheduler.has_unfinished:
+            return None
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return None
+        self.kv.copy_blocks(batch.copies)
+        self._in_flight = StepPlan(batch, time.monotonic())
+        return self._in_flight
+
+    def run(self, plan: StepPlan) -> RunResult:
+        return self.runner.execute(plan.batch.chunks)
+
+    def end_step(self, plan: StepPlan, result: RunResult) -> StepOutput:
+        assert plan is self._in_flight, "end_step() of a plan that is not in flight"
+        self._in_flight = None
+        batch = plan.batch
+        new, finished = self.scheduler.update(batch, result.tokens, result.logprobs)
+        done = [FinishedRequest.of(r) for r in finished]
+        for request_id in sorted(self._abort_after_step):
+            req = self.scheduler.abort(request_id)
+            if req is not None:
+                done.append(FinishedRequest.of(req))
+        self._abort_after_step.clear()
+        return StepOutput(
+            ran=tuple(r.request_id for r in batch.requests),
+            tokens=tuple(NewToken(r.request_id, t) for r, t in new),
+            finished=tuple(done),
+            preempted=tuple(r.request_id for r in batch.preempted),
+            parked=tuple(r.request_id for r in batch.parked),
+            unparked=tuple(r.request_id for r in batch.unparked),
+        )
+
+    # -- views ----------------------------------------------------------------------------
+    @property
+    def kv_pool(self) -> torch.Tensor:
+        """The pool tensor (registered with a transfer agent by the roles)."""
+        return self.kv.cache.pool
+
+    @property
+    def kv_block_dim(self) -> int:
+        """The pool's block dimension (pdserve/kv/kv_cache.py)."""
+        return self.kv.cache.block_dim
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step (or one prefill batch) computes at most."""
+        return self.scheduler.config.max_num_batched_tokens
+
+    @property
+    def free_blocks(self) -> int:
+        return self.kv.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return self.kv.blocks_needed(num_tokens)
+
+    def shared_blocks(self, token_ids: list[int]) -> list[int]:
+        """Device blocks a new prompt would share with cached ones."""
+        return self.kv.shared_blocks(token_ids)
+
+    def held(self) -> list[HeldRequest]:
+        """Every request whose KV this pool holds or will hold again."""
+        return [HeldRequest.of(r) for r in self.scheduler.unfinished()]
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            parked=len(s.parked),
+            preemptions=s.preemptions,
+            recomputed_tokens=s.recomputed_tokens,
+            pool=self.kv.stats(),
+        )
+
+    def check_integrity(self, reserved: Iterable[Request] = ()) -> None:
+        """Every block is owned by exactly the requests holding it (the scheduler's and the
+        given reservations), and the parked KV is exactly that of the parked requests."""
+        owners = self.scheduler.block_owners()
+        for req in reserved:
+            for b in req.block_ids:
+                owners[b] = owners.get(b, 0) + 1
+        parked = {r.request_id for r in self.scheduler.parked}
+        self.kv.check_integrity(owners, parked)
+        for req in self.scheduler.running:
+            assert req.status is RequestStatus.RUNNING, f"{req.request_id} runs as {req.status}"
+
+    def close(self) -> None:
+        """Release the spill tiers (the disk tier's directory goes with them)."""
+        self.kv.close()

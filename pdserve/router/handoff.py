@@ -1,0 +1,214 @@
+"""One request's way through the cluster, as the router drives it:
+
+    wait for workers -> decode.Reserve (most projected headroom; retried with backoff while
+    none has room) -> prefill.Prefill (fewest queued tokens; KV pushed into the reserved
+    blocks) -> decode.Start -> tokens streamed to the client -> final message with timings,
+    text and every process's spans
+
+A request that arrives before both roles are registered waits in the queue like one that
+waits for room, up to the queue timeout, then fails UNAVAILABLE. Whatever ends the request
+early (the client cancels, a call fails), the decode worker is told to release its blocks;
+if it is gone, its lease returns them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.registry import Worker, WorkerRegistry
+from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.serving.convert import spans_from_proto, spans_to_proto
+from pdserve.tokenizer import Tokenizer
+from pdserve.trace import Span, hops, now
+
+
+@dataclass(frozen=True)
+class Arrival:
+    request_id: str
+    prompt: list[int]
+    sampling: pb.SamplingParams
+    at: float  # time.monotonic()
+    at_wall: float  # time.time()
+
+
+class Handoff:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: WorkerRegistry,
+        metrics: RouterMetrics,
+        tokenizer: Tokenizer | None,
+        inflight: dict[str, Worker],
+    ) -> None:
+        self.config, self.registry, self.metrics = config, registry, metrics
+        self.tokenizer = tokenizer
+        self.inflight = inflight  # request id -> its decode worker (shared with Abort)
+
+    def serve(self, arrival: Arrival, context) -> Iterator[pb.GenerateResponse]:
+        rid, prompt = arrival.request_id, arrival.prompt
+        spans: list[Span] = []
+        deadline = arrival.at + self.config.queue_timeout_s
+        self._await_workers(deadline, context)
+        decode, reserved = self._reserve(arrival, deadline, context, spans)
+        self.inflight[rid] = decode
+        context.add_callback(lambda: self.release(rid))
+        queued = time.monotonic()
+        prefill = self.registry.pick_prefill(len(prompt))
+        if prefill is None:
+            self.release(rid)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill worker is registered")
+        prefill_sent = now()
+        try:
+            done = prefill.stub.Prefill(
+                pb.PrefillRequest(
+                    request_id=rid,
+                    prompt_token_ids=prompt,
+                    sampling=arrival.sampling,
+                    dest_worker_id=reserved.worker_id,
+                    dest_block_ids=reserved.block_ids,
+                    dest_cached_blocks=reserved.cached_blocks,
+                    dest_layout=reserved.layout,
+                    dest_agent_metadata=reserved.agent_metadata,
+                ),
+                timeout=self.config.prefill_timeout_s,
+            )
+        except grpc.RpcError as e:
+            self.release(rid)
+            context.abort(e.code(), f"prefill failed: {e.details()}")
+        prefill_back = start_sent = now()
+        stream = decode.stub.Start(
+            pb.StartRequest(request_id=rid, first_token=done.first_token),
+            timeout=self.config.stream_timeout_s,
+        )
+        context.add_callback(stream.cancel)
+        tokens: list[int] = []
+        first_at = None
+        try:
+            for chunk in stream:
+                if chunk.token_ids:
+                    tokens.extend(chunk.token_ids)
+                    if first_at is None:
+                        first_at = time.monotonic()
+                    yield pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids)
+                if chunk.finished:
+                    end, end_wall = time.monotonic(), now()
+                    timings = pb.Timings(
+                        queue_s=queued - arrival.at,
+                        prefill_s=done.prefill_s,
+                        transfer_s=done.transfer_s,
+                        ttft_s=(first_at or end) - arrival.at,
+                        tpot_s=chunk.tpot_s,
+                        e2e_s=end - arrival.at,
+                        prefill_worker=done.worker_id,
+                        decode_worker=reserved.worker_id,
+                        arrival_unix=arrival.at_wall,
+                        end_unix=end_wall,
+                    )
+                    self._observe(timings, done, chunk, len(tokens))
+                    marks = (prefill_sent, prefill_back, start_sent, end_wall)
+                    trace = hops(marks, spans_from_proto(done.spans), spans_from_proto(chunk.spans))
+                    yield pb.GenerateResponse(
+                        request_id=rid,
+                        finished=True,
+                        finish_reason=chunk.finish_reason,
+                        timings=timings,
+                        text=self.tokenizer.decode(tokens) if self.tokenizer is not None else "",
+                        trace=[
+                            *spans_to_proto(spans),
+                            *done.spans,
+                            *chunk.spans,
+                            *spans_to_proto(trace),
+                        ],
+                        prompt_tokens=len(prompt),
+                    )
+                    return
+        except grpc.RpcError as e:
+            if context.is_active():
+                context.abort(e.code(), f"decode failed: {e.details()}")
+        finally:
+            self.inflight.pop(rid, None)
+
+    def _pause(self, pause: float) -> float:
+        """Back off between tries: many waiting requests polling every 10 ms kept the
+        workers' CPUs busy answering Reserve (seen in the capacity sweep on 2 cores)."""
+        time.sleep(pause)
+        return min(self.config.reserve_retry_s[1], pause * 2)
+
+    def _await_workers(self, deadline: float, context) -> None:
+        """Until at least one prefill and one decode worker are registered."""
+        pause = self.config.reserve_retry_s[0]
+        while reason := self.registry.not_ready():
+            if time.monotonic() > deadline or not context.is_active():
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{reason} (waited {self.config.queue_timeout_s}s)",
+                )
+            pause = self._pause(pause)
+
+    def _reserve(self, arrival: Arrival, deadline: float, context, spans: list[Span]):
+        """Reserve blocks on the decode worker with the most headroom; records router.queue
+        (arrival -> the call that succeeded) and decode.reserve (that call)."""
+        pause = self.config.reserve_retry_s[0]
+        while True:
+            for worker in self.registry.decode_order():
+                asked = now()
+                try:
+                    reply = worker.stub.Reserve(
+                        pb.ReserveRequest(
+                            request_id=arrival.request_id,
+                            prompt_token_ids=arrival.prompt,
+                            sampling=arrival.sampling,
+                            lease_s=self.config.lease_s,
+                        ),
+                        timeout=self.config.reserve_rpc_timeout_s,
+                    )
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.details())
+                    if e.code() not in (
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        grpc.StatusCode.UNAVAILABLE,
+                    ):
+                        raise
+                    continue
+                self.registry.reserved(worker, reply.headroom_cost_blocks)
+                spans.append(Span("router.queue", arrival.at_wall, asked, "router"))
+                spans.append(Span("decode.reserve", asked, now(), worker.worker_id))
+                return worker, reply
+            if time.monotonic() > deadline or not context.is_active():
+                if not self.registry.alive("decode"):
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is registered")
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"no decode worker had room for {len(arrival.prompt)} prompt tokens within "
+                    f"{self.config.queue_timeout_s}s",
+                )
+            pause = self._pause(pause)
+
+    def _observe(self, timings: pb.Timings, done, chunk, generated: int) -> None:
+        m = self.metrics
+        m.queue.observe(timings.queue_s)
+        m.ttft.observe(timings.ttft_s)
+        m.e2e.observe(timings.e2e_s)
+        m.transfer.observe(timings.transfer_s)
+        m.transfer_bytes.inc(done.transfer_bytes)
+        if generated > 1:
+            m.tpot.observe(timings.tpot_s)
+        m.requests.labels(chunk.finish_reason).inc()
+
+    def release(self, request_id: str) -> None:
+        worker = self.inflight.pop(request_id, None)
+        if worker is not None:
+            # if the worker is gone, its lease returns the blocks
+            with contextlib.suppress(grpc.RpcError):
+                worker.stub.Release(
+                    pb.AbortRequest(request_id=request_id),
+                    timeout=self.config.release_rpc_timeout_s,
+                )

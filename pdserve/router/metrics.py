@@ -1,0 +1,43 @@
+"""The router's Prometheus metrics (its own registry).
+
+pdserve_router_ttft_seconds, pdserve_router_queue_seconds, pdserve_router_e2e_seconds,
+pdserve_router_tpot_seconds, pdserve_router_transfer_seconds (push tail per request),
+pdserve_router_transfer_bytes_total, pdserve_router_requests_total{outcome},
+pdserve_router_kv_usage_ratio{worker} (each decode worker, from its heartbeats)
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from pdserve.serving.metrics import latency
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = latency(r, "pdserve_router_ttft_seconds", "time to first token")
+        self.queue = latency(r, "pdserve_router_queue_seconds", "admission and reservation wait")
+        self.e2e = latency(r, "pdserve_router_e2e_seconds", "request latency")
+        self.tpot = latency(
+            r, "pdserve_router_tpot_seconds", "decode time per output token of a request"
+        )
+        self.transfer = latency(
+            r,
+            "pdserve_router_transfer_seconds",
+            "KV push tail per request (last layer computed -> KV in the decode blocks)",
+        )
+        self.requests = Counter(
+            "pdserve_router_requests", "requests by outcome", ["outcome"], registry=r
+        )
+        self.transfer_bytes = Counter(
+            "pdserve_router_transfer_bytes",
+            "KV bytes pushed for this router's requests",
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "pdserve_router_kv_usage_ratio",
+            "used / total KV blocks of each decode worker (last heartbeat)",
+            ["worker"],
+            registry=r,
+        )

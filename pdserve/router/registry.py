@@ -1,0 +1,126 @@
+"""The workers a router knows, and the choice among them.
+
+Workers register and repeat the registration as their heartbeat, with fresh stats. A worker
+that misses `missed_heartbeats` heartbeats (dead, or just slow under load) gets no new
+requests, but its channel stays open for the streams it is serving; only a long silence
+removes it.
+
+Choice: decode workers by projected headroom (the worker's own projection of free blocks
+after expected growth: its admission policy's unit), prefill workers by queued prompt
+tokens. Between two heartbeats the router subtracts what it has itself sent since the last
+one: for a decode worker the headroom each reservation took (its ReserveResponse says how
+much, in the same unit), for a prefill worker the prompt tokens. Every read and change of
+those counts happens under the registry's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.router.config import RouterConfig
+from pdserve.rpc import pdserve_pb2_grpc as rpc
+from pdserve.serving.registration import WorkerStats
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """A worker as its last heartbeat described it."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    address: str
+    metrics_address: str
+    stats: WorkerStats
+
+
+@dataclass
+class Worker:
+    record: WorkerRecord
+    last_seen: float  # time.monotonic()
+    channel: grpc.Channel
+    stub: rpc.DecodeStub | rpc.PrefillStub
+    pending_blocks: int = 0  # headroom this router's reservations took since the heartbeat
+    pending_tokens: int = 0  # prompt tokens this router sent since the heartbeat
+
+    @property
+    def worker_id(self) -> str:
+        return self.record.worker_id
+
+
+@dataclass
+class WorkerRegistry:
+    config: RouterConfig
+    _workers: dict[str, Worker] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def upsert(self, record: WorkerRecord) -> None:
+        """A registration or heartbeat: fresh stats replace what this router counted."""
+        with self._lock:
+            known = self._workers.get(record.worker_id)
+            if known is None or known.record.address != record.address:
+                if known is not None:
+                    known.channel.close()
+                channel = grpc.insecure_channel(record.address)
+                stub = (rpc.DecodeStub if record.role == "decode" else rpc.PrefillStub)(channel)
+                self._workers[record.worker_id] = Worker(record, time.monotonic(), channel, stub)
+            else:
+                known.record, known.last_seen = record, time.monotonic()
+                known.pending_blocks = known.pending_tokens = 0
+
+    def alive(self, role: str) -> list[Worker]:
+        """Workers of `role` heard from recently (and forget the long silent)."""
+        now = time.monotonic()
+        with self._lock:
+            silent = [
+                wid
+                for wid, w in self._workers.items()
+                if now - w.last_seen > self.config.forget_after_s
+            ]
+            for wid in silent:
+                self._workers.pop(wid).channel.close()
+            cutoff = now - self.config.alive_window_s
+            return [
+                w for w in self._workers.values() if w.record.role == role and w.last_seen >= cutoff
+            ]
+
+    def not_ready(self) -> str:
+        """Why the cluster cannot serve a request now ("" when it can)."""
+        missing = [role for role in ("prefill", "decode") if not self.alive(role)]
+        if not missing:
+            return ""
+        return f"no {' and no '.join(missing)} worker is registered"
+
+    def decode_order(self) -> list[Worker]:
+        """Live decode workers, the most projected headroom first."""
+        workers = self.alive("decode")
+        with self._lock:
+            room = {w.worker_id: w.record.stats.headroom_blocks - w.pending_blocks for w in workers}
+        return sorted(workers, key=lambda w: room[w.worker_id], reverse=True)
+
+    def reserved(self, worker: Worker, headroom_cost_blocks: int) -> None:
+        with self._lock:
+            worker.pending_blocks += headroom_cost_blocks
+
+    def pick_prefill(self, prompt_tokens: int) -> Worker | None:
+        """The live prefill worker with the fewest queued tokens (its last heartbeat plus
+        what this router sent since); the prompt counts against it from now on."""
+        workers = self.alive("prefill")
+        if not workers:
+            return None
+        with self._lock:
+            best = min(workers, key=lambda w: w.record.stats.queued_tokens + w.pending_tokens)
+            best.pending_tokens += prompt_tokens
+        return best
+
+    def listing(self) -> list[tuple[WorkerRecord, float]]:
+        """(record, seconds since its last heartbeat) of every live worker."""
+        now = time.monotonic()
+        return [
+            (w.record, now - w.last_seen)
+            for role in ("prefill", "decode")
+            for w in self.alive(role)
+        ]

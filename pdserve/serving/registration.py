@@ -1,0 +1,61 @@
+"""A worker's registration with the router, repeated as its heartbeat with fresh stats."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.rpc import PROTOCOL_VERSION
+from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc import pdserve_pb2_grpc as rpc
+from pdserve.serving.convert import worker_info
+
+# The heartbeat interval until the router says otherwise (RegisterResponse); the router's
+# own default (pdserve/router/config.py) is this value.
+HEARTBEAT_S = 1.0
+REGISTER_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """What a heartbeat tells the router (the counts may be a moment stale)."""
+
+    free_blocks: int
+    total_blocks: int
+    running: int = 0  # decode: requests in the running batch
+    queued_tokens: int = 0  # prefill: prompt tokens waiting
+    # decode: blocks a new request could still count on (the admission policy's projection)
+    headroom_blocks: int = 0
+
+
+class Registration:
+    def __init__(self, router: str, info: pb.WorkerInfo, stats: Callable[[], WorkerStats]) -> None:
+        self.channel = grpc.insecure_channel(router)
+        self.stub = rpc.RouterStub(self.channel)
+        self.info = info
+        self.stats = stats
+        self.interval_s = HEARTBEAT_S
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            request = pb.RegisterRequest(
+                protocol_version=PROTOCOL_VERSION, worker=worker_info(self.info, self.stats())
+            )
+            # the router may not be up yet or restarting: the next heartbeat retries
+            with contextlib.suppress(grpc.RpcError):
+                reply = self.stub.Register(request, timeout=REGISTER_TIMEOUT_S)
+                if reply.heartbeat_interval_s > 0:
+                    self.interval_s = reply.heartbeat_interval_s
+            self._stop.wait(self.interval_s)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=REGISTER_TIMEOUT_S + 1)
+        self.channel.close()

@@ -1,0 +1,77 @@
+"""One request validation for every edge: the engine, the router and both workers.
+
+    check = RequestValidator(vocab_size=..., max_model_len=..., tokenizer=tok, pool_blocks=...)
+    token_ids = check.prompt("Hello")              # or a list of ids
+    check.request(token_ids, params)               # length limits, stop ids
+
+Every failure is a ValueError whose message starts with the field it names
+(`prompt: empty prompt`, `max_tokens: ... exceeds max_model_len 2048`), which the edges turn
+into INVALID_ARGUMENT / HTTP 400. Nothing here allocates or queues anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.sampling_params import SamplingParams
+from pdserve.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class RequestValidator:
+    vocab_size: int
+    max_model_len: int
+    tokenizer: Tokenizer | None = None
+    # a pool that must hold a whole request (the engine's); None: not checked here
+    pool_blocks: int | None = None
+    block_size: int = 16
+
+    def prompt(self, prompt: Prompt, field: str = "prompt") -> list[int]:
+        """A prompt's token ids (text is tokenized)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"{field}: empty prompt")
+            if self.tokenizer is None:
+                raise ValueError(f"{field}: this model has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"{field}: expected a string or a list of token ids")
+        if not prompt:
+            raise ValueError(f"{field}: empty prompt")
+        vocab = self.vocab_size
+        for i, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(
+                    f"{field}[{i}]: token id {t!r} is outside the vocabulary [0, {vocab})"
+                )
+        return list(prompt)
+
+    def request(self, token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Whether a request of these prompt ids and parameters can ever be served here."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params: expected SamplingParams")
+        n = len(token_ids)
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt length {n} + max_tokens {params.max_tokens} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        if self.pool_blocks is not None:
+            needed = -(-(n + params.max_tokens) // self.block_size)
+            if needed > self.pool_blocks:
+                raise ValueError(
+                    f"max_tokens: prompt length {n} + max_tokens {params.max_tokens} "
+                    f"needs {needed} KV blocks but the pool has {self.pool_blocks}"
+                )
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop_token_ids: {t} is outside the vocabulary")
+
+    def validate(self, prompt: Prompt, params: SamplingParams, field: str = "prompt") -> list[int]:
+        """prompt() then request() -> the prompt's token ids."""
+        token_ids = self.prompt(prompt, field)
+        self.request(token_ids, params)
+        return token_ids

@@ -1,0 +1,69 @@
+"""Prompts in arrival order, cut into batches under a token budget.
+
+A prompt whose blocks were not free when its batch ran is carried: it goes first in the
+next batch (every batch frees its blocks once its push is done, so it fits then). `close()`
+ends the stream of batches after the jobs already queued.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from pdserve.engine.request import Request
+from pdserve.trace import now
+from prefill.push import Destination
+
+
+@dataclass
+class PrefillJob:
+    request: Request
+    dest: Destination
+    done: Future = field(default_factory=Future)  # -> PrefillResult
+    enqueued: float = field(default_factory=time.monotonic)
+    enqueued_wall: float = field(default_factory=now)
+
+    @property
+    def tokens(self) -> int:
+        return self.request.num_tokens
+
+
+class Batcher:
+    def __init__(self, budget_tokens: int) -> None:
+        self.budget = budget_tokens
+        self._jobs: queue.Queue[PrefillJob | None] = queue.Queue()
+        self._carried: deque[PrefillJob] = deque()
+
+    def put(self, job: PrefillJob) -> None:
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def carry(self, job: PrefillJob) -> None:
+        self._carried.append(job)
+
+    def next_batch(self) -> list[PrefillJob] | None:
+        """Blocks until there is a job -> carried jobs first, then queued ones, while the
+        token budget lasts (at least one job); None once closed."""
+        first = self._carried.popleft() if self._carried else self._jobs.get()
+        if first is None:
+            return None
+        batch, tokens = [first], first.tokens
+        while self._carried and tokens < self.budget:
+            batch.append(self._carried.popleft())
+            tokens += batch[-1].tokens
+        while tokens < self.budget:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                self._jobs.put(None)  # closed: the next call answers None
+                break
+            batch.append(job)
+            tokens += job.tokens
+        return batch

@@ -1,0 +1,30 @@
+"""The prefill worker's settings: every timeout and mode, one default each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KV_PUSH = ("auto", "layerwise", "after")
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    worker_id: str
+    # Push each layer as soon as it is computed, or every layer in one WRITE after the
+    # forward pass. "auto" is layer-wise on CUDA, where copy engines and the NIC move bytes
+    # while the SMs compute; on CPU the push competes with the forward pass for the same
+    # cores and measured no gain, while 30 small WRITEs cost more than one
+    # (docs/benchmarks.md, bench transfer).
+    kv_push: str = "auto"
+    push_timeout_s: float = 30.0  # every WRITE of a batch done by then, else TransferFailed
+    push_poll_s: float = 0.0001
+    # how long Prefill waits for its result when the caller set no gRPC deadline (the
+    # router always sets one: pdserve/router/config.py prefill_timeout_s)
+    default_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.kv_push not in KV_PUSH:
+            raise ValueError(f"kv_push: {self.kv_push!r} is not one of {', '.join(KV_PUSH)}")
+        for name in ("push_timeout_s", "push_poll_s", "default_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")

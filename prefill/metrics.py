@@ -1,0 +1,27 @@
+"""The prefill worker's Prometheus metrics (its own registry).
+
+pdserve_prefill_seconds, pdserve_prefill_queued_tokens, pdserve_prefill_batch_tokens,
+pdserve_transfer_bytes_total{direction="sent"}, pdserve_transfer_seconds{direction="sent"}
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+from pdserve.serving.metrics import TOKEN_BUCKETS, latency, transfer_metrics
+
+
+class PrefillMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.prefill = latency(r, "pdserve_prefill_seconds", "prompt forward pass per batch")
+        self.queued_tokens = Gauge(
+            "pdserve_prefill_queued_tokens", "prompt tokens waiting", registry=r
+        )
+        self.batch_tokens = Histogram(
+            "pdserve_prefill_batch_tokens",
+            "prompt tokens per batch",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.transfer_bytes, self.transfer_seconds = transfer_metrics(r)

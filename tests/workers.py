@@ -1,0 +1,43 @@
+"""Building real prefill and decode workers in the test process, and driving a handoff."""
+
+from __future__ import annotations
+
+from decode.config import DecodeConfig
+from decode.streams import EndEvent, Stream
+from decode.worker import DecodeWorker, Reserved
+from pdserve.engine.args import EngineArgs
+from prefill.config import PrefillConfig
+from prefill.push import Destination
+from prefill.worker import PrefillWorker
+from transfer import make_agent
+
+
+def prefill_worker(model: str, worker_id: str, backend: str, args: EngineArgs, **config):
+    agent = make_agent(backend, worker_id)
+    return PrefillWorker.build(model, args, PrefillConfig(worker_id, **config), agent)
+
+
+def decode_worker(model: str, worker_id: str, backend: str, args: EngineArgs, **config):
+    agent = make_agent(backend, worker_id)
+    return DecodeWorker.build(model, args, DecodeConfig(worker_id, **config), agent)
+
+
+def destination(decode: DecodeWorker, reserved: Reserved | list[int]) -> Destination:
+    if isinstance(reserved, list):
+        reserved = Reserved(reserved)
+    endpoint = decode.endpoint
+    return Destination(
+        decode.worker_id,
+        endpoint.agent.metadata(),
+        endpoint.layout,
+        reserved.block_ids,
+        reserved.cached_blocks,
+    )
+
+
+def drain(stream: Stream, timeout_s: float = 30.0) -> tuple[list[int], str]:
+    """Every token of a decode stream -> (tokens, finish reason)."""
+    tokens = []
+    while not isinstance(event := stream.events.get(timeout=timeout_s), EndEvent):
+        tokens.append(event.token)
+    return tokens, event.finish_reason
