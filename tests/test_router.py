@@ -1,0 +1,188 @@
+"""The router on its own, in this process: its registry's choices (exact expectations), and
+its gRPC service against fake workers (real gRPC servers on 127.0.0.1 that answer like a
+decode or prefill worker would, and record what they were asked)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from pdserve.client import Client
+from pdserve.router.config import RouterConfig
+from pdserve.router.registry import WorkerRecord, WorkerRegistry
+from pdserve.router.service import RouterService
+from pdserve.rpc import PROTOCOL_VERSION
+from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc import pdserve_pb2_grpc as rpc
+from pdserve.serving.registration import WorkerStats
+from pdserve.serving.server import start_server
+
+# heartbeats never come in these tests: keep registered workers alive for a minute
+CONFIG = RouterConfig(max_model_len=4096, queue_timeout_s=2.0, missed_heartbeats=60)
+
+
+def record(wid: str, role: str, **stats) -> WorkerRecord:
+    base = {"free_blocks": 64, "total_blocks": 64}
+    return WorkerRecord(wid, role, "127.0.0.1:1", "", WorkerStats(**{**base, **stats}))
+
+
+def test_decode_choice_subtracts_what_this_router_reserved_in_the_same_unit():
+    reg = WorkerRegistry(CONFIG)
+    reg.upsert(record("a", "decode", headroom_blocks=10))
+    reg.upsert(record("b", "decode", headroom_blocks=8))
+    a = reg.decode_order()[0]
+    assert [w.worker_id for w in reg.decode_order()] == ["a", "b"]
+    reg.reserved(a, 6)  # a reservation that projects 6 blocks of a's headroom
+    assert [w.worker_id for w in reg.decode_order()] == ["b", "a"]
+    reg.upsert(record("a", "decode", headroom_blocks=10))  # a heartbeat: fresh numbers
+    assert [w.worker_id for w in reg.decode_order()] == ["a", "b"]
+
+
+def test_prefill_choice_counts_prompts_sent_since_the_heartbeat():
+    reg = WorkerRegistry(CONFIG)
+    reg.upsert(record("p0", "prefill", queued_tokens=0))
+    reg.upsert(record("p1", "prefill", queued_tokens=5))
+    picks = [reg.pick_prefill(n).worker_id for n in (10, 3, 1, 7)]
+    # p0: 0 -> 10; p1: 5 -> 8; p1 (8 < 10) -> 9; p1 (9 < 10) -> 16
+    assert picks == ["p0", "p1", "p1", "p1"]
+    assert WorkerRegistry(CONFIG).pick_prefill(1) is None
+
+
+def test_pending_counts_are_exact_under_concurrent_reservations():
+    reg = WorkerRegistry(CONFIG)
+    reg.upsert(record("a", "decode", headroom_blocks=0))
+    worker = reg.decode_order()[0]
+
+    def reserve_many():
+        for _ in range(2000):
+            reg.reserved(worker, 1)
+
+    threads = [threading.Thread(target=reserve_many) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert worker.pending_blocks == 16000
+
+
+def test_readiness_names_the_missing_roles():
+    reg = WorkerRegistry(CONFIG)
+    assert reg.not_ready() == "no prefill and no decode worker is registered"
+    reg.upsert(record("d", "decode"))
+    assert reg.not_ready() == "no prefill worker is registered"
+    reg.upsert(record("p", "prefill"))
+    assert reg.not_ready() == ""
+
+
+# -- the service against fake workers -----------------------------------------------------
+
+
+class FakeDecode(rpc.DecodeServicer):
+    """Reserves one block whose projected headroom cost is `cost`, and streams one token."""
+
+    def __init__(self, name: str, cost: int) -> None:
+        self.name, self.cost = name, cost
+        self.reserved: list[str] = []
+
+    def Reserve(self, request, context):
+        self.reserved.append(request.request_id)
+        return pb.ReserveResponse(
+            block_ids=[0],
+            headroom_cost_blocks=self.cost,
+            layout=pb.KVLayout(num_blocks=1, block_bytes=1, planes_per_layer=1),
+            worker_id=self.name,
+        )
+
+    def Start(self, request, context):
+        yield pb.TokenChunk(token_ids=[request.first_token])
+        yield pb.TokenChunk(finished=True, finish_reason="length")
+
+    def Release(self, request, context):
+        return pb.AbortResponse(found=True)
+
+
+class FakePrefill(rpc.PrefillServicer):
+    def Prefill(self, request, context):
+        return pb.PrefillResponse(first_token=7, worker_id="fake-prefill")
+
+
+@pytest.fixture
+def router():
+    """A router service on a free port, fake workers on theirs; -> (router address,
+    {name: fake decode}, register(name, role, headroom))."""
+    servers = []
+
+    def serve(add) -> str:
+        server, port = start_server(add, "127.0.0.1", 0)
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    service = RouterService(CONFIG, vocab_size=100, tokenizer=None)
+    address = serve(lambda s: rpc.add_RouterServicer_to_server(service, s))
+    stub = rpc.RouterStub(grpc.insecure_channel(address))
+    decodes: dict[str, FakeDecode] = {}
+
+    def register(name: str, role: str, headroom: int = 0, cost: int = 1) -> None:
+        if role == "decode":
+            decodes[name] = FakeDecode(name, cost)
+            at = serve(lambda s: rpc.add_DecodeServicer_to_server(decodes[name], s))
+        else:
+            at = serve(lambda s: rpc.add_PrefillServicer_to_server(FakePrefill(), s))
+        info = pb.WorkerInfo(
+            worker_id=name, role=role, address=at, headroom_blocks=headroom, total_blocks=64
+        )
+        stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, worker=info))
+
+    yield address, decodes, register
+    for server in servers:
+        server.stop(grace=0)
+
+
+def test_router_subtracts_a_reservations_projected_blocks_not_its_prompt_blocks(router):
+    """Two kv-aware decode workers, headroom 10 and 8. A 1-block prompt whose reservation
+    projects 6 blocks (prompt plus expected growth) takes 6 of the first's 10: the next
+    request must go to the other worker (routing on 10 - 1 = 9 sent it to the first again)."""
+    address, decodes, register = router
+    register("d-a", "decode", headroom=10, cost=6)
+    register("d-b", "decode", headroom=8, cost=6)
+    register("p", "prefill")
+    client = Client(address)
+    first = client.generate([1, 2, 3], max_tokens=4)
+    second = client.generate([1, 2, 3], max_tokens=4)
+    assert first.token_ids == second.token_ids == [7]
+    assert decodes["d-a"].reserved == [first.request_id]
+    assert decodes["d-b"].reserved == [second.request_id]
+    client.close()
+
+
+def test_router_is_not_ready_until_both_roles_register_and_early_requests_wait(router):
+    address, decodes, register = router
+    stub = rpc.RouterStub(grpc.insecure_channel(address))
+    health = stub.Health(pb.Empty(), timeout=5)
+    assert not health.ok and health.reason == "no prefill and no decode worker is registered"
+    results = []
+    early = threading.Thread(
+        target=lambda: results.append(Client(address).generate([1, 2], max_tokens=4).token_ids)
+    )
+    early.start()  # arrives before any worker
+    time.sleep(0.3)  # a negative check: it must still be waiting after a while, not failed
+    assert early.is_alive() and not results
+    register("d", "decode", headroom=10)
+    assert stub.Health(pb.Empty(), timeout=5).reason == "no prefill worker is registered"
+    register("p", "prefill")
+    early.join(timeout=10)
+    assert results == [[7]]
+    assert stub.Health(pb.Empty(), timeout=5).ok
+
+
+def test_without_workers_a_request_fails_unavailable_after_the_queue_timeout(router):
+    from pdserve.client import Unavailable
+
+    address, _, _ = router
+    started = time.monotonic()
+    with pytest.raises(Unavailable, match="no prefill and no decode worker is registered"):
+        Client(address).generate([1, 2], max_tokens=4)
+    assert time.monotonic() - started >= CONFIG.queue_timeout_s
