@@ -152,3 +152,30 @@ def test_prefill_prompts_that_do_not_fit_together_wait_for_the_next_batch():
     finally:
         prefill.close()
         decode.close()
+
+
+def test_push_notifications_never_outlive_their_reservation():
+    """A push-complete notification is kept only while its reservation is held: collected
+    while another request starts, it goes when its own reservation is released (the set of
+    arrivals used to grow for the life of the process)."""
+    prefill = prefill_worker("tiny-llama", "p-notes", "nixl", EngineArgs(num_kv_blocks=16))
+    decode = decode_worker("tiny-llama", "d-notes", "nixl", EngineArgs(num_kv_blocks=16))
+    try:
+        futures = []
+        for rid in ("a", "b"):
+            prompt = [5, 6, 7, 8] if rid == "a" else [9, 10, 11]
+            blocks = decode.reserve(rid, prompt, GREEDY, lease_s=30).block_ids
+            futures.append(prefill.submit(rid, prompt, GREEDY, destination(decode, blocks)))
+        first = [f.result(60).first_token for f in futures]  # both pushes done and notified
+        tokens, _ = drain(decode.start("a", first[0]))  # collects a's and b's notifications
+        assert len(tokens) == GREEDY.max_tokens
+        assert decode.reservations.pending_arrivals == 1  # b's, while b is still reserved
+        assert decode.release("b")
+        assert decode.reservations.pending_arrivals == 0
+        decode.reservations.note_arrivals([b"ghost"])  # of no reservation: dropped at once
+        assert decode.reservations.pending_arrivals == 0
+        decode.check_integrity()
+        assert decode.stats().free_blocks == 16
+    finally:
+        prefill.close()
+        decode.close()

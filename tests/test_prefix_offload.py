@@ -242,3 +242,35 @@ def test_a_cluster_pushes_only_what_the_decode_worker_lacks():
             moved.append(received(decode) - before)
         assert moved[1] * 4 == moved[0] > 0  # 1 block instead of 4
         client.close()
+
+
+def test_request_ids_cannot_collide_with_offloaded_prefixes(tmp_path, reference):
+    """Parked KV and offloaded prefixes live under typed keys: requests named exactly like
+    the prefix entries of the old string namespace ('prefix:<hash>') park and come back
+    while those prefixes are offloaded, and nothing mixes up (it used to crash the spill
+    or trip check_integrity: 'spilled KV without its request')."""
+    eng = engine(
+        tmp_path, num_kv_blocks=26, preemption="swap", prefix_offload=True, spill_host_blocks=512
+    )
+    run(eng, [SHARED + [1, 2, 3]])
+    for filler in FILLERS + [[f + 1 for f in filler] for filler in FILLERS]:
+        run(eng, [filler])
+    hashes = eng.kv.allocator.prefix_hashes(SHARED, 4)
+    assert all(eng.kv.offload.has_prefix(h) for h in hashes)
+    prompts = [[i + 5] * 20 for i in range(6)]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    ids = [f"prefix:{h:032x}" for h in hashes] + ["prefix:", "req-5"]
+    reqs = [eng.make_request(p, params, request_id=rid) for p, rid in zip(prompts, ids)]
+    for req in reqs:
+        eng.add(req)
+    outs, parked = {}, set()
+    while eng.has_unfinished:
+        out = eng.step()
+        parked.update(out.parked)
+        outs.update({d.request_id: d.output_token_ids for d in out.finished})
+        eng.check_integrity()
+    assert parked & set(ids[:4]), "the test needs a prefix-named request to be parked"
+    assert [outs[rid] for rid in ids] == reference(prompts, params)
+    assert all(eng.kv.offload.has_prefix(h) for h in hashes)  # the prefixes are intact
+    assert eng.stats().recomputed_tokens == 0
+    eng.close()
