@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -92,9 +93,16 @@ def test_cluster_matches_the_colocated_engine(model, prefill, decode, transfer, 
     ) as cluster:
         pids = [p.pid for p in cluster.procs]
         client = Client(cluster.address)
-        results = [
-            client.generate(p, max_tokens=MAX_NEW, temperature=0, ignore_eos=True) for p in PROMPTS
-        ]
+        # all at once: the router spreads a burst over every worker of each role
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            results = list(
+                pool.map(
+                    lambda p: client.generate(
+                        p, max_tokens=MAX_NEW, temperature=0, ignore_eos=True
+                    ),
+                    PROMPTS,
+                )
+            )
         assert [r.token_ids for r in results] == expected
         for r in results:
             t = r.timings
@@ -103,9 +111,13 @@ def test_cluster_matches_the_colocated_engine(model, prefill, decode, transfer, 
             assert t["prefill_worker"].startswith("prefill-")
             assert t["decode_worker"].startswith("decode-")
             assert_trace_tiles(r)
-        if prefill > 1:
-            used = {r.timings["prefill_worker"] for r in results}
-            assert len(used) >= 1
+        registered = {role: set() for role in ("prefill", "decode")}
+        for w in client.workers():
+            registered[w.role].add(w.worker_id)
+        assert (len(registered["prefill"]), len(registered["decode"])) == (prefill, decode)
+        for role in ("prefill", "decode"):  # every request named real workers, all were used
+            used = {r.timings[f"{role}_worker"] for r in results}
+            assert used == registered[role], (role, used, registered[role])
         wait_all_blocks_free(client)
         client.close()
     assert_gone(pids)
@@ -180,7 +192,6 @@ def test_prometheus_endpoints_expose_the_series(cluster):
     from prometheus_client.parser import text_string_to_metric_families
 
     Client(cluster.address).generate([9, 8, 7], max_tokens=5, temperature=0, ignore_eos=True)
-    time.sleep(1.5)  # one heartbeat
     expected = {
         "router": {"pdserve_router_ttft_seconds", "pdserve_router_queue_seconds"},
         "prefill": {
@@ -200,10 +211,15 @@ def test_prometheus_endpoints_expose_the_series(cluster):
         },
     }
     for key, address in cluster.metrics.items():
-        body = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-        families = {f.name: f for f in text_string_to_metric_families(body)}
         role = key.split("-")[0]
-        missing = expected[role] - set(families)
+        deadline = time.monotonic() + 10
+        while True:  # poll until the series are there (or the deadline passes)
+            body = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+            families = {f.name: f for f in text_string_to_metric_families(body)}
+            missing = expected[role] - set(families)
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert not missing, f"{key} lacks {missing}"
         if role != "router":
             sent = [

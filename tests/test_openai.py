@@ -219,18 +219,22 @@ def test_models_health_and_metrics(cluster, oai):
     from prometheus_client.parser import text_string_to_metric_families
 
     oai.completions.create(model="tiny-llama", prompt="metrics", max_tokens=4, temperature=0)
-    time.sleep(1.5)  # a heartbeat carries the decode worker's KV usage
-    status, _, body = http(cluster, "GET", "/metrics")
-    assert status == 200
-    families = {f.name: f for f in text_string_to_metric_families(body)}
-    for name in (
+    names = {
         "pdserve_router_ttft_seconds",
         "pdserve_router_tpot_seconds",
-        "pdserve_router_kv_usage_ratio",
+        "pdserve_router_kv_usage_ratio",  # from the decode worker's heartbeats
         "pdserve_router_transfer_seconds",
         "pdserve_router_transfer_bytes",
-    ):
-        assert name in families, name
+    }
+    deadline = time.monotonic() + 10
+    while True:  # poll: every series is there once a heartbeat has come
+        status, _, body = http(cluster, "GET", "/metrics")
+        assert status == 200
+        families = {f.name: f for f in text_string_to_metric_families(body)}
+        if names <= set(families) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert names <= set(families), names - set(families)
     ttft = {s.name: s.value for s in families["pdserve_router_ttft_seconds"].samples}
     assert ttft["pdserve_router_ttft_seconds_count"] >= 1
     usage = families["pdserve_router_kv_usage_ratio"].samples

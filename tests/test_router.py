@@ -41,6 +41,21 @@ def test_decode_choice_subtracts_what_this_router_reserved_in_the_same_unit():
     assert [w.worker_id for w in reg.decode_order()] == ["a", "b"]
 
 
+def test_reserves_on_their_way_spread_a_burst_over_equal_workers():
+    reg = WorkerRegistry(CONFIG)
+    for name in ("a", "b", "c"):
+        reg.upsert(record(name, "decode", headroom_blocks=64))
+    # three requests pick before any Reserve has answered: one each, not three on "a"
+    picks = [reg.pick_decode(set()) for _ in range(3)]
+    assert sorted(w.worker_id for w in picks) == ["a", "b", "c"]
+    reg.reserved(picks[0], 4)  # answered: 4 blocks of its headroom taken
+    reg.not_reserved(picks[1])  # refused: it counts no more
+    # rooms now: picks[1] 64 (none on the way), picks[2] 64 (one on the way), picks[0] 60
+    order = [w.worker_id for w in reg.decode_order()]
+    assert order == [picks[1].worker_id, picks[2].worker_id, picks[0].worker_id]
+    assert reg.pick_decode({"a", "b", "c"}) is None
+
+
 def test_prefill_choice_counts_prompts_sent_since_the_heartbeat():
     reg = WorkerRegistry(CONFIG)
     reg.upsert(record("p0", "prefill", queued_tokens=0))

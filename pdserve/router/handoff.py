@@ -157,7 +157,9 @@ class Handoff:
         (arrival -> the call that succeeded) and decode.reserve (that call)."""
         pause = self.config.reserve_retry_s[0]
         while True:
-            for worker in self.registry.decode_order():
+            tried: set[str] = set()
+            while (worker := self.registry.pick_decode(tried)) is not None:
+                tried.add(worker.worker_id)
                 asked = now()
                 try:
                     reply = worker.stub.Reserve(
@@ -170,6 +172,7 @@ class Handoff:
                         timeout=self.config.reserve_rpc_timeout_s,
                     )
                 except grpc.RpcError as e:
+                    self.registry.not_reserved(worker)
                     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.details())
                     if e.code() not in (

@@ -9,8 +9,11 @@ Choice: decode workers by projected headroom (the worker's own projection of fre
 after expected growth: its admission policy's unit), prefill workers by queued prompt
 tokens. Between two heartbeats the router subtracts what it has itself sent since the last
 one: for a decode worker the headroom each reservation took (its ReserveResponse says how
-much, in the same unit), for a prefill worker the prompt tokens. Every read and change of
-those counts happens under the registry's lock.
+much, in the same unit), for a prefill worker the prompt tokens. A Reserve still in flight
+counts too: among workers with equal room, the one with fewer reservations on their way
+goes first, so a burst of requests spreads instead of all picking the same worker before
+any answer is back. Every read and change of those counts happens under the registry's
+lock.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class Worker:
     stub: rpc.DecodeStub | rpc.PrefillStub
     pending_blocks: int = 0  # headroom this router's reservations took since the heartbeat
     pending_tokens: int = 0  # prompt tokens this router sent since the heartbeat
+    reserving: int = 0  # Reserve calls of this router on their way to it now
 
     @property
     def worker_id(self) -> str:
@@ -98,12 +102,31 @@ class WorkerRegistry:
         """Live decode workers, the most projected headroom first."""
         workers = self.alive("decode")
         with self._lock:
-            room = {w.worker_id: w.record.stats.headroom_blocks - w.pending_blocks for w in workers}
-        return sorted(workers, key=lambda w: room[w.worker_id], reverse=True)
+            return sorted(workers, key=self._room, reverse=True)
+
+    @staticmethod
+    def _room(w: Worker) -> tuple[int, int]:
+        return (w.record.stats.headroom_blocks - w.pending_blocks, -w.reserving)
+
+    def pick_decode(self, tried: set[str]) -> Worker | None:
+        """The live decode worker with the most room not in `tried`; its Reserve counts as
+        on its way until reserved() or not_reserved()."""
+        workers = [w for w in self.alive("decode") if w.worker_id not in tried]
+        if not workers:
+            return None
+        with self._lock:
+            best = max(workers, key=self._room)
+            best.reserving += 1
+        return best
 
     def reserved(self, worker: Worker, headroom_cost_blocks: int) -> None:
         with self._lock:
+            worker.reserving -= 1
             worker.pending_blocks += headroom_cost_blocks
+
+    def not_reserved(self, worker: Worker) -> None:
+        with self._lock:
+            worker.reserving -= 1
 
     def pick_prefill(self, prompt_tokens: int) -> Worker | None:
         """The live prefill worker with the fewest queued tokens (its last heartbeat plus
