@@ -53,10 +53,13 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--only", choices=["offline", "serve"], default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     trees = {"previous": args.previous.resolve(), "this": HERE}
     benches = {"offline": OFFLINE, "serve": [*SERVE, "--concurrency", str(args.concurrency)]}
+    if args.only:
+        benches = {args.only: benches[args.only]}
     rounds = []
     for r in range(args.rounds):
         order = ["previous", "this"] if r % 2 == 0 else ["this", "previous"]
