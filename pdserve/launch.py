@@ -33,6 +33,7 @@ class Cluster:
         http_port: int | None = None,
     ) -> None:
         self.procs: list[subprocess.Popen] = []
+        self.names: list[str] = []  # role-index of each process, parallel to procs
         self.metrics: dict[str, str] = {}  # role-index -> host:port of /metrics
         self.http_address: str | None = None  # host:port of the OpenAI API, when asked for
         try:
@@ -73,6 +74,7 @@ class Cluster:
             self.http_address = http[0]
         index = sum(key.startswith(role) for key in self.metrics)
         self.metrics[f"{role}-{index}"] = metrics
+        self.names.append(f"{role}-{index}")
         return address
 
     def _await_registered(self, prefill: int, decode: int, timeout_s: float) -> None:
@@ -89,6 +91,16 @@ class Cluster:
                 time.sleep(0.1)
         raise TimeoutError(f"workers did not register within {timeout_s}s")
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """role-index -> CPU seconds (user + system) each process has used so far (Linux)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {}
+        for name, proc in zip(self.names, self.procs):
+            with open(f"/proc/{proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        return out
+
     def close(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -103,6 +115,7 @@ class Cluster:
             if proc.stdout:
                 proc.stdout.close()
         self.procs.clear()
+        self.names.clear()
 
     def __enter__(self) -> Cluster:
         return self

@@ -228,3 +228,19 @@ def test_prometheus_endpoints_expose_the_series(cluster):
                 if s.name.endswith("_total")
             ]
             assert sum(sent) > 0, f"{key} counted no transfer bytes"
+
+
+@pytest.mark.parametrize("transfer", ["nixl", "ucxx"])
+def test_an_idle_cluster_uses_almost_no_cpu(transfer):
+    """No busy-waiting anywhere: after serving a request, every process of an idle 1P2D
+    cluster stays under 5% of a core (measured here: under 2%; NIXL's own progress thread
+    used to keep each worker at 99% of a core, ucxx's service thread at 12%)."""
+    with Cluster("tiny-llama", 1, 2, transfer=transfer, worker_args=WORKER_ARGS) as cluster:
+        client = Client(cluster.address)
+        assert len(client.generate([1, 2, 3], max_tokens=3, temperature=0).token_ids) == 3
+        client.close()
+        before, started = cluster.cpu_seconds(), time.monotonic()
+        time.sleep(5)  # the measurement window itself: idle for 5 s
+        used, elapsed = cluster.cpu_seconds(), time.monotonic() - started
+    share = {name: (used[name] - before[name]) / elapsed for name in used}
+    assert len(share) == 4 and all(s < 0.05 for s in share.values()), share

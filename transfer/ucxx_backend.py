@@ -40,7 +40,12 @@ MAX_MESSAGES = 1 << 16  # message index field
 HEADER_BYTES = 2 << 20  # receive buffer for one header: JSON + 16 bytes per range
 _PREAMBLE = struct.Struct("<4sI")  # magic, JSON length
 _MAGIC = b"PDUX"
+# The service thread's pause between polls: the busy pace while transfers are in flight or
+# just finished, doubling up to the idle pace when nothing happens (an idle agent polled
+# every 0.2 ms kept 11.8% of a core busy here; a new transfer now waits for at most one
+# idle pause before its header is seen)
 _POLL_S = 0.0002
+_IDLE_POLL_S = 0.005
 log = logging.getLogger(__name__)
 
 
@@ -112,7 +117,8 @@ class UcxxAgent(RegionTableAgent):
         self._ctx = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
         self._worker = ucx.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
-        self._worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
+        # blocking (epoll) progress: the thread sleeps until UCX has events
+        self._worker.start_progress_thread(polling_mode=False, epoll_timeout=100)
         self._address = bytes(self._worker.address.tobytes())
         self._id = zlib.crc32(name.encode()) & 0xFFFFFF
         self._seq = itertools.count(1)
@@ -279,6 +285,7 @@ class UcxxAgent(RegionTableAgent):
         header = self._worker.tag_recv(Array(buf), Tag(HDR << 56), mask)
         active: list[tuple[dict, _Pending]] = []
         acks: list = []
+        pause = _POLL_S
         while not self._closing.is_set():
             busy = False
             if header.completed:
@@ -301,8 +308,13 @@ class UcxxAgent(RegionTableAgent):
                     acks.append(self._finish(meta, pending, state))
             active = still
             acks = [a for a in acks if not a[0].completed]
-            if not busy:
-                time.sleep(_POLL_S)
+            if busy or active:
+                pause = _POLL_S
+                if not busy:
+                    time.sleep(pause)
+            else:
+                time.sleep(pause)
+                pause = min(_IDLE_POLL_S, pause * 2)
 
     def close(self) -> None:
         if self._closing.is_set():
