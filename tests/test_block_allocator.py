@@ -102,10 +102,10 @@ def test_append_grows_and_copy_on_write_of_shared_partial_block():
     child = a.fork(blocks)
     assert a.ref_counts[:2] == [2, 2]
     copies = a.append_slots(child, num_tokens=5, new_tokens=1).copies
-    assert copies == [(1, 2)] and child == [0, 2]
+    assert copies == ((1, 2),) and child == [0, 2]
     assert a.ref_counts[:3] == [2, 1, 1]
     copies = a.append_slots(child, num_tokens=6, new_tokens=3).copies  # crosses into a new block
-    assert copies == [] and child == [0, 2, 3]
+    assert copies == () and child == [0, 2, 3]
     a.check_integrity(owners_of([blocks, child]))
     a.free(child)
     a.free(blocks)
@@ -216,5 +216,5 @@ def test_growth_takes_the_lowest_free_block():
     second, _ = take(a, [1] * 4)  # 2, 3
     a.free(first)
     a.check_integrity()
-    assert a.append_slots(second, 4, 1).copies == [] and second == [2, 3, 0]
+    assert a.append_slots(second, 4, 1).copies == () and second == [2, 3, 0]
     a.check_integrity()

@@ -4,15 +4,16 @@ objects. A runner (the real model, or a cost model on a virtual clock) sees only
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from pdserve.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """One request's tokens to compute in one step."""
+class ScheduledChunk(NamedTuple):
+    """One request's tokens to compute in one step (a NamedTuple: one is made per request
+    per step, and a tuple is the cheapest immutable record to make)."""
 
     token_ids: list[int]  # the tokens to compute this step
     start: int  # position of token_ids[0] (= tokens already in the cache)

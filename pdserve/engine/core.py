@@ -37,7 +37,7 @@ import torch
 
 from pdserve.config import ModelConfig
 from pdserve.engine.batch import RunResult, ScheduledChunk
-from pdserve.engine.output import EngineStats, FinishedRequest, HeldRequest, NewToken, StepOutput
+from pdserve.engine.output import EngineStats, FinishedRequest, HeldRequest, StepOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import Runner
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -120,6 +120,7 @@ class EngineCore:
         assert not request.block_ids, f"{request.request_id} holds blocks already"
         request.block_ids, cached = self.kv.allocate_prompt(request.token_ids)
         request.num_computed_tokens = cached
+        request.committed_blocks = cached // self.kv.block_size
         request.metrics.cached_prompt_tokens = cached
         return cached
 
@@ -127,9 +128,16 @@ class EngineCore:
         """Give back the blocks of a request outside the scheduler (a reservation), keeping
         the hashes of every block computed by then (a later prompt may share them)."""
         if request.block_ids:
-            self.kv.commit(request.block_ids, request.token_ids, request.num_computed_tokens)
+            self.kv.commit(
+                request.block_ids,
+                request.token_ids,
+                request.num_computed_tokens,
+                request.committed_blocks,
+                request.block_hashes,
+            )
             self.kv.free(request.block_ids)
             request.block_ids = []
+            request.committed_blocks = 0
 
     def prefill(
         self, requests: list[Request], on_layer_done: Callable[[int], None] | None = None
@@ -228,7 +236,7 @@ class EngineCore:
         self._abort_after_step.clear()
         return StepOutput(
             ran=tuple(r.request_id for r in batch.requests),
-            tokens=tuple(NewToken(r.request_id, t) for r, t in new),
+            tokens=tuple(new),
             finished=tuple(done),
             preempted=tuple(r.request_id for r in batch.preempted),
             parked=tuple(r.request_id for r in batch.parked),

@@ -10,7 +10,7 @@ HeldRequest      a request whose KV the pool holds or will hold again (admission
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from pdserve.engine.request import Request
 from pdserve.outputs import RequestMetrics
@@ -19,8 +19,7 @@ if TYPE_CHECKING:
     from pdserve.kv.manager import PoolStats
 
 
-@dataclass(frozen=True)
-class NewToken:
+class NewToken(NamedTuple):  # one per request per step: a tuple is the cheapest to make
     request_id: str
     token: int
 

@@ -37,6 +37,10 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     dropped_tokens: int = 0  # KV dropped by a preemption, not yet computed again
+    # prefix caching: the chain hashes of its full blocks (by content, kept across
+    # preemptions) and how many leading blocks of block_ids are registered or were hits
+    block_hashes: list[int] = field(default_factory=list)
+    committed_blocks: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
 
     @property

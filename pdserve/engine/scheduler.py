@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.batch import ScheduledChunk
+from pdserve.engine.output import NewToken
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.kv.manager import KVManager
 
@@ -86,12 +87,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch()
         idx = 0
-        while idx < len(self.running) and budget > 0:
-            req = self.running[idx]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._make_room(req, n, batch):
-                break  # req itself was preempted; everything after it is gone too
-            batch.copies += self.kv.grow(req.block_ids, req.num_computed_tokens, n)
+        running, grow = self.running, self.kv.grow  # the hot loop: one pass per request
+        while idx < len(running) and budget > 0:
+            req = running[idx]
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            copies = grow(req.block_ids, req.num_computed_tokens, n)
+            if copies is None:
+                copies = self._make_room(req, n, batch)
+                if copies is None:
+                    break  # req itself was preempted; everything after it is gone too
+            if copies:
+                batch.copies += copies
             self._add_chunk(batch, req, n)
             budget -= n
             idx += 1
@@ -105,6 +111,7 @@ class Scheduler:
             self.waiting.popleft()
             req.block_ids, cached = self.kv.allocate_prompt(req.token_ids)
             req.num_computed_tokens = cached
+            req.committed_blocks = cached // self.kv.block_size
             if req.dropped_tokens:  # computed before a preemption dropped them
                 redo = max(0, req.dropped_tokens - cached)
                 req.metrics.recomputed_tokens += redo
@@ -119,14 +126,15 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _make_room(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
-        """Preempt from the tail until `req` can grow by n tokens; False if req was the victim."""
-        while not self.kv.can_grow(req.block_ids, req.num_computed_tokens, n):
+    def _make_room(self, req: Request, n: int, batch: ScheduledBatch) -> tuple | None:
+        """Preempt from the tail until `req` can grow by n tokens -> its copy-on-write
+        pairs, or None if req itself was the victim."""
+        while (copies := self.kv.grow(req.block_ids, req.num_computed_tokens, n)) is None:
             victim = self.running.pop()
             self._preempt(victim, batch)
             if victim is req:
-                return False
-        return True
+                return None
+        return copies
 
     def _unpark(self, batch: ScheduledBatch, budget: int) -> int:
         """Bring parked requests back, oldest first, while their KV and next token fit."""
@@ -144,10 +152,13 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 continue
             req.block_ids = blocks
+            req.committed_blocks = 0  # fresh blocks: registered again as they are committed
             self.admit_running(req)
             batch.unparked.append(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            batch.copies += self.kv.grow(req.block_ids, req.num_computed_tokens, n)
+            copies = self.kv.grow(req.block_ids, req.num_computed_tokens, n)
+            assert copies is not None, "a parked request comes back only when its blocks fit"
+            batch.copies += copies
             self._add_chunk(batch, req, n)
             budget -= n
         return budget
@@ -162,6 +173,7 @@ class Scheduler:
         parked = self.park_victims and computed > 0 and self.kv.park(req.request_id, held)
         self.kv.free(req.block_ids)
         req.block_ids = []
+        req.committed_blocks = 0
         if parked:
             req.metrics.spills += 1
             batch.parked.append(req)
@@ -179,27 +191,36 @@ class Scheduler:
     @staticmethod
     def _add_chunk(batch: ScheduledBatch, req: Request, n: int) -> None:
         start = req.num_computed_tokens
+        tokens = req.token_ids
         batch.requests.append(req)
         batch.chunks.append(
             ScheduledChunk(
-                token_ids=req.token_ids[start : start + n],
-                start=start,
-                block_ids=req.block_ids,
-                sample=start + n == req.num_tokens,
-                params=req.params,
-                generator=req.generator,
+                tokens[start : start + n],  # token_ids
+                start,
+                req.block_ids,
+                start + n == len(tokens),  # sample
+                req.params,
+                req.generator,
             )
         )
 
     def update(
         self, batch: ScheduledBatch, sampled: list[int], logprobs: list[dict[int, float]] | None
-    ) -> tuple[list[tuple[Request, int]], list[Request]]:
-        """Account a finished step -> ((request, new token) for every request that sampled,
-        the requests that finished)."""
+    ) -> tuple[list[NewToken], list[Request]]:
+        """Account a finished step -> (the new token of every request that sampled, the
+        requests that finished)."""
         new, finished, k, now = [], [], 0, time.monotonic()
+        bs = self.kv.block_size
         for req, chunk in zip(batch.requests, batch.chunks):
             req.num_computed_tokens += len(chunk.token_ids)
-            self.kv.commit(req.block_ids, req.token_ids, req.num_computed_tokens)
+            if req.num_computed_tokens // bs > req.committed_blocks:  # a block filled up
+                req.committed_blocks = self.kv.commit(
+                    req.block_ids,
+                    req.token_ids,
+                    req.num_computed_tokens,
+                    req.committed_blocks,
+                    req.block_hashes,
+                )
             if not chunk.sample:
                 continue
             if req.metrics.first_token_time is None:
@@ -207,7 +228,7 @@ class Scheduler:
             if logprobs is not None:
                 req.logprobs.append(logprobs[k])
             req.append_token(sampled[k])
-            new.append((req, sampled[k]))
+            new.append(NewToken(req.request_id, sampled[k]))
             k += 1
             if req.status.finished:
                 self.running.remove(req)

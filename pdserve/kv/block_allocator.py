@@ -56,8 +56,11 @@ class Allocation:
 
 @dataclass(frozen=True)
 class Growth:
-    copies: list[tuple[int, int]]  # copy-on-write (src, dst) the caller copies before writing
+    copies: tuple[tuple[int, int], ...] = ()  # copy-on-write (src, dst), copied before writing
     evicted: tuple[Evicted, ...] = ()
+
+
+NO_GROWTH = Growth()  # the common case: the last block has room and is not shared
 
 
 def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
@@ -155,6 +158,8 @@ class BlockAllocator:
         needed = self.blocks_needed(num_tokens + new_tokens) - len(block_ids)
         writes_last = num_tokens % self.block_size != 0
         cow = writes_last and self.ref_counts[block_ids[-1]] > 1
+        if needed <= 0 and not cow:
+            return NO_GROWTH
         if needed + int(cow) > self.num_free_blocks:
             raise NoFreeBlocks(f"{needed + int(cow)} blocks needed")
         copies, evicted = [], []
@@ -165,12 +170,18 @@ class BlockAllocator:
             block_ids[-1] = dst
             copies.append((src, dst))
         block_ids.extend(self._take(evicted) for _ in range(needed))
-        return Growth(copies, tuple(evicted))
+        return Growth(tuple(copies), tuple(evicted))
 
-    def can_append(self, block_ids: list[int], num_tokens: int, new_tokens: int) -> bool:
-        needed = self.blocks_needed(num_tokens + new_tokens) - len(block_ids)
-        cow = num_tokens % self.block_size != 0 and self.ref_counts[block_ids[-1]] > 1
-        return needed + int(cow) <= self.num_free_blocks
+    def try_append(self, block_ids: list[int], num_tokens: int, new_tokens: int) -> Growth | None:
+        """append_slots() when it fits, else None and nothing changed."""
+        bs = self.block_size
+        needed = -(-(num_tokens + new_tokens) // bs) - len(block_ids)
+        cow = num_tokens % bs != 0 and self.ref_counts[block_ids[-1]] > 1
+        if needed <= 0 and not cow:
+            return NO_GROWTH
+        if needed + int(cow) > self.num_free_blocks:
+            return None
+        return self.append_slots(block_ids, num_tokens, new_tokens)
 
     def fork(self, block_ids: list[int]) -> list[int]:
         """Share all of a sequence's blocks with a new sequence (refcounts + 1)."""
@@ -179,23 +190,37 @@ class BlockAllocator:
             self.ref_counts[block] += 1
         return list(block_ids)
 
-    def commit(self, block_ids: list[int], token_ids: Sequence[int], num_computed: int) -> None:
-        """Register the hashes of full blocks whose KV is now computed (for later reuse)."""
-        if not self.enable_prefix_caching:
-            return
+    def commit(
+        self,
+        block_ids: list[int],
+        token_ids: Sequence[int],
+        num_computed: int,
+        start: int = 0,
+        hashes: list[int] | None = None,
+    ) -> int:
+        """Register the hashes of the full blocks [start, full) whose KV is now computed (for
+        later reuse) -> full, the next call's start.
+
+        `hashes` are the sequence's chain hashes of its full blocks so far, extended here
+        as blocks fill: a sequence hashes each of its blocks once in its life (a long one
+        committed every step would otherwise hash from its first block again and again).
+        A block whose content is cached already under another block stays private."""
         full = min(num_computed // self.block_size, len(block_ids))
-        parent = None
-        for i in range(full):
-            block = block_ids[i]
-            known = self.block_hash[block]
-            if known is not None:
-                parent = known
-                continue
-            parent = chain_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
-            if parent in self.hash_to_block:
-                continue  # an identical block is already cached; keep this one private
-            self.block_hash[block] = parent
-            self.hash_to_block[parent] = block
+        if not self.enable_prefix_caching or full <= start:
+            return max(start, full)
+        if hashes is None:
+            hashes = []
+        bs = self.block_size
+        for i in range(len(hashes), full):
+            parent = hashes[i - 1] if i else None
+            hashes.append(chain_hash(parent, token_ids[i * bs : (i + 1) * bs]))
+        for i in range(start, full):
+            block, h = block_ids[i], hashes[i]
+            if self.block_hash[block] is not None or h in self.hash_to_block:
+                continue  # known already, or an identical block is cached: keep this private
+            self.block_hash[block] = h
+            self.hash_to_block[h] = block
+        return full
 
     def free(self, block_ids: list[int]) -> None:
         """Release a sequence's blocks, tail first."""
@@ -253,15 +278,6 @@ class BlockAllocator:
             self.ref_counts[block] = 1
             return block
         raise NoFreeBlocks("pool exhausted")
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash; cached blocks become free."""
-        for block in list(self._evictable):
-            self._release(block)
-        self._evictable.clear()
-        self.hash_to_block.clear()
-        for block in range(self.num_blocks):
-            self.block_hash[block] = None
 
     # -- invariants -----------------------------------------------------------------------
     def check_integrity(self, owners: dict[int, int] | None = None) -> None:

@@ -98,22 +98,35 @@ class KVManager:
         self._keep(got.evicted)
         return got.block_ids
 
-    def can_grow(self, block_ids: list[int], num_tokens: int, new_tokens: int) -> bool:
-        return self.allocator.can_append(block_ids, num_tokens, new_tokens)
-
-    def grow(self, block_ids: list[int], num_tokens: int, new_tokens: int) -> list[tuple[int, int]]:
-        """Room for `new_tokens` more (in place on block_ids) -> copy-on-write (src, dst)."""
-        got = self.allocator.append_slots(block_ids, num_tokens, new_tokens)
-        self._keep(got.evicted)
+    def grow(
+        self, block_ids: list[int], num_tokens: int, new_tokens: int
+    ) -> tuple[tuple[int, int], ...] | None:
+        """Room for `new_tokens` more (in place on block_ids) -> copy-on-write (src, dst),
+        or None when the pool cannot give it (nothing changed then)."""
+        got = self.allocator.try_append(block_ids, num_tokens, new_tokens)
+        if got is None:
+            return None
+        if got.evicted:
+            self._keep(got.evicted)
         return got.copies
 
-    def commit(self, block_ids: list[int], token_ids: Sequence[int], num_computed: int) -> None:
-        self.allocator.commit(block_ids, token_ids, num_computed)
+    def commit(
+        self,
+        block_ids: list[int],
+        token_ids: Sequence[int],
+        num_computed: int,
+        start: int = 0,
+        hashes: list[int] | None = None,
+    ) -> int:
+        """Register the newly full computed blocks [start, ...) -> the next start."""
+        return self.allocator.commit(block_ids, token_ids, num_computed, start, hashes)
 
     def free(self, block_ids: list[int]) -> None:
         self.allocator.free(block_ids)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
         self.cache.copy_blocks(pairs)
 
     def _keep(self, evicted: tuple[Evicted, ...]) -> None:
