@@ -7,8 +7,9 @@ Block ownership on this side (DESIGN §2):
     FREE -reserve(lease)-> RESERVED -KV pushed + start-> RUNNING -finish/abort-> FREE
                                └────── lease expired / release ───────────────────> FREE
 
-RESERVED lives in decode/reservations.py, RUNNING (and preempted, parked) in the engine core.
-One lock guards the core and the reservations; the step loop runs on its own thread, holds
+The books are decode/state.py's (RESERVED in its reservations, RUNNING, preempted and
+parked in the engine core); this class adds the threads, the data plane and the streams.
+One lock guards the books and the streams; the step loop runs on its own thread, holds
 the lock to schedule and to account but not while the model runs, and hands tokens to each
 request's stream (decode/streams.py), which the gRPC service drains.
 """
@@ -18,46 +19,26 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from dataclasses import dataclass
 
-from decode.admission import ADMISSION
 from decode.config import DecodeConfig
-from decode.length_estimator import OutputLengthEstimator
 from decode.metrics import DecodeMetrics
-from decode.reservations import Reservation, Reservations
+from decode.state import DecodeState, ReservationError, Reserved, UnknownRequest
 from decode.streams import Stream
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
 from pdserve.engine.core import EngineCore
-from pdserve.engine.output import FinishedRequest, HeldRequest, StepOutput
+from pdserve.engine.output import FinishedRequest, StepOutput
 from pdserve.sampling_params import SamplingParams
 from pdserve.serving.kv_pool import KVEndpoint, open_endpoint
 from pdserve.serving.registration import WorkerStats
 from pdserve.trace import now
 from transfer import TransferAgent
 
-
-class ReservationError(RuntimeError):
-    """No room for the request now (RESOURCE_EXHAUSTED at the edge; a retry may help)."""
-
-
-class UnknownRequest(KeyError):
-    """No reservation of that id (expired or released): NOT_FOUND at the edge."""
+__all__ = ["DecodeWorker", "KVNotArrived", "ReservationError", "Reserved", "UnknownRequest"]
 
 
 class KVNotArrived(TimeoutError):
     """The prompt's KV push did not complete in time (UNAVAILABLE at the edge)."""
-
-
-@dataclass(frozen=True)
-class Reserved:
-    """What Reserve answers: the prompt's blocks, of which the first `cached_blocks` already
-    hold its KV (a shared or reloaded prefix) and must not be pushed, and how much of the
-    worker's headroom the reservation takes (in the admission policy's unit)."""
-
-    block_ids: list[int]
-    cached_blocks: int = 0
-    headroom_cost: int = 0
 
 
 class DecodeWorker:
@@ -67,10 +48,8 @@ class DecodeWorker:
         self.config = config
         self.worker_id = config.worker_id
         self.metrics = DecodeMetrics()
-        self.estimator = OutputLengthEstimator()
-        self.admission = ADMISSION[config.admission](core, self.estimator, config.admission_margin)
-        self.lock = threading.Lock()
-        self.reservations = Reservations()
+        self.state = DecodeState(core, config)
+        self.lock = threading.Lock()  # the state, the core and the streams
         self.streams: dict[str, Stream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -92,37 +71,31 @@ class DecodeWorker:
         core, _ = build_engine(model, args)
         return cls(core, open_endpoint(core, model, agent), config)
 
+    @property
+    def reservations(self):
+        return self.state.reservations
+
     # -- control plane ----------------------------------------------------------------------
     def reserve(
         self, request_id: str, prompt: list[int], params: SamplingParams, lease_s: float = 0.0
     ) -> Reserved:
         """-> blocks for the prompt's KV. Raises ValueError (bad input) or ReservationError."""
-        req = self.core.make_request(prompt, params, request_id=request_id)
-        lease_s = lease_s or self.config.default_lease_s
         with self.lock:
-            if request_id in self.reservations or request_id in self.streams:
+            if request_id in self.streams:
                 raise ValueError(f"request_id: {request_id!r} is already known here")
-            refused = self.admission.check(req.token_ids, params.max_tokens, self._held())
-            if refused is not None:
+            try:
+                return self.state.reserve(request_id, prompt, params, lease_s)
+            except ReservationError:
                 self.metrics.refused.inc()
-                raise ReservationError(refused)
-            cost = self.admission.cost(req.token_ids, params.max_tokens)
-            cached_blocks = self.core.reserve(req) // self.core.block_size
-            self.reservations.add(
-                Reservation(req, time.monotonic() + lease_s, cached_blocks=cached_blocks)
-            )
-            return Reserved(list(req.block_ids), cached_blocks, cost)
+                raise
 
     def start(self, request_id: str, first_token: int) -> Stream:
         """The prompt's KV has been pushed: decode from `first_token` on."""
         start_wall = now()
         self._await_kv(request_id)
         with self.lock:
-            res = self.reservations.pop(request_id)
-            if res is None:
-                raise UnknownRequest(f"no reservation for {request_id!r} (expired or released)")
-            req = res.request
-            pushed = len(req.block_ids) - res.cached_blocks
+            res, done = self.state.start(request_id, first_token)
+            pushed = len(res.request.block_ids) - res.cached_blocks
             self.metrics.transfer_bytes.labels("received").inc(
                 pushed * self.endpoint.bytes_per_block
             )
@@ -132,7 +105,6 @@ class DecodeWorker:
             stream = Stream(self.worker_id, received=start_wall)
             self.streams[request_id] = stream
             stream.token(first_token)
-            done = self.core.admit_prefilled(req, first_token)
             if done is not None:
                 self._close(done)
         self._wake.set()
@@ -141,15 +113,10 @@ class DecodeWorker:
     def release(self, request_id: str) -> bool:
         """Abort: the request's blocks go back to the pool whatever state it is in."""
         with self.lock:
-            res = self.reservations.pop(request_id)
-            if res is not None:
-                self.core.release(res.request)
-                return True
-            done = self.core.abort(request_id)
+            found, done = self.state.release(request_id)
             if done is not None:
                 self._close(done)
-                return True
-            return self.core.is_aborting(request_id)  # deferred until its step ends
+            return found
 
     def is_pending(self, request_id: str) -> bool:
         """Whether the engine still holds the request (running, waiting after a preemption,
@@ -158,25 +125,14 @@ class DecodeWorker:
         with self.lock:
             return self.core.holds(request_id)
 
-    def _held(self) -> list[HeldRequest]:
-        """Every request whose KV this pool holds or will hold again (lock held)."""
-        return self.core.held() + [HeldRequest.of(r) for r in self.reservations.requests()]
-
     def stats(self) -> WorkerStats:
         """For heartbeats."""
         with self.lock:
-            s = self.core.stats()
-            return WorkerStats(
-                free_blocks=s.pool.free_blocks,
-                total_blocks=s.pool.num_blocks,
-                running=s.running,
-                headroom_blocks=self.admission.headroom(self._held()),
-            )
+            return self.state.stats()
 
     def check_integrity(self) -> None:
         with self.lock:
-            self.core.check_integrity(reserved=self.reservations.requests())
-            assert self.reservations.pending_arrivals <= len(self.reservations)
+            self.state.check_integrity()
 
     # -- data plane -------------------------------------------------------------------------
     def _await_kv(self, request_id: str) -> None:
@@ -206,8 +162,7 @@ class DecodeWorker:
         is plain data by then), so Reserve/Start/Release and heartbeats are not starved."""
         core = self.core
         with self.lock:
-            for res in self.reservations.expired(time.monotonic()):
-                core.release(res.request)
+            self.state.expire()
             plan = core.begin_step()
             if plan is None:
                 return False
@@ -234,8 +189,7 @@ class DecodeWorker:
         self.metrics.account(self.core.stats())
 
     def _close(self, done: FinishedRequest) -> None:
-        if done.completed:
-            self.estimator.observe(len(done.output_token_ids))
+        self.state.observe(done)
         stream = self.streams.pop(done.request_id, None)
         if stream is not None:
             stream.end(done.finish_reason)

@@ -13,6 +13,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from pdserve.engine.core import EngineCore
 from pdserve.engine.request import Request
 from pdserve.trace import now
 from prefill.push import Destination
@@ -67,3 +68,19 @@ class Batcher:
             batch.append(job)
             tokens += job.tokens
         return batch
+
+
+def reserve_batch(core: EngineCore, batch: list[PrefillJob], batcher: Batcher) -> list[PrefillJob]:
+    """Blocks for every job of the batch that fits now (prefix-cache hits, device or
+    offloaded, are not computed again) -> those jobs; the others are carried to the next
+    batch. A prompt admitted at submit fits the empty pool, and every batch frees its blocks,
+    so a carried prompt fits once the jobs ahead of it are done."""
+    runnable = []
+    for job in batch:
+        if not core.can_reserve(job.request.token_ids):
+            assert runnable, "a lone prompt must fit the empty pool"
+            batcher.carry(job)
+            continue
+        core.reserve(job.request)
+        runnable.append(job)
+    return runnable

@@ -26,7 +26,7 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.serving.kv_pool import KVEndpoint, open_endpoint
 from pdserve.serving.registration import WorkerStats
 from pdserve.trace import Span, now
-from prefill.batcher import Batcher, PrefillJob
+from prefill.batcher import Batcher, PrefillJob, reserve_batch
 from prefill.config import PrefillConfig
 from prefill.metrics import PrefillMetrics
 from prefill.push import BatchPush, Destination, PoolSide, PushTarget
@@ -118,28 +118,13 @@ class PrefillWorker:
         while (batch := self.batcher.next_batch()) is not None:
             self._prefill(batch)
 
-    def _reserve(self, batch: list[PrefillJob]) -> list[PrefillJob]:
-        """Blocks for every job that fits now; the others wait for the next batch."""
-        runnable = []
-        for job in batch:
-            req = job.request
-            if not self.core.can_reserve(req.token_ids):
-                # submit() admits only prompts that fit the whole pool, and every batch frees
-                # its blocks, so this prompt fits once the jobs ahead of it are done
-                assert runnable, "a lone prompt must fit the empty pool"
-                self.batcher.carry(job)
-                continue
-            self.core.reserve(req)  # prefix-cache hits (device or offloaded) are not recomputed
-            runnable.append(job)
-            with self.lock:
-                self.queued_tokens -= req.num_tokens
-                self.metrics.queued_tokens.set(self.queued_tokens)
-        return runnable
-
     def _prefill(self, batch: list[PrefillJob]) -> None:
-        runnable = self._reserve(batch)
+        runnable = reserve_batch(self.core, batch, self.batcher)
         if not runnable:
             return
+        with self.lock:
+            self.queued_tokens -= sum(j.tokens for j in runnable)
+            self.metrics.queued_tokens.set(self.queued_tokens)
         self.metrics.batch_tokens.observe(sum(j.tokens for j in runnable))
         started, started_wall = time.monotonic(), now()
         num_layers = self.core.model_config.num_layers

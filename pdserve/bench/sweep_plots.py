@@ -21,7 +21,7 @@ def plot_sweep(report: dict, directory: str) -> list[str]:
 
     os.makedirs(directory, exist_ok=True)
     series = _by_policy(report["points"])
-    title = (
+    title = report.get("title") or (
         f"{report['model']}, {report['cluster']['prefill']}P{report['cluster']['decode']}D, "
         f"{report['cluster']['num_kv_blocks']} KV blocks per decode worker"
     )
@@ -55,7 +55,9 @@ def plot_sweep(report: dict, directory: str) -> list[str]:
     finish(ax, "concurrent clients", "output tokens / s", "throughput vs concurrency")
     save(fig, "throughput.png")
 
-    for metric, label in (("ttft", "TTFT (s)"), ("tpot", "TPOT (s)")):
+    for metric, label in (("ttft", "TTFT (s)"), ("tpot", "TPOT (s)"), ("e2e", "end to end (s)")):
+        if not all(f"{metric}_p50_s" in p for p in report["points"]):
+            continue
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for policy, pts in series.items():
             xs = [p["concurrency"] for p in pts]

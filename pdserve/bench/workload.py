@@ -70,13 +70,22 @@ def reasoning_lengths(
 
 
 def _lengths(
-    kind: str, n: int, gen: torch.Generator, mean_output: int = 128, max_output: int | None = None
+    kind: str,
+    n: int,
+    gen: torch.Generator,
+    mean_output: int = 128,
+    max_output: int | None = None,
+    native: bool = False,
 ) -> list[tuple[int, int]]:
     if kind == "reasoning":
         return reasoning_lengths(n, gen, mean_output, max_output)
     if kind in TRACE_SCALES:
         trace = trace_requests(kind)
         picks = torch.randint(0, len(trace), (n,), generator=gen).tolist()
+        if native:  # as recorded (a simulated GPU serves them at full length)
+            return [
+                (max(trace[i].prompt_tokens, 1), max(trace[i].output_tokens, 1)) for i in picks
+            ]
         return [scale_lengths(kind, trace[i].prompt_tokens, trace[i].output_tokens) for i in picks]
     if kind == "uniform":
         lo, hi = math.log(8), math.log(256)
@@ -105,3 +114,77 @@ def make_workload(
         prompts.append(torch.randint(vocab // 4, vocab, (length,), generator=gen).tolist())
         max_tokens.append(new)
     return Workload(prompts, max_tokens)
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of a workload file: when it arrives and how long it is."""
+
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+def load_jsonl(path: str) -> list[RequestSpec]:
+    """A workload file: one JSON object a line, `{"arrival_s": 0.0, "prompt_tokens": 120,
+    "output_tokens": 900}` (arrival_s optional, default 0; blank lines skipped). Every row
+    is checked before anything runs; a bad one raises ValueError naming its line and field."""
+    import json
+
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise ValueError(f"workload: cannot read {path!r} ({e.strerror})") from None
+    out = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"workload {path}:{no}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a JSON object")
+        for name in ("prompt_tokens", "output_tokens"):
+            value = row.get(name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{where}: {name}: a positive integer is required, got {value!r}")
+        arrival = row.get("arrival_s", 0.0)
+        if (
+            isinstance(arrival, bool)
+            or not isinstance(arrival, (int, float))
+            or not math.isfinite(arrival)
+            or arrival < 0
+        ):
+            raise ValueError(
+                f"{where}: arrival_s: a finite number >= 0 is required, got {arrival!r}"
+            )
+        out.append(RequestSpec(float(arrival), row["prompt_tokens"], row["output_tokens"]))
+    if not out:
+        raise ValueError(f"workload {path}: no requests")
+    return out
+
+
+def specs_of(
+    kind: str,
+    n: int,
+    seed: int,
+    mean_output: int = 128,
+    max_output: int | None = None,
+    native: bool = False,
+) -> list[RequestSpec]:
+    """n RequestSpecs (all arriving at 0) of a built-in workload kind; `native`: trace
+    lengths as recorded instead of scaled to a small model on a CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = _lengths(kind, n, gen, mean_output, max_output, native)
+    return [RequestSpec(0.0, p, o) for p, o in lengths]
+
+
+def prompts_for(specs: list[RequestSpec], vocab: int, seed: int) -> list[list[int]]:
+    """Random prompt token ids of each spec's length (ordinary tokens of the upper vocab)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(vocab // 4, vocab, (s.prompt_tokens,), generator=gen).tolist() for s in specs
+    ]

@@ -11,15 +11,17 @@ here, so the colocated `LLM`, the prefill worker and the decode worker run the s
 from __future__ import annotations
 
 from pdserve.attention import ATTENTION_BACKENDS
-from pdserve.config import PREEMPTION
+from pdserve.config import PREEMPTION, ModelConfig
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.core import EngineCore
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.runner import Runner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv import BlockAllocator, KVCache
 from pdserve.kv.manager import KVManager
 from pdserve.kv.offload import OffloadedKV
 from pdserve.models import build_model
+from pdserve.tokenizer import Tokenizer
 from pdserve.validation import RequestValidator
 from pdserve.weights import ModelSource, resolve
 from transfer.tiers import TIERS, Tier
@@ -31,52 +33,71 @@ def build_engine(model: str, args: EngineArgs | None = None) -> tuple[EngineCore
     config = source.config
     device = args.resolve_device()
     dtype = args.resolve_dtype(device)
-    scheduler_config = args.scheduler_config(config)
     backend = ATTENTION_BACKENDS[args.attention_backend](device)
     net = build_model(config, dtype, device, source.weights())
     cc = args.cache_config(config, dtype, device)
     cache = KVCache(config, cc.num_blocks, cc.block_size, dtype, device)
-    tiers = _tiers(args, cache)
+    runner = ModelRunner(net, cache, backend, device, args.seed)
+    core = assemble_engine(config, args, cache, tiers(args, cache), runner, source.tokenizer)
+    return core, source
+
+
+def assemble_engine(
+    config: ModelConfig,
+    args: EngineArgs,
+    cache: KVCache,
+    spill_tiers: list[Tier],
+    runner: Runner,
+    tokenizer: Tokenizer | None = None,
+) -> EngineCore:
+    """The engine core over a given pool, tiers and runner: the real ones (build_engine) or
+    a simulator's (pdserve/sim: a pool on the meta device, accounting-only tiers, a cost
+    model for a runner). Everything else is the same code either way."""
+    scheduler_config = args.scheduler_config(config)
     kv = KVManager(
-        BlockAllocator(cc.num_blocks, cc.block_size, cc.enable_prefix_caching),
+        BlockAllocator(cache.num_blocks, cache.block_size, args.enable_prefix_caching),
         cache,
-        OffloadedKV(cache, tiers) if tiers else None,
+        OffloadedKV(cache, spill_tiers) if spill_tiers else None,
         prefix_offload=args.prefix_offload,
     )
     validator = RequestValidator(
         vocab_size=config.vocab_size,
         max_model_len=scheduler_config.max_model_len,
-        tokenizer=source.tokenizer,
-        pool_blocks=cc.num_blocks,
-        block_size=cc.block_size,
+        tokenizer=tokenizer,
+        pool_blocks=cache.num_blocks,
+        block_size=cache.block_size,
     )
     eos = set(config.eos_token_ids)
-    if source.tokenizer is not None and source.tokenizer.eos_token_id is not None:
-        eos.add(source.tokenizer.eos_token_id)
-    core = EngineCore(
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return EngineCore(
         config,
         Scheduler(scheduler_config, kv),
         kv,
-        ModelRunner(net, cache, backend, device, args.seed),
+        runner,
         validator,
         eos_token_ids=frozenset(eos),
     )
-    return core, source
 
 
-def _tiers(args: EngineArgs, cache: KVCache) -> list[Tier]:
-    """The preemption policy's tiers in order; prefix offload needs at least the host one.
-    Sizes in blocks: the flag, else 4x the device pool for host and CXL, 64x for disk."""
+def tier_sizes(args: EngineArgs, num_blocks: int) -> list[tuple[str, int]]:
+    """(kind, capacity in blocks) of the preemption policy's tiers, in order; prefix offload
+    needs at least the host one. Sizes: the flag, else 4x the device pool for host and CXL,
+    64x for disk."""
     kinds = PREEMPTION[args.preemption]
     if args.prefix_offload and not kinds:
         kinds = ("host",)
-    blocks = cache.num_blocks
-    block_bytes = cache.nbytes // blocks
     sizes = {
-        "host": (args.spill_host_blocks, 4 * blocks),
-        "cxl": (args.spill_cxl_blocks, 4 * blocks),
-        "disk": (args.spill_disk_blocks, 64 * blocks),
+        "host": (args.spill_host_blocks, 4 * num_blocks),
+        "cxl": (args.spill_cxl_blocks, 4 * num_blocks),
+        "disk": (args.spill_disk_blocks, 64 * num_blocks),
     }
+    return [(k, sizes[k][0] if sizes[k][0] is not None else sizes[k][1]) for k in kinds]
+
+
+def tiers(args: EngineArgs, cache: KVCache) -> list[Tier]:
+    """The real tiers of tier_sizes()."""
+    block_bytes = cache.nbytes // cache.num_blocks
     options = {
         "host": {},
         "cxl": {
@@ -86,9 +107,7 @@ def _tiers(args: EngineArgs, cache: KVCache) -> list[Tier]:
         },
         "disk": {"root": args.spill_dir},
     }
-    tiers = []
-    for kind in kinds:
-        given, default = sizes[kind]
-        capacity = given if given is not None else default
-        tiers.append(TIERS[kind](capacity, block_bytes, **options[kind]))
-    return tiers
+    return [
+        TIERS[kind](capacity, block_bytes, **options[kind])
+        for kind, capacity in tier_sizes(args, cache.num_blocks)
+    ]

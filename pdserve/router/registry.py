@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -40,12 +41,18 @@ class WorkerRecord:
     stats: WorkerStats
 
 
+def grpc_connect(record: WorkerRecord) -> tuple[grpc.Channel, rpc.DecodeStub | rpc.PrefillStub]:
+    """A channel to the worker and the stub of its role."""
+    channel = grpc.insecure_channel(record.address)
+    return channel, (rpc.DecodeStub if record.role == "decode" else rpc.PrefillStub)(channel)
+
+
 @dataclass
 class Worker:
     record: WorkerRecord
-    last_seen: float  # time.monotonic()
-    channel: grpc.Channel
-    stub: rpc.DecodeStub | rpc.PrefillStub
+    last_seen: float  # on the registry's clock
+    channel: grpc.Channel | None
+    stub: rpc.DecodeStub | rpc.PrefillStub | None
     pending_blocks: int = 0  # headroom this router's reservations took since the heartbeat
     pending_tokens: int = 0  # prompt tokens this router sent since the heartbeat
     reserving: int = 0  # Reserve calls of this router on their way to it now
@@ -58,6 +65,10 @@ class Worker:
 @dataclass
 class WorkerRegistry:
     config: RouterConfig
+    # injected so that the simulator runs this very registry on its virtual clock, with no
+    # channels (pdserve/sim)
+    clock: Callable[[], float] = time.monotonic
+    connect: Callable[[WorkerRecord], tuple] = grpc_connect
     _workers: dict[str, Worker] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -67,17 +78,21 @@ class WorkerRegistry:
             known = self._workers.get(record.worker_id)
             if known is None or known.record.address != record.address:
                 if known is not None:
-                    known.channel.close()
-                channel = grpc.insecure_channel(record.address)
-                stub = (rpc.DecodeStub if record.role == "decode" else rpc.PrefillStub)(channel)
-                self._workers[record.worker_id] = Worker(record, time.monotonic(), channel, stub)
+                    self._close(known)
+                channel, stub = self.connect(record)
+                self._workers[record.worker_id] = Worker(record, self.clock(), channel, stub)
             else:
-                known.record, known.last_seen = record, time.monotonic()
+                known.record, known.last_seen = record, self.clock()
                 known.pending_blocks = known.pending_tokens = 0
+
+    @staticmethod
+    def _close(worker: Worker) -> None:
+        if worker.channel is not None:
+            worker.channel.close()
 
     def alive(self, role: str) -> list[Worker]:
         """Workers of `role` heard from recently (and forget the long silent)."""
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             silent = [
                 wid
@@ -85,7 +100,7 @@ class WorkerRegistry:
                 if now - w.last_seen > self.config.forget_after_s
             ]
             for wid in silent:
-                self._workers.pop(wid).channel.close()
+                self._close(self._workers.pop(wid))
             cutoff = now - self.config.alive_window_s
             return [
                 w for w in self._workers.values() if w.record.role == role and w.last_seen >= cutoff
@@ -141,7 +156,7 @@ class WorkerRegistry:
 
     def listing(self) -> list[tuple[WorkerRecord, float]]:
         """(record, seconds since its last heartbeat) of every live worker."""
-        now = time.monotonic()
+        now = self.clock()
         return [
             (w.record, now - w.last_seen)
             for role in ("prefill", "decode")

@@ -4,6 +4,6 @@
 Hugging Face-named weight tensors, and a tokenizer when the source has one.
 """
 
-from pdserve.weights.source import ModelSource, resolve
+from pdserve.weights.source import ModelSource, model_config, resolve
 
-__all__ = ["ModelSource", "resolve"]
+__all__ = ["ModelSource", "model_config", "resolve"]

@@ -47,3 +47,29 @@ def resolve(model: str) -> ModelSource:
         f"model: {model!r} is neither a preset ({names}), nor a checkpoint directory, "
         f"nor a .gguf file"
     )
+
+
+def model_config(model: str) -> ModelConfig:
+    """Only the architecture of `model`: a preset, a checkpoint directory (its config.json;
+    weights need not be there), a config.json file, or a .gguf file. What the simulator and
+    the planner need: no weights are read."""
+    from pdserve.weights import presets
+    from pdserve.weights.hf_config import model_config_from_hf
+
+    if isinstance(model, str) and model in presets.TINY_CONFIGS:
+        return presets.TINY_CONFIGS[model]
+    path = Path(model).expanduser() if isinstance(model, str) and model else None
+    if path is not None and (path.is_dir() or path.suffix == ".json"):
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise ValueError(f"model: {str(file)!r} does not exist")
+        import json
+
+        try:
+            cfg = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"model: {str(file)!r} is not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"model: {str(file)!r} is not a JSON object")
+        return model_config_from_hf(cfg)
+    return resolve(model).config

@@ -1,0 +1,129 @@
+"""A decode worker's books, with no threads and no sockets: its engine core, admission
+policy, output-length estimator and reservations.
+
+    reserve(id, prompt, params, lease_s) -> Reserved     blocks for a prompt, if admitted
+    start(id, first_token) -> (Reservation, output|None) the KV is in: decode from here
+    release(id) -> (found, output|None)                  abort, whatever state it is in
+    expire()                                             leases that ran out give back blocks
+    stats() -> WorkerStats                               what a heartbeat carries
+
+DecodeWorker (decode/worker.py) wraps it with a lock, the step loop, the transfer agent and
+token streams; the simulator (pdserve/sim) drives the same books on a virtual clock, so a
+simulated decode worker admits, refuses and reserves exactly as a real one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from decode.admission import ADMISSION
+from decode.config import DecodeConfig
+from decode.length_estimator import OutputLengthEstimator
+from decode.reservations import Reservation, Reservations
+from pdserve.engine.core import EngineCore
+from pdserve.engine.output import FinishedRequest, HeldRequest
+from pdserve.sampling_params import SamplingParams
+from pdserve.serving.registration import WorkerStats
+
+
+class ReservationError(RuntimeError):
+    """No room for the request now (RESOURCE_EXHAUSTED at the edge; a retry may help)."""
+
+
+class UnknownRequest(KeyError):
+    """No reservation of that id (expired or released): NOT_FOUND at the edge."""
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """What Reserve answers: the prompt's blocks, of which the first `cached_blocks` already
+    hold its KV (a shared or reloaded prefix) and must not be pushed, and how much of the
+    worker's headroom the reservation takes (in the admission policy's unit)."""
+
+    block_ids: list[int]
+    cached_blocks: int = 0
+    headroom_cost: int = 0
+
+
+class DecodeState:
+    def __init__(
+        self,
+        core: EngineCore,
+        config: DecodeConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.core = core
+        self.config = config
+        self.clock = clock
+        self.estimator = OutputLengthEstimator()
+        self.admission = ADMISSION[config.admission](core, self.estimator, config.admission_margin)
+        self.reservations = Reservations()
+
+    def reserve(
+        self, request_id: str, prompt: list[int], params: SamplingParams, lease_s: float = 0.0
+    ) -> Reserved:
+        """Raises ValueError (bad input: never servable) or ReservationError (no room now)."""
+        req = self.core.make_request(prompt, params, request_id=request_id)
+        if request_id in self.reservations or self.core.holds(request_id):
+            raise ValueError(f"request_id: {request_id!r} is already known here")
+        refused = self.admission.check(req.token_ids, params.max_tokens, self.held())
+        if refused is not None:
+            raise ReservationError(refused)
+        cost = self.admission.cost(req.token_ids, params.max_tokens)
+        cached_blocks = self.core.reserve(req) // self.core.block_size
+        lease = lease_s or self.config.default_lease_s
+        self.reservations.add(
+            Reservation(req, self.clock() + lease, cached_blocks, reserved_at=self.clock())
+        )
+        return Reserved(list(req.block_ids), cached_blocks, cost)
+
+    def start(
+        self, request_id: str, first_token: int
+    ) -> tuple[Reservation, FinishedRequest | None]:
+        """The prompt's KV is in the reserved blocks -> (the reservation, the request's output
+        if its first token already finished it)."""
+        res = self.reservations.pop(request_id)
+        if res is None:
+            raise UnknownRequest(f"no reservation for {request_id!r} (expired or released)")
+        return res, self.core.admit_prefilled(res.request, first_token)
+
+    def release(self, request_id: str) -> tuple[bool, FinishedRequest | None]:
+        """Abort -> (whether it was known here, its output when it ended now; an abort during
+        a step ends with that step's end_step)."""
+        res = self.reservations.pop(request_id)
+        if res is not None:
+            self.core.release(res.request)
+            return True, None
+        done = self.core.abort(request_id)
+        if done is not None:
+            return True, done
+        return self.core.is_aborting(request_id), None
+
+    def expire(self) -> None:
+        for res in self.reservations.expired(self.clock()):
+            self.core.release(res.request)
+
+    def observe(self, done: FinishedRequest) -> None:
+        """A finished request teaches the estimator its output length (its driver calls
+        this for every request that ends, from start(), release() or a step)."""
+        if done.completed:
+            self.estimator.observe(len(done.output_token_ids))
+
+    def held(self) -> list[HeldRequest]:
+        """Every request whose KV this pool holds or will hold again."""
+        return self.core.held() + [HeldRequest.of(r) for r in self.reservations.requests()]
+
+    def stats(self) -> WorkerStats:
+        s = self.core.stats()
+        return WorkerStats(
+            free_blocks=s.pool.free_blocks,
+            total_blocks=s.pool.num_blocks,
+            running=s.running,
+            headroom_blocks=self.admission.headroom(self.held()),
+        )
+
+    def check_integrity(self) -> None:
+        self.core.check_integrity(reserved=self.reservations.requests())
+        assert self.reservations.pending_arrivals <= len(self.reservations)
