@@ -29,6 +29,7 @@ loop thread). `stats()` reads counters only and may be called from any thread.
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ from pdserve.kv.manager import KVManager
 from pdserve.outputs import RequestMetrics
 from pdserve.sampling_params import SamplingParams
 from pdserve.validation import Prompt, RequestValidator
+
+_request_id = operator.attrgetter("request_id")
 
 
 class EngineStalled(RuntimeError):
@@ -118,7 +121,7 @@ class EngineCore:
         whose KV they already hold (shared or reloaded prefix blocks, whole blocks only;
         never the block of the prompt's last token)."""
         assert not request.block_ids, f"{request.request_id} holds blocks already"
-        request.block_ids, cached = self.kv.allocate_prompt(request.token_ids)
+        request.block_ids, cached = self.kv.allocate_prompt(request.token_ids, request.block_hashes)
         request.num_computed_tokens = cached
         request.committed_blocks = cached // self.kv.block_size
         request.metrics.cached_prompt_tokens = cached
@@ -235,12 +238,12 @@ class EngineCore:
                 done.append(FinishedRequest.of(req))
         self._abort_after_step.clear()
         return StepOutput(
-            ran=tuple(r.request_id for r in batch.requests),
+            ran=tuple(map(_request_id, batch.requests)),
             tokens=tuple(new),
             finished=tuple(done),
-            preempted=tuple(r.request_id for r in batch.preempted),
-            parked=tuple(r.request_id for r in batch.parked),
-            unparked=tuple(r.request_id for r in batch.unparked),
+            preempted=tuple(map(_request_id, batch.preempted)),
+            parked=tuple(map(_request_id, batch.parked)),
+            unparked=tuple(map(_request_id, batch.unparked)),
         )
 
     # -- views ----------------------------------------------------------------------------

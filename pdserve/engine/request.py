@@ -55,9 +55,14 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
-    def append_token(self, token: int) -> None:
-        self.token_ids.append(token)
+    def append_token(self, token: int) -> bool:
+        """Append a sampled token -> whether the request finished with it."""
+        tokens = self.token_ids
+        tokens.append(token)
         if token in self.stop_ids:
             self.status = RequestStatus.FINISHED_STOPPED
-        elif self.num_tokens >= self.max_total_tokens:
+            return True
+        if len(tokens) >= self.max_total_tokens:
             self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

@@ -87,18 +87,37 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch()
         idx = 0
-        running, grow = self.running, self.kv.grow  # the hot loop: one pass per request
+        # the hot loop, one pass per request: a decoding request whose next token fits its
+        # blocks in place (the common case) takes the short way
+        running, grow, fits = self.running, self.kv.grow, self.kv.fits_in_place
+        requests, chunks, make = batch.requests, batch.chunks, tuple.__new__
         while idx < len(running) and budget > 0:
             req = running[idx]
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
-            copies = grow(req.block_ids, req.num_computed_tokens, n)
-            if copies is None:
-                copies = self._make_room(req, n, batch)
+            tokens, start, blocks = req.token_ids, req.num_computed_tokens, req.block_ids
+            n = min(len(tokens) - start, budget)
+            if n != 1 or not fits(blocks, start):
+                copies = grow(blocks, start, n)
                 if copies is None:
-                    break  # req itself was preempted; everything after it is gone too
-            if copies:
-                batch.copies += copies
-            self._add_chunk(batch, req, n)
+                    copies = self._make_room(req, n, batch)
+                    if copies is None:
+                        break  # req itself was preempted; everything after it is gone too
+                if copies:
+                    batch.copies += copies
+            end = start + n
+            requests.append(req)
+            chunks.append(
+                make(
+                    ScheduledChunk,
+                    (
+                        tokens[start:end],
+                        start,
+                        blocks,
+                        end == len(tokens),
+                        req.params,
+                        req.generator,
+                    ),
+                )
+            )
             budget -= n
             idx += 1
         budget = self._unpark(batch, budget)
@@ -106,10 +125,10 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
-            if not self.kv.can_allocate(req.token_ids):
+            if not self.kv.can_allocate(req.token_ids, req.block_hashes):
                 break
             self.waiting.popleft()
-            req.block_ids, cached = self.kv.allocate_prompt(req.token_ids)
+            req.block_ids, cached = self.kv.allocate_prompt(req.token_ids, req.block_hashes)
             req.num_computed_tokens = cached
             req.committed_blocks = cached // self.kv.block_size
             if req.dropped_tokens:  # computed before a preemption dropped them
@@ -210,30 +229,29 @@ class Scheduler:
         """Account a finished step -> (the new token of every request that sampled, the
         requests that finished)."""
         new, finished, k, now = [], [], 0, time.monotonic()
-        bs = self.kv.block_size
-        for req, chunk in zip(batch.requests, batch.chunks):
-            req.num_computed_tokens += len(chunk.token_ids)
-            if req.num_computed_tokens // bs > req.committed_blocks:  # a block filled up
-                req.committed_blocks = self.kv.commit(
-                    req.block_ids,
-                    req.token_ids,
-                    req.num_computed_tokens,
-                    req.committed_blocks,
-                    req.block_hashes,
+        bs, commit = self.kv.block_size, self.kv.commit
+        for req, chunk in zip(batch.requests, batch.chunks):  # the hot loop
+            computed = req.num_computed_tokens = req.num_computed_tokens + len(chunk.token_ids)
+            if computed // bs > req.committed_blocks:  # a block filled up
+                req.committed_blocks = commit(
+                    req.block_ids, req.token_ids, computed, req.committed_blocks, req.block_hashes
                 )
             if not chunk.sample:
                 continue
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
+            metrics = req.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
             if logprobs is not None:
                 req.logprobs.append(logprobs[k])
-            req.append_token(sampled[k])
-            new.append(NewToken(req.request_id, sampled[k]))
+            token = sampled[k]
+            new.append(NewToken(req.request_id, token))
             k += 1
-            if req.status.finished:
-                self.running.remove(req)
+            if req.append_token(token):
                 self._release(req, now)
                 finished.append(req)
+        if finished:  # out of the batch in one pass (remove() per request is quadratic)
+            done = set(map(id, finished))
+            self.running = [r for r in self.running if id(r) not in done]
         return new, finished
 
     def abort(self, request_id: str) -> Request | None:

@@ -106,34 +106,48 @@ class BlockAllocator:
             hashes.append(parent)
         return hashes
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Block ids of the longest cached prefix (full blocks, last token excluded)."""
+    def match_prefix(self, token_ids: Sequence[int], hashes: list[int] | None = None) -> list[int]:
+        """Block ids of the longest cached prefix (full blocks, last token excluded).
+
+        `hashes`: the sequence's chain hashes known so far (as commit() keeps them), used
+        and extended here; a block is hashed only when every block before it hit, so a
+        long sequence that waits is not hashed from its start at every step."""
         if not self.enable_prefix_caching:
             return []
-        hits = []
-        for h in self.prefix_hashes(token_ids, (len(token_ids) - 1) // self.block_size):
-            block = self.hash_to_block.get(h)
+        if hashes is None:
+            hashes = []
+        hits, bs, lookup = [], self.block_size, self.hash_to_block.get
+        for i in range((len(token_ids) - 1) // bs):
+            if i == len(hashes):
+                parent = hashes[i - 1] if i else None
+                hashes.append(chain_hash(parent, token_ids[i * bs : (i + 1) * bs]))
+            block = lookup(hashes[i])
             if block is None:
                 break
             hits.append(block)
         return hits
 
-    def can_allocate(self, token_ids: Sequence[int], reserve: int = 0) -> bool:
+    def can_allocate(
+        self, token_ids: Sequence[int], reserve: int = 0, hashes: list[int] | None = None
+    ) -> bool:
         """Whether `allocate(token_ids)` would succeed leaving `reserve` blocks free."""
-        hits = self.match_prefix(token_ids)
-        revived = sum(1 for b in hits if self.ref_counts[b] == 0)  # leave the evictable pool
+        hits = self.match_prefix(token_ids, hashes)
+        in_use = sum(map(bool, map(self.ref_counts.__getitem__, hits)))
+        revived = len(hits) - in_use  # hits that leave the evictable pool
         fresh = self.blocks_needed(len(token_ids)) - len(hits)
         return fresh + revived + reserve <= self.num_free_blocks
 
     # -- mutations ------------------------------------------------------------------------
-    def allocate(self, token_ids: Sequence[int]) -> Allocation:
+    def allocate(self, token_ids: Sequence[int], hashes: list[int] | None = None) -> Allocation:
         """Blocks for a new sequence of `token_ids`: its cached prefix blocks (shared), then
-        fresh ones."""
+        fresh ones (`hashes` as for match_prefix)."""
         if not token_ids:
             raise ValueError("token_ids: cannot allocate an empty sequence")
-        if not self.can_allocate(token_ids):
+        if hashes is None:
+            hashes = []
+        if not self.can_allocate(token_ids, hashes=hashes):
             raise NoFreeBlocks(f"{self.blocks_needed(len(token_ids))} blocks needed")
-        hits = self.match_prefix(token_ids)
+        hits = self.match_prefix(token_ids, hashes)
         for block in hits:
             if self.ref_counts[block] == 0:
                 del self._evictable[block]

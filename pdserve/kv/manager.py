@@ -50,6 +50,7 @@ class KVManager:
         self.cache = cache
         self.offload = offload
         self.prefix_offload = prefix_offload
+        self._bs, self._refs = allocator.block_size, allocator.ref_counts  # for the hot path
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -75,17 +76,20 @@ class KVManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return self.allocator.blocks_needed(num_tokens)
 
-    def can_allocate(self, token_ids: Sequence[int]) -> bool:
-        return self.allocator.can_allocate(token_ids)
+    def can_allocate(self, token_ids: Sequence[int], hashes: list[int] | None = None) -> bool:
+        """`hashes`: the sequence's known chain hashes (pdserve/kv/block_allocator.py)."""
+        return self.allocator.can_allocate(token_ids, hashes=hashes)
 
     def shared_blocks(self, token_ids: Sequence[int]) -> list[int]:
         """Device blocks a prompt would share with cached ones (its prefix hits)."""
         return self.allocator.match_prefix(token_ids)
 
     # -- allocation -----------------------------------------------------------------------
-    def allocate_prompt(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+    def allocate_prompt(
+        self, token_ids: Sequence[int], hashes: list[int] | None = None
+    ) -> tuple[list[int], int]:
         """Blocks for a new sequence -> (block ids, tokens whose KV is already in them)."""
-        got = self.allocator.allocate(token_ids)
+        got = self.allocator.allocate(token_ids, hashes)
         self._keep(got.evicted)
         cached = got.cached_tokens
         if self.prefix_offload:
@@ -97,6 +101,14 @@ class KVManager:
         got = self.allocator.allocate_fresh(n)
         self._keep(got.evicted)
         return got.block_ids
+
+    def fits_in_place(self, block_ids: list[int], num_tokens: int) -> bool:
+        """Whether one more token fits the blocks as they are: no new block, no copy-on-write
+        (then grow(block_ids, num_tokens, 1) would change nothing)."""
+        bs = self._bs
+        return num_tokens < len(block_ids) * bs and (
+            num_tokens % bs == 0 or self._refs[block_ids[-1]] <= 1
+        )
 
     def grow(
         self, block_ids: list[int], num_tokens: int, new_tokens: int
