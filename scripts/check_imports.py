@@ -87,8 +87,23 @@ ALLOWED: Mapping[str, frozenset[str]] = MappingProxyType(
             "prefill",
             "decode",
         },
+        # the simulator: the real scheduler, books and policies of every role, on a clock
+        "pdserve.sim": _CORE
+        | _EDGE
+        | {
+            "pdserve.kv",
+            "pdserve.engine",
+            "pdserve.bench",
+            "pdserve.router",
+            "pdserve.launch",
+            "kernels",
+            "transfer",
+            "prefill",
+            "decode",
+        },
         "pdserve.cli": frozenset(
             {
+                "pdserve.sim",
                 "pdserve",
                 "pdserve.llm",
                 "pdserve.engine",

@@ -83,9 +83,7 @@ def _lengths(
         trace = trace_requests(kind)
         picks = torch.randint(0, len(trace), (n,), generator=gen).tolist()
         if native:  # as recorded (a simulated GPU serves them at full length)
-            return [
-                (max(trace[i].prompt_tokens, 1), max(trace[i].output_tokens, 1)) for i in picks
-            ]
+            return [(max(trace[i].prompt_tokens, 1), max(trace[i].output_tokens, 1)) for i in picks]
         return [scale_lengths(kind, trace[i].prompt_tokens, trace[i].output_tokens) for i in picks]
     if kind == "uniform":
         lo, hi = math.log(8), math.log(256)

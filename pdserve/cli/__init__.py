@@ -9,6 +9,10 @@ pdserve trace t.jsonl --plot timeline.png
 pdserve bench tiers [--quick] --json out.json
 pdserve bench sweep [--quick] --concurrency 1,2,4,8 --policy greedy+recompute,kv-aware+tiered
     --json out.json --plot DIR
+pdserve bench sim-vs-real --profile PROFILE.json [--cluster] --json out.json
+pdserve sim --model M [--profile h200] --policy P1,P2 --concurrency 1,8,64 --json out.json
+pdserve sim calibrate --model M [--cluster] --json PROFILE.json
+pdserve plan --model CONFIG --gpu h200 --gpus 8 --workload azure-conv --slo ttft=2,tpot=0.05
 pdserve launch --model M --prefill N --decode M
 pdserve serve router|prefill|decode --model M ...
 pdserve demo
@@ -21,7 +25,9 @@ import sys
 
 from pdserve.cli.bench import add_bench_parser
 from pdserve.cli.demo import add_demo_parser
+from pdserve.cli.plan import add_plan_parser
 from pdserve.cli.serve import add_serve_parser
+from pdserve.cli.sim import add_sim_parser
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -90,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=cmd_trace)
 
     add_serve_parser(sub)
+    add_sim_parser(sub)
+    add_plan_parser(sub)
     launch = sub.add_parser("launch", help="a local cluster of separate processes")
     launch.add_argument("--model", required=True)
     launch.add_argument("--prefill", type=int, default=1)

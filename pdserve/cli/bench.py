@@ -104,6 +104,23 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_sim_vs_real(args: argparse.Namespace) -> int:
+    from pdserve.sim.profile import load_profile
+    from pdserve.sim.vs_real import bench_sim_vs_real, format_table
+
+    report = bench_sim_vs_real(
+        args.model,
+        load_profile(args.profile),
+        concurrencies=tuple(args.concurrency),
+        num_kv_blocks=args.num_kv_blocks,
+        requests=args.requests,
+        mean_output=args.mean_output,
+        seed=args.seed,
+        cluster=args.cluster,
+    )
+    return print_report(report, format_table, args.json)
+
+
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (JSON out, table to stdout)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -186,3 +203,17 @@ def add_bench_parser(sub) -> None:
     sw.add_argument("--json", default=None)
     sw.add_argument("--plot", default=None, help="directory for the PNG plots")
     sw.set_defaults(func=cmd_bench_sweep)
+
+    svr = bench_sub.add_parser(
+        "sim-vs-real", help="the simulator against real runs of the engine (and a cluster)"
+    )
+    svr.add_argument("--model", default=DEMO_MODEL)
+    svr.add_argument("--profile", required=True, help="this machine's (pdserve sim calibrate)")
+    svr.add_argument("--concurrency", type=int_list, default=[2, 8, 16])
+    svr.add_argument("--num-kv-blocks", type=int, default=32)
+    svr.add_argument("--requests", type=int, default=16, help="at least, per point")
+    svr.add_argument("--mean-output", type=int, default=None)
+    svr.add_argument("--cluster", action="store_true", help="also a launched 1P1D cluster")
+    svr.add_argument("--seed", type=int, default=0)
+    svr.add_argument("--json", default=None)
+    svr.set_defaults(func=cmd_bench_sim_vs_real)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 DEMO_MODEL = "smollm2-135m"
 WORKLOAD_CHOICES = ("azure-conv", "azure-code", "mooncake-conv", "uniform", "reasoning")
@@ -30,3 +31,11 @@ def print_report(report: dict, format_table, json_path: str | None) -> int:
         write_json(report, json_path)
         print(f"wrote {json_path}")
     return 0
+
+
+def model_label(model: str) -> str:
+    """`pdserve/sim/configs/qwen2.5-32b.json` -> `qwen2.5-32b`; a preset stays itself."""
+    base = os.path.basename(model.rstrip("/"))
+    if base == "config.json":
+        base = os.path.basename(os.path.dirname(os.path.abspath(model)))
+    return base.removesuffix(".json")

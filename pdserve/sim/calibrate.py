@@ -1,0 +1,139 @@
+"""`pdserve sim calibrate`: measure this machine's real engine and fit a profile of it.
+
+    engine     the in-process engine (`LLM`'s core) under closed loops of 1-32 clients over
+               prompts of 32-1,024 tokens, driven as `bench sim-vs-real` drives it; every
+               step's work and cycle time, fitted linear in what the step computes
+               (pdserve/sim/fit.py)
+    tiers      a park + unpark through each real spill tier (host, CXL, disk) of 1 and of
+               `big` blocks: latency and bytes/s from the two
+    cluster    (with --cluster) a launched 1P1D cluster on this machine: its decode workers'
+               steps and its prefill batches, read off the requests' traces (decode.step and
+               prefill.compute spans, with each request's context), fitted the same way; the
+               handoff's calls (reserve, the prefill RPC's transit, start) as medians of
+               their spans; the push's bytes/s from the transfer tails
+
+On CUDA the same command measures the GPU (the engine's device). The profile is JSON
+(pdserve/sim/profile.py); `pdserve sim --profile FILE` uses it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from pdserve.bench.workload import RequestSpec, prompts_for
+from pdserve.engine.args import EngineArgs
+from pdserve.engine.build import build_engine, tiers
+from pdserve.engine.core import EngineCore
+from pdserve.kv.offload import OffloadedKV
+from pdserve.progress import progress
+from pdserve.sim.cost import StepWork
+from pdserve.sim.fit import fit_steps
+
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
+CONTEXTS = (32, 128, 512, 1024)
+
+
+def measure_engine(
+    core: EngineCore,
+    batches=DECODE_BATCHES,
+    contexts=CONTEXTS,
+    outputs: int = 12,
+    seed: int = 0,
+) -> list[tuple[StepWork, float]]:
+    """Closed loops of `b` clients over prompts of `c` tokens, run as the real benchmark
+    runs the engine (pdserve/sim/replica.py run_real): each step's work and cycle time."""
+    from pdserve.sim.replica import Replica, run_real
+
+    vocab = core.model_config.vocab_size
+    samples: list[tuple[StepWork, float]] = []
+    warm = [RequestSpec(0.0, 8, 2)]
+    run_real(Replica("warm-up", core), warm, prompts_for(warm, vocab, seed), 1, label="warm-up")
+    grid = [(b, c) for b in batches for c in contexts]
+    for i, (b, c) in enumerate(progress(grid, desc="calibrate engine", unit="point")):
+        specs = [RequestSpec(0.0, c, outputs)] * (2 * b)
+        replica = Replica(f"b{b}-c{c}", core)
+        run_real(replica, specs, prompts_for(specs, vocab, seed + i), b, samples=samples, label="")
+    return samples
+
+
+def measure_tiers(core: EngineCore, args: EngineArgs, reps: int = 3) -> dict:
+    """Per tier: latency and bytes/s of a park and an unpark (1 block, and `big` blocks of
+    about 32 MiB together: big enough that the copy, not the fixed cost, dominates)."""
+    cache = core.kv.cache
+    block_bytes = cache.nbytes // cache.num_blocks
+    big = int(min(max(8, (32 << 20) // block_bytes), cache.num_blocks // 2))
+    out = {}
+    for tier in tiers(args, cache):
+        offload = OffloadedKV(cache, [tier])
+        spill, reload = {}, {}
+        for n in (1, big):
+            ids = list(range(n))
+            s_times, r_times = [], []
+            for _ in range(reps + 1):
+                start = time.perf_counter()
+                assert offload.park("calibrate", ids) == tier.name
+                if hasattr(tier, "flush"):
+                    tier.flush()
+                middle = time.perf_counter()
+                assert offload.unpark("calibrate", ids)
+                s_times.append(middle - start)
+                r_times.append(time.perf_counter() - middle)
+            spill[n], reload[n] = statistics.median(s_times[1:]), statistics.median(r_times[1:])
+        offload.close()
+        nbytes = (big - 1) * block_bytes
+        out[tier.name] = {
+            "spill_bytes_s": nbytes / max(spill[big] - spill[1], 1e-9),
+            "reload_bytes_s": nbytes / max(reload[big] - reload[1], 1e-9),
+            "latency_s": max(
+                0.0,
+                min(spill[1], reload[1])
+                - block_bytes / (nbytes / max(spill[big] - spill[1], 1e-9)),
+            ),
+        }
+    return out
+
+
+def calibrate(model: str, num_kv_blocks: int = 2048, threads: int | None = None) -> dict:
+    """The in-process engine and its tiers -> a fitted profile (a JSON-ready dict)."""
+    if threads:
+        torch.set_num_threads(threads)
+    args = EngineArgs(
+        num_kv_blocks=num_kv_blocks,
+        enable_prefix_caching=False,  # every step computes what it is given
+        preemption="tiered",
+        max_num_seqs=max(DECODE_BATCHES),
+    )
+    core, _ = build_engine(model, args)
+    try:
+        coefficients, fit = fit_steps(measure_engine(core))
+        tier_costs = measure_tiers(core, args)
+    finally:
+        core.close()
+    dtype = str(core.kv_pool.dtype).removeprefix("torch.")
+    device = str(core.kv_pool.device)
+    when = time.strftime("%Y-%m-%d")
+    return {
+        "_about": f"{model} measured by `pdserve sim calibrate` on {platform.node()} ({when})",
+        "name": f"{device}-{platform.node()}",
+        "kind": "fitted",
+        "dtype": dtype,
+        "memory_bytes": float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        "usable_fraction": 1.0,
+        "activation_reserve_bytes": 0.0,
+        "engine": coefficients,
+        "tiers": tier_costs,
+        "link": {"bytes_s": 4.0e9, "latency_s": 0.0},
+        "fit": {"engine": fit},
+        "sources": {
+            "engine": f"measured: {fit['steps']} steps of the {model} engine on {device} "
+            f"({torch.get_num_threads()} threads), fitted; median error "
+            f"{fit['median_abs_rel_error']:.1%}",
+            "tiers": "measured: a park + unpark of 1 and 32 blocks through each real tier",
+            "link": "placeholder until --cluster measures the push",
+        },
+    }

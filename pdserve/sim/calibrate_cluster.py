@@ -1,0 +1,122 @@
+"""`pdserve sim calibrate --cluster`: a launched 1P1D cluster's costs, read off its traces.
+
+A real cluster (router, one prefill and one decode worker process, NIXL) serves closed loops
+of 1-16 clients; every request comes back with its trace (pdserve/trace.py), from which:
+
+    cluster          decode steps: `decode.step` spans shared by the requests of one step
+                     (their count, and each one's context: its prompt plus the tokens before
+                     that step); a step's cost is its cycle, start to the next step's start
+                     when the worker ran back to back; fitted as the engine is
+    cluster_prefill  prefill batches: the `prefill.compute` span of a batch and its prompts
+    link             the push: `transfer.tail` against the bytes each batch pushed
+    handoff          medians of the router's calls: `decode.reserve`, `rpc.prefill` plus
+                     `rpc.prefill_reply`, `rpc.start`, and `router.stream` per request
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections import defaultdict
+
+import numpy as np
+
+from pdserve.bench.serve import _drive
+from pdserve.bench.workload import RequestSpec, Workload, prompts_for
+from pdserve.engine.args import EngineArgs
+from pdserve.kv.kv_cache import bytes_per_block
+from pdserve.progress import progress
+from pdserve.sim.cost import StepWork
+from pdserve.sim.fit import fit_steps
+from pdserve.weights import model_config
+
+LOADS = ((1, 48, 64), (2, 32, 64), (4, 32, 64), (8, 32, 48), (16, 32, 48), (4, 512, 16))
+
+
+def _steps(traces: list[dict]) -> tuple[list, list]:
+    """-> (decode step samples, prefill batch samples) as (StepWork, seconds)."""
+    steps = defaultdict(list)  # (worker, start, end) -> [context of each request]
+    batches = defaultdict(list)  # (worker, start, end) -> [prompt tokens]
+    for t in traces:
+        spans = sorted(t["spans"], key=lambda s: s["start"])
+        k = 0
+        for s in spans:
+            key = (s["worker"], round(s["start"], 6), round(s["end"], 6))
+            if s["name"] == "decode.step":
+                steps[key].append(t["prompt_tokens"] + 1 + k)
+                k += 1
+            elif s["name"] == "prefill.compute":
+                batches[key].append(t["prompt_tokens"])
+    decode = []
+    by_worker = defaultdict(list)
+    for (worker, start, end), contexts in steps.items():
+        by_worker[worker].append((start, end, contexts))
+    for rows in by_worker.values():
+        rows.sort()
+        for (start, end, contexts), nxt in zip(rows, rows[1:] + [None]):
+            run = end - start
+            cycle = nxt[0] - start if nxt is not None else run
+            seconds = cycle if cycle < 2 * run + 0.02 else run  # back to back, else its own
+            work = StepWork(len(contexts), len(contexts), sum(contexts), 0, 0.0, len(contexts), 0)
+            decode.append((work, seconds))
+    prefill = []
+    for (_, start, end), prompts in batches.items():
+        attention = float(sum(p * (p + 1) / 2 for p in prompts))
+        tokens = sum(prompts)
+        work = StepWork(len(prompts), tokens, 0, tokens, attention, len(prompts), tokens)
+        prefill.append((work, end - start))
+    return decode, prefill
+
+
+def _median_span(traces: list[dict], *names: str) -> float:
+    per_request = [
+        sum(s["end"] - s["start"] for s in t["spans"] if s["name"] in names) for t in traces
+    ]
+    return statistics.median(per_request) if per_request else 0.0
+
+
+def calibrate_cluster(model: str, num_kv_blocks: int = 256, seed: int = 0) -> dict:
+    from pdserve.launch import Cluster
+
+    config = model_config(model)
+    traces: list[dict] = []
+    with Cluster(
+        model, 1, 1, worker_args=["--num-kv-blocks", str(num_kv_blocks), "--block-size", "16"]
+    ) as cluster:
+        for i, (clients, prompt, output) in enumerate(
+            progress(LOADS, desc="calibrate cluster", unit="load")
+        ):
+            specs = [RequestSpec(0.0, prompt, output)] * (2 * clients)
+            work = Workload(prompts_for(specs, config.vocab_size, seed + i), [output] * len(specs))
+            samples, _ = asyncio.run(_drive(cluster.address, work, clients, None, seed))
+            for s in samples:
+                if s.error is None and s.trace is not None:
+                    traces.append({**s.trace, "prompt_tokens": s.prompt_tokens})
+    decode, prefill = _steps(traces)
+    decode_coef, decode_fit = fit_steps(decode)
+    prefill_coef, prefill_fit = fit_steps(prefill)
+    defaults = EngineArgs()  # what `pdserve launch` workers run: fp32 on CPU, bf16 on CUDA
+    block = bytes_per_block(config, 16, defaults.resolve_dtype(defaults.resolve_device()))
+    tails = []
+    for t in traces:
+        tail = sum(s["end"] - s["start"] for s in t["spans"] if s["name"] == "transfer.tail")
+        blocks = -(-t["prompt_tokens"] // 16)
+        tails.append((blocks * block, tail))
+    x = np.array([[1.0, b] for b, _ in tails])
+    y = np.array([t for _, t in tails])
+    (latency, per_byte), *_ = np.linalg.lstsq(x, y, rcond=None)
+    return {
+        "cluster": decode_coef,
+        "cluster_prefill": prefill_coef,
+        "link": {
+            "bytes_s": 1.0 / per_byte if per_byte > 0 else float(np.sum(x[:, 1]) / np.sum(y)),
+            "latency_s": max(0.0, float(latency)),
+        },
+        "handoff": {
+            "reserve_s": _median_span(traces, "decode.reserve"),
+            "prefill_rpc_s": _median_span(traces, "rpc.prefill", "rpc.prefill_reply"),
+            "start_s": _median_span(traces, "rpc.start"),
+            "per_token_s": _median_span(traces, "router.stream"),
+        },
+        "fit": {"cluster": decode_fit, "cluster_prefill": prefill_fit},
+    }

@@ -1,0 +1,316 @@
+"""A disaggregated cluster on virtual time: the router's registry and worker choice, decode
+workers' books (admission, reservations, the engine core) and prefill workers' batching,
+all the real classes, wired by events instead of gRPC and NIXL.
+
+    arrive      the router asks decode workers to Reserve, the one with the most headroom
+                first (WorkerRegistry.pick_decode, as pdserve/router/handoff.py does); none
+                has room: try again after the router's backoff (10 ms doubling to 200 ms)
+    prefill     the prefill worker with the fewest queued tokens gets the prompt; its batcher
+                forms batches under the token budget (prefill/batcher.py); a batch takes its
+                cost model's time, then its push: the link's bytes/s, all of it after the
+                forward pass on CPU (pdserve's `--kv-push auto`), only the last layer's
+                share past it on GPU (layer-wise, overlapped)
+    start       the decode worker admits the request (DecodeState.start); its first token
+                is the client's first token
+    step        each decode worker steps on its own clock (begin_step, its cost, end_step)
+    heartbeat   every heartbeat interval each worker's stats refresh the registry, which
+                between heartbeats counts what the router itself sent (as a real router does)
+
+The handoff's calls cost what the profile's `handoff` says (reserve, the prefill call's
+transit, start); the decode worker's steps and the prefill batches cost what its `cluster`
+and `cluster_prefill` coefficients (or the roofline) say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from decode.config import DecodeConfig
+from decode.state import DecodeState, ReservationError
+from pdserve.bench.workload import RequestSpec
+from pdserve.engine.args import EngineArgs
+from pdserve.engine.batch import RunResult
+from pdserve.engine.core import StepPlan
+from pdserve.progress import progress
+from pdserve.router.config import RouterConfig
+from pdserve.router.registry import WorkerRecord, WorkerRegistry
+from pdserve.sampling_params import SamplingParams
+from pdserve.serving.registration import WorkerStats
+from pdserve.sim.clock import VirtualClock
+from pdserve.sim.engine import SimEngine, sim_engine
+from pdserve.sim.load import Arrivals, Record, Series
+from prefill.batcher import Batcher, PrefillJob, reserve_batch
+from prefill.push import Destination
+
+
+@dataclass
+class _Decode:
+    name: str
+    engine: SimEngine
+    state: DecodeState
+    busy: bool = False
+    series: Series = field(default_factory=Series)
+
+
+@dataclass
+class _Prefill:
+    name: str
+    engine: SimEngine
+    batcher: Batcher
+    queued: int = 0  # prompt tokens waiting (what its heartbeat reports)
+    jobs: int = 0  # jobs in the batcher
+    busy: bool = False
+
+
+@dataclass
+class _Flight:
+    """One request between arrival and its end."""
+
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    pause: float
+    decode: _Decode | None = None
+    tried: set[str] = field(default_factory=set)
+
+
+class ClusterSim:
+    def __init__(self, setup, admission: str, args: EngineArgs, label: str = "sim") -> None:
+        topo = setup.topology
+        self.setup, self.label = setup, label
+        self.profile = setup.profile
+        self.router = RouterConfig(
+            max_model_len=args.scheduler_config(setup.config).max_model_len,
+            queue_timeout_s=1e9,  # the sweep's routers wait as long as it takes
+        )
+        self.clock = VirtualClock()
+        self.registry = WorkerRegistry(
+            self.router, clock=self.clock, connect=lambda r: (None, None)
+        )
+        blocks = args.num_kv_blocks
+        self.decodes = []
+        decode_args = dataclasses.replace(args, enable_prefix_caching=args.prefix_offload)
+        for k in range(topo.decode):
+            eng = sim_engine(
+                setup.config, decode_args, setup.cost("decode"), setup.profile, blocks, topo.tp
+            )
+            name = f"decode-{k}"
+            config = DecodeConfig(name, admission=admission)
+            self.decodes.append(_Decode(name, eng, DecodeState(eng.core, config, eng.clock)))
+        self.prefills = []
+        prefill_args = dataclasses.replace(args, preemption="recompute")
+        for j in range(topo.prefill):
+            eng = sim_engine(
+                setup.config, prefill_args, setup.cost("prefill"), setup.profile, blocks, topo.tp
+            )
+            self.prefills.append(_Prefill(f"prefill-{j}", eng, Batcher(eng.core.token_budget)))
+        self.layerwise = self.profile.kind == "roofline"  # pdserve's --kv-push auto
+        self.block_bytes = (
+            self.decodes[0].engine.core.kv.cache.nbytes // blocks
+        )  # one block, every layer, one device
+        self._events: list[tuple] = []
+        self._seq = itertools.count()
+        self.steps = 0
+
+    # -- events ---------------------------------------------------------------------------
+    def _at(self, t: float, kind: str, *payload) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, payload))
+
+    def _heartbeat(self) -> None:
+        for d in self.decodes:
+            self.registry.upsert(WorkerRecord(d.name, "decode", d.name, "", d.state.stats()))
+        for p in self.prefills:
+            core = p.engine.core
+            stats = WorkerStats(core.free_blocks, core.num_blocks, queued_tokens=p.queued)
+            self.registry.upsert(WorkerRecord(p.name, "prefill", p.name, "", stats))
+
+    def run(self, specs: list[RequestSpec], prompts: list[list[int]], concurrency: int | None):
+        arrivals = Arrivals(specs, concurrency)
+        records: dict[str, Record] = {}
+        flights: dict[str, _Flight] = {}
+        hs = self.profile.handoff
+        self._heartbeat()
+        self._at(self.router.heartbeat_s, "heartbeat")
+        bar_args = dict(desc=self.label, unit="req", disable=not self.label, leave=False)
+        with progress(total=len(specs), **bar_args) as bar:
+
+            def ended(rid: str, t: float) -> None:
+                records[rid].end = t + hs.per_token_s
+                flights.pop(rid, None)
+                arrivals.ended(t)
+                bar.update(1)
+
+            def arrive(now: float) -> None:
+                for at, i in arrivals.pop_due(now):
+                    rid = f"r{i}"
+                    spec = specs[i]
+                    records[rid] = Record(rid, at, spec.output_tokens)
+                    params = SamplingParams(
+                        max_tokens=spec.output_tokens, temperature=0, ignore_eos=True
+                    )
+                    flights[rid] = _Flight(i, prompts[i], params, self.router.reserve_retry_s[0])
+                    self._at(at, "reserve", rid)
+
+            now = 0.0
+            arrive(now)
+            while self._events or not arrivals.exhausted:
+                nxt = arrivals.next_time()
+                if nxt is not None and (not self._events or nxt < self._events[0][0]):
+                    now = self.clock.now = nxt
+                    arrive(now)
+                    continue
+                now, _, kind, payload = heapq.heappop(self._events)
+                self.clock.now = now
+                if kind == "heartbeat":
+                    self._heartbeat()
+                    if flights or not arrivals.exhausted:
+                        self._at(now + self.router.heartbeat_s, "heartbeat")
+                elif kind == "reserve":
+                    self._reserve(now, payload[0], flights[payload[0]])
+                elif kind == "submit":
+                    self._submit(now, *payload)
+                elif kind == "prefilled":
+                    self._prefilled(now, *payload)
+                elif kind == "start":
+                    self._start(now, payload[0], payload[1], flights, records, ended)
+                elif kind == "step":
+                    self._step_end(now, *payload, records, ended)
+                arrive(now)
+        return list(records.values())
+
+    # -- the router -----------------------------------------------------------------------
+    def _reserve(self, now: float, rid: str, flight: _Flight) -> None:
+        hs = self.profile.handoff
+        tried: set[str] = set()
+        while (worker := self.registry.pick_decode(tried)) is not None:
+            tried.add(worker.worker_id)
+            d = next(x for x in self.decodes if x.name == worker.worker_id)
+            d.engine.clock.now = max(d.engine.clock.now, now)
+            try:
+                reserved = d.state.reserve(rid, flight.prompt, flight.params, self.router.lease_s)
+            except ReservationError:
+                self.registry.not_reserved(worker)
+                continue
+            self.registry.reserved(worker, reserved.headroom_cost)
+            flight.decode = d
+            prefill = self.registry.pick_prefill(len(flight.prompt))
+            p = next(x for x in self.prefills if x.name == prefill.worker_id)
+            # no pool layout or agent metadata in a simulation: the blocks are what counts
+            dest = Destination(d.name, b"", None, reserved.block_ids, reserved.cached_blocks)
+            self._at(now + hs.reserve_s + hs.prefill_rpc_s / 2, "submit", p, rid, dest, flight)
+            return
+        self._at(now + flight.pause, "reserve", rid)
+        flight.pause = min(self.router.reserve_retry_s[1], flight.pause * 2)
+
+    # -- prefill workers --------------------------------------------------------------------
+    def _submit(
+        self, now: float, p: _Prefill, rid: str, dest: Destination, flight: _Flight
+    ) -> None:
+        req = p.engine.core.make_request(flight.prompt, flight.params, request_id=rid)
+        p.batcher.put(PrefillJob(req, dest))
+        p.queued += len(flight.prompt)
+        p.jobs += 1
+        if not p.busy:
+            self._prefill_batch(now, p)
+
+    def _prefill_batch(self, now: float, p: _Prefill) -> None:
+        if not p.jobs:
+            return
+        batch = p.batcher.next_batch()
+        core = p.engine.core
+        runnable = reserve_batch(core, batch, p.batcher)
+        p.jobs -= len(runnable)
+        p.queued -= sum(j.tokens for j in runnable)
+        tokens = core.prefill([j.request for j in runnable])
+        compute = p.engine.runner.last_seconds
+        pushed = sum(len(j.dest.block_ids) - j.dest.cached_blocks for j in runnable)
+        link = self.profile.link
+        total = pushed * self.block_bytes / link.bytes_s
+        layers = self.setup.config.num_layers
+        tail = link.latency_s + (
+            max(total / layers, total - compute * (layers - 1) / layers)
+            if self.layerwise
+            else total
+        )
+        p.busy = True
+        self._at(now + compute + tail, "prefilled", p, runnable, tokens)
+
+    def _prefilled(
+        self, now: float, p: _Prefill, jobs: list[PrefillJob], tokens: list[int]
+    ) -> None:
+        hs = self.profile.handoff
+        for job, token in zip(jobs, tokens):
+            p.engine.core.release(job.request)
+            self._at(
+                now + hs.prefill_rpc_s / 2 + hs.start_s, "start", job.request.request_id, token
+            )
+        p.busy = False
+        self._prefill_batch(now, p)
+
+    # -- decode workers ---------------------------------------------------------------------
+    def _start(self, now, rid, token, flights, records, ended) -> None:
+        d = flights[rid].decode
+        d.engine.clock.now = max(d.engine.clock.now, now)
+        records[rid].first = now + self.profile.handoff.per_token_s
+        records[rid].where = d.name
+        _, done = d.state.start(rid, token)
+        if done is not None:
+            d.state.observe(done)
+            records[rid].output_tokens = len(done.output_token_ids)
+            ended(rid, now)
+        if not d.busy:
+            self._step_start(now, d)
+
+    def _step_start(self, now: float, d: _Decode) -> None:
+        eng = d.engine
+        eng.clock.now = max(eng.clock.now, now)
+        d.state.expire()
+        plan = eng.core.begin_step()
+        if plan is None:
+            return
+        result = eng.core.run(plan)
+        d.busy = True
+        self._at(now + eng.runner.last_seconds, "step", d, plan, result, now)
+
+    def _step_end(
+        self,
+        now: float,
+        d: _Decode,
+        plan: StepPlan,
+        result: RunResult,
+        began: float,
+        records,
+        ended,
+    ) -> None:
+        eng = d.engine
+        eng.clock.now = now
+        out = eng.core.end_step(plan, result)
+        self.steps += 1
+        for done in out.finished:
+            d.state.observe(done)
+            r = records[done.request_id]
+            r.output_tokens = len(done.output_token_ids)
+            r.preemptions = done.metrics.preemptions
+            r.recomputed_tokens = done.metrics.recomputed_tokens
+            ended(done.request_id, now)
+        pool = eng.core.stats().pool
+        bw = 0.0
+        if self.profile.memory_bytes_s and now > began:
+            bw = eng.runner.last_bytes / (now - began) / self.profile.memory_bytes_s
+        d.series.add(now, pool.used_blocks / pool.num_blocks, bw)
+        d.busy = False
+        self._step_start(now, d)
+
+
+def run_cluster(setup, admission, args, specs, prompts, concurrency, label):
+    """-> (records, decode steps, every engine, per decode worker's series)."""
+    sim = ClusterSim(setup, admission, args, label)
+    records = sim.run(specs, prompts, concurrency)
+    engines = [d.engine for d in sim.decodes] + [p.engine for p in sim.prefills]
+    for d in sim.decodes:
+        d.state.check_integrity()
+    series = {d.name: d.series.points for d in sim.decodes}
+    return records, sim.steps, engines, series

@@ -1,0 +1,131 @@
+"""Cost models: how long one engine step takes, from the plain chunks the scheduler hands a
+runner (pdserve/engine/batch.py) and a hardware profile (pdserve/sim/profile.py).
+
+What a step computes, as features:
+
+    seqs                 sequences in the step
+    decode_context       sum over decoding sequences of the context each attends to
+    prefill_tokens       new prompt tokens
+    prefill_attention    sum over prefill chunks of n x (cached + (n + 1) / 2): the
+                         (query, key) pairs of causal attention over a cached prefix
+    sampled              sequences that sample a token (logits + sampling)
+
+FittedCost:   t = intercept + sum of coefficient x feature, fitted on a real machine by
+              `pdserve sim calibrate` (pdserve/sim/calibrate.py)
+RooflineCost: t = max(bytes / (bandwidth x e_mem), FLOPs / (rate x e_compute))
+                  + TP all-reduces + step overhead + per-sequence overhead
+              bytes: the weights the step's tokens touch (all of a dense model; the MoE
+              experts some token chose) + every context's KV read once + the new KV written
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pdserve.engine.batch import ScheduledChunk
+from pdserve.sim.profile import Profile
+from pdserve.sim.shape import ModelShape
+
+FEATURES = ("seqs", "decode_context", "prefill_tokens", "prefill_attention", "sampled")
+
+
+@dataclass(frozen=True)
+class StepWork:
+    seqs: int
+    tokens: int
+    decode_context: int
+    prefill_tokens: int
+    prefill_attention: float
+    sampled: int
+    context: int  # every sequence's context after the step (KV read once each)
+
+    @staticmethod
+    def of(chunks: Sequence[ScheduledChunk]) -> StepWork:
+        seqs = len(chunks)
+        tokens = decode_context = prefill_tokens = context = sampled = 0
+        prefill_attention = 0.0
+        for c in chunks:
+            n = len(c.token_ids)
+            end = c.start + n
+            tokens += n
+            context += end
+            sampled += c.sample
+            if n == 1:
+                decode_context += end
+            else:
+                prefill_tokens += n
+                prefill_attention += n * (c.start + (n + 1) / 2)
+        return StepWork(
+            seqs, tokens, decode_context, prefill_tokens, prefill_attention, sampled, context
+        )
+
+    def feature(self, name: str) -> float:
+        return getattr(self, name)
+
+
+class CostModel(Protocol):
+    def step_seconds(self, work: StepWork) -> float: ...
+
+    def step_bytes(self, work: StepWork) -> float:
+        """Device memory bytes the step moves (for bandwidth utilisation; 0 if unknown)."""
+        ...
+
+
+class FittedCost:
+    def __init__(self, coefficients: dict[str, float]) -> None:
+        unknown = sorted(set(coefficients) - {"intercept", *FEATURES})
+        if unknown:
+            raise ValueError(f"cost coefficients: unknown feature {unknown[0]!r}")
+        self.intercept = coefficients.get("intercept", 0.0)
+        self.terms = tuple((f, coefficients[f]) for f in FEATURES if coefficients.get(f))
+
+    def step_seconds(self, work: StepWork) -> float:
+        return self.intercept + sum(c * work.feature(f) for f, c in self.terms)
+
+    def step_bytes(self, work: StepWork) -> float:
+        return 0.0
+
+
+class RooflineCost:
+    def __init__(self, profile: Profile, shape: ModelShape, fp8_weights: bool = False) -> None:
+        if profile.kind != "roofline":
+            raise ValueError(f"profile {profile.name}: is {profile.kind}, not a roofline")
+        self.p, self.shape = profile, shape
+        rate = profile.fp8_flops if fp8_weights and profile.fp8_flops else profile.flops
+        self.flops_s = rate * profile.compute_efficiency
+        self.bytes_s = profile.memory_bytes_s * profile.memory_efficiency
+
+    def step_bytes(self, work: StepWork) -> float:
+        s = self.shape
+        return (
+            s.weight_bytes_read(work.tokens)
+            + s.kv_bytes_per_token * work.context
+            + s.kv_bytes_per_token * work.tokens
+        )
+
+    def step_flops(self, work: StepWork) -> float:
+        s = self.shape
+        attention = s.attn_flops_per_context_token * (work.decode_context + work.prefill_attention)
+        return s.flops_per_token * work.tokens + attention
+
+    def allreduce_seconds(self, tokens: int) -> float:
+        """Two all-reduces per layer of the step's hidden states (ring: 2(k-1)/k of them)."""
+        s, p = self.shape, self.p
+        if s.tp == 1:
+            return 0.0
+        nbytes = 2 * (s.tp - 1) / s.tp * tokens * s.hidden_size * 2
+        per = p.allreduce_latency_s + (nbytes / p.interconnect_bytes_s if nbytes else 0.0)
+        return 2 * s.num_layers * per
+
+    def step_seconds(self, work: StepWork) -> float:
+        p = self.p
+        memory = self.step_bytes(work) / self.bytes_s
+        compute = self.step_flops(work) / self.flops_s
+        return (
+            max(memory, compute)
+            + self.allreduce_seconds(work.tokens)
+            + p.step_overhead_s
+            + p.per_seq_overhead_s * work.seqs
+        )

@@ -1,0 +1,142 @@
+"""Hardware profiles as data: what a machine's memory, compute, links and spill tiers can do.
+
+Two kinds, one JSON file each (`pdserve/sim/profiles/*.json` built in, or any path):
+
+    roofline   a GPU described by sourced constants (memory, measured copy bandwidth,
+               measured GEMM rate, links, tiers) and efficiency factors stated as
+               assumptions; a step costs max(bytes / bandwidth, FLOPs / rate) + overheads
+    fitted     a machine measured by `pdserve sim calibrate`: step time as a linear function
+               of what a step computes, fitted to the real engine's steps on that machine,
+               plus the tiers' and (for clusters) the handoff's measured costs
+
+Every number has a `sources` entry saying where it comes from. Bad files are refused with
+the field named, before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import MappingProxyType
+
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+@dataclass(frozen=True)
+class TierCost:
+    spill_bytes_s: float
+    reload_bytes_s: float
+    latency_s: float = 0.0
+
+    def seconds(self, nbytes: int, reload: bool) -> float:
+        return self.latency_s + nbytes / (self.reload_bytes_s if reload else self.spill_bytes_s)
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """The prefill -> decode KV link (NIXL/UCX between workers)."""
+
+    bytes_s: float
+    latency_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class HandoffCost:
+    """What a disaggregated request pays between the processes, beyond compute and the KV
+    bytes: the router's calls (Reserve, Prefill, Start and their answers) and the stream."""
+
+    reserve_s: float = 0.0  # a Reserve call, router to decode worker and back
+    prefill_rpc_s: float = 0.0  # the Prefill call's transit both ways (not its compute)
+    start_s: float = 0.0  # Start: router to decode worker, until its first step may include it
+    per_token_s: float = 0.0  # streaming one token decode -> router -> client
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    kind: str  # "roofline" | "fitted"
+    memory_bytes: float  # one device's memory (GPU HBM; on CPU the KV budget it was measured at)
+    usable_fraction: float  # of memory_bytes, for weights + KV + activations
+    activation_reserve_bytes: float  # kept free for activations and workspace
+    tiers: dict[str, TierCost]
+    link: LinkCost
+    dtype: str = "bfloat16"  # the KV dtype the engine uses there (float32 on CPU)
+    handoff: HandoffCost = field(default_factory=HandoffCost)
+    # roofline
+    memory_bytes_s: float = 0.0  # measured device copy bandwidth
+    flops: float = 0.0  # measured bf16 GEMM rate
+    fp8_flops: float = 0.0
+    memory_efficiency: float = 1.0  # assumption: share of memory_bytes_s a step reaches
+    compute_efficiency: float = 1.0  # assumption: share of flops a step reaches
+    step_overhead_s: float = 0.0  # assumption: per step (scheduling, launches)
+    per_seq_overhead_s: float = 0.0  # assumption: per sequence in a step
+    interconnect_bytes_s: float = 0.0  # NVLink per direction, for TP all-reduces
+    allreduce_latency_s: float = 0.0
+    # fitted: seconds per feature of a step (pdserve/sim/cost.py FEATURES)
+    engine: dict[str, float] = field(default_factory=dict)  # the in-process engine
+    cluster: dict[str, float] = field(default_factory=dict)  # a decode worker of a cluster
+    cluster_prefill: dict[str, float] = field(default_factory=dict)  # a prefill worker
+    fit: dict[str, dict] = field(default_factory=dict)  # how well each fitted model fits
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("roofline", "fitted"):
+            raise ValueError(f"profile {self.name}: kind: {self.kind!r}; choose roofline, fitted")
+        for name in ("memory_bytes", "usable_fraction"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"profile {self.name}: {name}: must be > 0")
+        if self.kind == "roofline":
+            for name in ("memory_bytes_s", "flops"):
+                if not getattr(self, name) > 0:
+                    raise ValueError(f"profile {self.name}: {name}: a roofline needs it > 0")
+        elif not self.engine:
+            raise ValueError(f"profile {self.name}: engine: a fitted profile needs coefficients")
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.memory_bytes * self.usable_fraction - self.activation_reserve_bytes
+
+
+_NESTED = MappingProxyType({"link": LinkCost, "handoff": HandoffCost})
+
+
+def builtin_profiles() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in PROFILE_DIR.glob("*.json")))
+
+
+def load_profile(name: str) -> Profile:
+    """A built-in profile by name (h100, h200, ...) or a JSON file path."""
+    path = Path(name).expanduser()
+    if not path.suffix:
+        path = PROFILE_DIR / f"{name}.json"
+        if not path.is_file():
+            raise ValueError(
+                f"profile: unknown {name!r}; built in: {', '.join(builtin_profiles())}, "
+                "or a JSON file (pdserve sim calibrate writes one)"
+            )
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"profile: cannot read {str(path)!r} ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"profile: {str(path)!r} is not valid JSON ({e})") from None
+    return profile_from_dict(raw, str(path))
+
+
+def profile_from_dict(raw: dict, where: str = "profile") -> Profile:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a JSON object")
+    known = {f.name for f in fields(Profile)}
+    unknown = sorted(set(raw) - known - {"_about"})
+    if unknown:
+        raise ValueError(f"{where}: unknown field {unknown[0]!r}")
+    args = {k: v for k, v in raw.items() if k in known}
+    try:
+        args["tiers"] = {k: TierCost(**v) for k, v in raw.get("tiers", {}).items()}
+        for key, cls in _NESTED.items():
+            if key in raw:
+                args[key] = cls(**raw[key])
+        return Profile(**args)
+    except TypeError as e:
+        raise ValueError(f"{where}: {e}") from None

@@ -1,0 +1,232 @@
+"""Colocated engine replicas under load, on a wall clock (the real engine) or on virtual
+clocks (the simulator), driven by the same code.
+
+    Replica(name, core, admission)   one engine core; requests wait in front of it until
+                                     its admission policy lets them in (kv-aware; greedy
+                                     lets every request into the engine's own queue, as the
+                                     colocated LLM does)
+    run_real(replica, specs, ...)    the real engine: one step at a time on the wall clock
+    run_sim(replicas, specs, ...)    simulated replicas (DP=N): each steps on its own virtual
+                                     clock, events in time order; a request goes to the
+                                     replica with the most headroom (or round-robin)
+
+A simulated step is the core's begin_step() at the replica's clock, run() (the cost model
+says how long), and end_step() when that time has passed: what arrives meanwhile sees the
+engine mid-step, as it would.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+
+from decode.admission import ADMISSION, KVAwareAdmission
+from decode.length_estimator import OutputLengthEstimator
+from pdserve.bench.workload import RequestSpec
+from pdserve.engine.core import EngineCore, StepPlan
+from pdserve.engine.output import StepOutput
+from pdserve.engine.request import Request
+from pdserve.progress import progress
+from pdserve.sampling_params import SamplingParams
+from pdserve.sim.cost import StepWork
+from pdserve.sim.engine import SimEngine
+from pdserve.sim.load import Arrivals, Record, Series
+
+ROUTES = ("headroom", "round-robin")
+
+
+def make_admission(policy: str, core: EngineCore, margin: float = 0.05):
+    """The admission gate of a colocated replica (None: greedy, every request straight in)."""
+    cls = ADMISSION[policy]
+    if cls is not KVAwareAdmission:
+        return None
+    return cls(core, OutputLengthEstimator(), margin)
+
+
+class Replica:
+    def __init__(self, name: str, core: EngineCore, admission=None) -> None:
+        self.name, self.core, self.admission = name, core, admission
+        self.pending: deque[Request] = deque()
+        self.records: dict[str, Record] = {}
+        self.series = Series()
+
+    def offer(self, req: Request, record: Record) -> None:
+        record.where = self.name
+        self.records[req.request_id] = record
+        self.pending.append(req)
+
+    def admit(self) -> None:
+        """Into the engine, in arrival order, while the admission policy agrees."""
+        while self.pending:
+            req = self.pending[0]
+            if self.admission is not None:
+                held = self.core.held()
+                if self.admission.check(req.token_ids, req.params.max_tokens, held) is not None:
+                    return
+            self.core.add(self.pending.popleft())
+
+    def headroom(self) -> tuple[int, int]:
+        """What a router ranks replicas by: projected free blocks, then fewest waiting."""
+        held = self.core.held()
+        room = (
+            self.admission.headroom(held) if self.admission is not None else self.core.free_blocks
+        )
+        return room, -len(self.pending)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending) or self.core.has_unfinished
+
+    def account(self, out: StepOutput, at: float, ended: Callable[[float], None]) -> None:
+        for new in out.tokens:
+            r = self.records[new.request_id]
+            if r.first is None:
+                r.first = at
+        for done in out.finished:
+            r = self.records[done.request_id]
+            r.end = at
+            r.output_tokens = len(done.output_token_ids)
+            r.preemptions = done.metrics.preemptions
+            r.recomputed_tokens = done.metrics.recomputed_tokens
+            if self.admission is not None and done.completed:
+                self.admission.estimator.observe(r.output_tokens)
+            ended(at)
+
+
+def _request(core: EngineCore, index: int, spec: RequestSpec, prompt: list[int]) -> Request:
+    params = SamplingParams(max_tokens=spec.output_tokens, temperature=0, ignore_eos=True)
+    return core.make_request(prompt, params, request_id=f"r{index}")
+
+
+def run_real(
+    replica: Replica,
+    specs: list[RequestSpec],
+    prompts: list[list[int]],
+    concurrency: int | None,
+    step_log: list[StepOutput] | None = None,
+    label: str = "real",
+    samples: list[tuple[StepWork, float]] | None = None,
+) -> list[Record]:
+    """The real engine on the wall clock (seconds from the run's start). `samples` collects
+    each step's work and its cycle time: from the previous step's end when the engine ran
+    back to back (what this loop adds between steps counts), else from its own start."""
+    arrivals = Arrivals(specs, concurrency)
+    core = replica.core
+    t0 = time.monotonic()
+    last_end: float | None = None
+    with progress(total=len(specs), desc=label, unit="req", disable=not label) as bar:
+
+        def ended(at: float) -> None:
+            arrivals.ended(at)
+            bar.update(1)
+
+        while not arrivals.exhausted or replica.busy:
+            now = time.monotonic() - t0
+            for at, i in arrivals.pop_due(now):
+                replica.offer(_request(core, i, specs[i], prompts[i]), Record(f"r{i}", at, 0))
+            replica.admit()
+            began = time.monotonic() - t0
+            plan = core.begin_step()
+            if plan is not None:
+                out = core.end_step(plan, core.run(plan))
+                end = time.monotonic() - t0
+                if samples is not None:
+                    start = last_end if last_end is not None else began
+                    samples.append((StepWork.of(plan.batch.chunks), end - start))
+                last_end = end
+                if step_log is not None:
+                    step_log.append(out)
+                replica.account(out, end, ended)
+                continue
+            last_end = None
+            if replica.pending and not core.has_unfinished:
+                raise RuntimeError("requests wait but the engine holds nothing to run")
+            wait = arrivals.next_time()
+            if wait is not None:
+                time.sleep(max(0.0, wait - (time.monotonic() - t0)))
+    return list(replica.records.values())
+
+
+def run_sim(
+    replicas: list[tuple[Replica, SimEngine]],
+    specs: list[RequestSpec],
+    prompts: list[list[int]],
+    concurrency: int | None,
+    route: str = "headroom",
+    bandwidth_bytes_s: float = 0.0,
+    step_log: list[StepOutput] | None = None,
+    label: str = "sim",
+) -> tuple[list[Record], int]:
+    """Simulated replicas on virtual clocks -> (records, steps simulated)."""
+    if route not in ROUTES:
+        raise ValueError(f"route: {route!r}; choose one of {', '.join(ROUTES)}")
+    arrivals = Arrivals(specs, concurrency)
+    events: list[tuple[float, int, int, StepPlan | None]] = []  # (time, seq, replica, plan)
+    seq = itertools.count()
+    idle = set(range(len(replicas)))  # replicas with no step in flight
+    rr = itertools.count()
+    steps = 0
+    bar_args = dict(desc=label, unit="req", disable=not label, leave=False)
+    with progress(total=len(specs), **bar_args) as bar:
+
+        def ended(at: float) -> None:
+            arrivals.ended(at)
+            bar.update(1)
+
+        def arrive(now: float) -> None:
+            for at, i in arrivals.pop_due(now):
+                if route == "round-robin":
+                    k = next(rr) % len(replicas)
+                else:
+                    k = max(range(len(replicas)), key=lambda j: replicas[j][0].headroom())
+                rep, eng = replicas[k]
+                rep.offer(_request(eng.core, i, specs[i], prompts[i]), Record(f"r{i}", at, 0))
+
+        def start_steps(now: float) -> None:
+            for k in sorted(idle):
+                rep, eng = replicas[k]
+                eng.clock.now = max(eng.clock.now, now)
+                rep.admit()
+                plan = eng.core.begin_step()
+                if plan is None:
+                    if rep.pending and not eng.core.has_unfinished:
+                        raise RuntimeError(f"{rep.name}: requests wait, the engine holds none")
+                    continue
+                result = eng.core.run(plan)
+                idle.discard(k)
+                heapq.heappush(
+                    events, (eng.clock.now + eng.runner.last_seconds, next(seq), k, (plan, result))
+                )
+
+        now = 0.0
+        arrive(now)
+        start_steps(now)
+        while events or not arrivals.exhausted:
+            nxt = arrivals.next_time()
+            if events and (nxt is None or events[0][0] <= nxt):
+                now, _, k, (plan, result) = heapq.heappop(events)
+                rep, eng = replicas[k]
+                elapsed = now - eng.clock.now
+                eng.clock.now = now
+                out = eng.core.end_step(plan, result)
+                steps += 1
+                if step_log is not None:
+                    step_log.append(out)
+                rep.account(out, now, ended)
+                pool = eng.core.stats().pool
+                bw = (
+                    eng.runner.last_bytes / elapsed / bandwidth_bytes_s
+                    if bandwidth_bytes_s and elapsed
+                    else 0.0
+                )
+                rep.series.add(now, pool.used_blocks / pool.num_blocks, bw)
+                idle.add(k)
+            else:
+                now = nxt
+            arrive(now)
+            start_steps(now)
+    records = [r for rep, _ in replicas for r in rep.records.values()]
+    return records, steps

@@ -1,0 +1,163 @@
+"""Running the simulator: one point (a policy at a concurrency) on a topology, and a sweep of
+points, reported as `bench sweep` reports real runs (the same fields, plus what only a
+simulator can show: KV usage and memory-bandwidth utilisation over time, steps/s).
+
+    Topology(dp=8, tp=1)                       colocated replicas (data parallel)
+    Topology(prefill=1, decode=2)              disaggregated (pdserve/sim/cluster.py)
+    point = simulate(setup, "kv-aware+tiered", specs, concurrency=64)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from pdserve.bench.sweep import parse_policy
+from pdserve.bench.workload import RequestSpec, prompts_for
+from pdserve.config import ModelConfig
+from pdserve.engine.args import EngineArgs
+from pdserve.sim.cost import CostModel, FittedCost, RooflineCost
+from pdserve.sim.engine import kv_blocks, sim_engine
+from pdserve.sim.load import SLO, summarize
+from pdserve.sim.profile import Profile
+from pdserve.sim.replica import ROUTES, Replica, make_admission, run_sim
+from pdserve.sim.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class Topology:
+    dp: int = 1  # colocated replicas (ignored when prefill/decode are set)
+    tp: int = 1  # GPUs per replica (or per worker) sharing its weights and KV heads
+    prefill: int = 0  # disaggregated: prefill workers ...
+    decode: int = 0  # ... and decode workers
+    route: str = "headroom"  # how requests pick a colocated replica
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if (self.prefill > 0) != (self.decode > 0):
+            raise ValueError("prefill/decode: give both for a disaggregated topology, or neither")
+        if self.route not in ROUTES:
+            raise ValueError(f"route: {self.route!r}; choose one of {', '.join(ROUTES)}")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.decode > 0
+
+    @property
+    def gpus(self) -> int:
+        workers = self.prefill + self.decode if self.disaggregated else self.dp
+        return workers * self.tp
+
+    def describe(self) -> str:
+        if self.disaggregated:
+            return f"{self.prefill}P{self.decode}D, TP={self.tp}"
+        return f"DP={self.dp}, TP={self.tp}"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything a simulated run needs besides its policy and load."""
+
+    config: ModelConfig
+    profile: Profile
+    topology: Topology
+    args: EngineArgs  # block size, pool (num_kv_blocks; None: what the profile's memory holds)
+    weight_dtype_bytes: float = 2
+    slo: SLO = SLO()
+    seed: int = 0
+
+    def shape(self) -> ModelShape:
+        kv = 4 if self.profile.dtype == "float32" else (1 if self.profile.dtype == "fp8" else 2)
+        return ModelShape.of(self.config, self.weight_dtype_bytes, kv, self.topology.tp)
+
+    def cost(self, role: str = "engine") -> CostModel:
+        p = self.profile
+        if p.kind == "fitted":
+            fitted = {"engine": p.engine, "decode": p.cluster, "prefill": p.cluster_prefill}
+            if role not in fitted:
+                raise ValueError(f"cost role: {role!r}; choose one of {', '.join(fitted)}")
+            return FittedCost(fitted[role] or p.engine)
+        return RooflineCost(p, self.shape(), fp8_weights=self.weight_dtype_bytes == 1)
+
+    def num_blocks(self) -> int:
+        if self.args.num_kv_blocks is not None:
+            return self.args.num_kv_blocks
+        if self.profile.kind != "roofline":
+            raise ValueError("num_kv_blocks: a fitted profile needs the pool size given")
+        return kv_blocks(self.profile, self.shape(), self.args.block_size)
+
+
+def policy_args(args: EngineArgs, policy: str) -> tuple[str, EngineArgs]:
+    admission, preemption = parse_policy(policy)
+    return admission, dataclasses.replace(args, preemption=preemption)
+
+
+def simulate(
+    setup: Setup,
+    policy: str,
+    specs: list[RequestSpec],
+    concurrency: int | None,
+    label: str = "sim",
+) -> dict:
+    """One point: the policy under this load on the setup's topology -> its figures."""
+    admission, args = policy_args(setup.args, policy)
+    blocks = setup.num_blocks()
+    args = dataclasses.replace(args, num_kv_blocks=blocks)
+    prompts = prompts_for(specs, setup.config.vocab_size, setup.seed)
+    started = time.perf_counter()
+    topo = setup.topology
+    if topo.disaggregated:
+        from pdserve.sim.cluster import run_cluster
+
+        records, steps, engines, series = run_cluster(
+            setup, admission, args, specs, prompts, concurrency, label
+        )
+    else:
+        replicas = []
+        for k in range(topo.dp):
+            eng = sim_engine(setup.config, args, setup.cost(), setup.profile, blocks, tp=topo.tp)
+            replicas.append(
+                (Replica(f"replica-{k}", eng.core, make_admission(admission, eng.core)), eng)
+            )
+        records, steps = run_sim(
+            replicas,
+            specs,
+            prompts,
+            concurrency,
+            route=topo.route,
+            bandwidth_bytes_s=setup.profile.memory_bytes_s,
+            label=label,
+        )
+        engines = [eng for _, eng in replicas]
+        series = {rep.name: rep.series.points for rep, _ in replicas}
+    wall = time.perf_counter() - started
+    point = summarize(records, setup.slo)
+    stats = [e.core.stats() for e in engines]
+    point.update(
+        policy=policy,
+        concurrency=concurrency,
+        simulated=True,
+        steps=steps,
+        wall_s=wall,
+        sim_steps_per_s=steps / wall if wall else 0.0,
+        num_kv_blocks=blocks,
+        preemptions=sum(s.preemptions for s in stats),
+        recomputed_tokens=sum(s.recomputed_tokens for s in stats),
+        spilled_bytes=sum(s.spilled_bytes for s in stats),
+        reloaded_bytes=sum(s.reloaded_bytes for s in stats),
+        per_worker={  # engines lead with the workers that have a series, in order
+            rep: {
+                "requests": sum(1 for r in records if r.where == rep),
+                "preemptions": st.preemptions,
+                "recomputed_tokens": st.recomputed_tokens,
+            }
+            for rep, st in zip(series, stats)
+        },
+        series=series,
+    )
+    for e in engines:
+        e.core.check_integrity()
+    return point

@@ -1,0 +1,188 @@
+"""`pdserve bench sim-vs-real`: the simulator against the real runs it imitates, in one run.
+
+For each policy and concurrency, on the same workload (closed-loop clients, the reasoning
+workload's long-tailed outputs, requests run to their length) and the same pool:
+
+    engine    the real in-process engine (LLM's core) driven on the wall clock, against the
+              simulator's replica of it (the same scheduler, allocator and policies) with
+              the calibrated profile's engine cost model
+    cluster   a real launched cluster (`pdserve launch`: router, prefill and decode worker
+              processes over NIXL), against the simulator's disaggregated topology with the
+              profile's cluster costs (--cluster)
+
+Per point: the simulated figure over the real one (throughput, TTFT and TPOT p50/p99,
+preemptions, recomputed tokens, spilled bytes), and whether it is inside the targets
+(throughput and p50s within 15%, p99s within 30%; for clusters, preemptions and recomputed
+tokens within 20%). A miss says which figure and by how much.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from types import MappingProxyType
+
+from pdserve.bench.report import machine_info
+from pdserve.bench.workload import prompts_for, specs_of
+from pdserve.engine.args import EngineArgs
+from pdserve.engine.build import build_engine
+from pdserve.sim.load import SLO, summarize
+from pdserve.sim.profile import Profile
+from pdserve.sim.replica import Replica, make_admission, run_real
+from pdserve.sim.run import Setup, Topology, policy_args, simulate
+from pdserve.weights import model_config
+
+POLICIES = ("greedy+recompute", "greedy+tiered", "kv-aware+tiered")
+TIMING = ("throughput_tok_s", "ttft_p50_s", "tpot_p50_s", "ttft_p99_s", "tpot_p99_s")
+COUNTS = ("preemptions", "recomputed_tokens", "spilled_bytes")
+BOUNDS = MappingProxyType({"p50": 0.15, "p99": 0.30, "throughput": 0.15, "counts": 0.20})
+
+
+def _bound(figure: str) -> float:
+    if figure in COUNTS:
+        return BOUNDS["counts"]
+    return BOUNDS["p99"] if "p99" in figure else BOUNDS["p50"]
+
+
+def compare(sim: dict, real: dict, counts: bool) -> dict:
+    """sim / real per figure, and the figures outside their bounds."""
+    ratios, misses = {}, []
+    for figure in TIMING + COUNTS:
+        r, s = real.get(figure, 0.0), sim.get(figure, 0.0)
+        if r == 0 and s == 0:
+            ratios[figure] = 1.0
+            continue
+        ratio = s / r if r else math.inf
+        ratios[figure] = ratio
+        checked = figure in TIMING or counts
+        if checked and not abs(ratio - 1) <= _bound(figure):
+            misses.append(f"{figure}: sim {s:.4g} vs real {r:.4g} ({ratio:.2f}x)")
+    return {"ratio": ratios, "misses": misses}
+
+
+def engine_points(
+    model: str,
+    profile: Profile,
+    policies,
+    concurrencies,
+    num_kv_blocks: int,
+    requests: int,
+    mean_output: int,
+    max_output: int,
+    seed: int,
+    spill_dir: str,
+) -> list[dict]:
+    config = model_config(model)
+    base = EngineArgs(num_kv_blocks=num_kv_blocks, spill_dir=spill_dir, enable_prefix_caching=False)
+    points = []
+    for policy in policies:
+        admission, args = policy_args(base, policy)
+        core, _ = build_engine(model, args)
+        for c in concurrencies:
+            specs = specs_of("reasoning", max(requests, c), seed + c, mean_output, max_output)
+            prompts = prompts_for(specs, config.vocab_size, seed)
+            before = core.stats()
+            replica = Replica("engine", core, make_admission(admission, core))
+            records = run_real(replica, specs, prompts, c, label=f"real {policy} c={c}")
+            after = core.stats()
+            real = summarize(records, SLO())
+            real.update(
+                preemptions=after.preemptions - before.preemptions,
+                recomputed_tokens=after.recomputed_tokens - before.recomputed_tokens,
+                spilled_bytes=after.spilled_bytes - before.spilled_bytes,
+            )
+            core.check_integrity()
+            setup = Setup(config, profile, Topology(), args, seed=seed)
+            sim = simulate(setup, policy, specs, c, label=f"sim {policy} c={c}")
+            sim.pop("series")
+            points.append(
+                {
+                    "kind": "engine",
+                    "policy": policy,
+                    "concurrency": c,
+                    "real": real,
+                    "sim": sim,
+                    **compare(sim, real, counts=True),
+                }
+            )
+        core.close()
+    return points
+
+
+def bench_sim_vs_real(
+    model: str,
+    profile: Profile,
+    concurrencies=(2, 8, 16),
+    policies=POLICIES,
+    num_kv_blocks: int = 48,
+    requests: int = 24,
+    mean_output: int | None = None,
+    seed: int = 0,
+    cluster: bool = False,
+) -> dict:
+    budget = num_kv_blocks * 16
+    mean_output = mean_output or max(16, budget // 4)
+    max_output = max(8, budget // 2 - 48)
+    with tempfile.TemporaryDirectory(prefix="pdserve-simvreal-") as spill_dir:
+        points = engine_points(
+            model,
+            profile,
+            policies,
+            concurrencies,
+            num_kv_blocks,
+            requests,
+            mean_output,
+            max_output,
+            seed,
+            spill_dir,
+        )
+        if cluster:
+            from pdserve.sim.vs_cluster import cluster_points
+
+            points += cluster_points(
+                model,
+                profile,
+                policies,
+                concurrencies,
+                num_kv_blocks,
+                requests,
+                mean_output,
+                max_output,
+                seed,
+                spill_dir,
+            )
+    return {
+        "benchmark": "sim-vs-real",
+        "model": model,
+        "profile": profile.name,
+        "pool": {"num_kv_blocks": num_kv_blocks, "block_size": 16},
+        "workload": {"kind": "reasoning", "mean_output": mean_output, "max_output": max_output},
+        "bounds": dict(BOUNDS),
+        "machine": machine_info(),
+        "points": points,
+        "misses": sum(len(p["misses"]) for p in points),
+    }
+
+
+def format_table(report: dict) -> str:
+    lines = [
+        f"simulator vs real runs, {report['model']}, profile {report['profile']}, "
+        f"{report['pool']['num_kv_blocks']} blocks; sim / real per figure "
+        f"(bounds: throughput and p50 {BOUNDS['p50']:.0%}, p99 {BOUNDS['p99']:.0%}, "
+        f"cluster counts {BOUNDS['counts']:.0%})",
+        f"{'kind':<7} {'policy':<18} {'conc':>4} {'tok/s':>6} {'TTFT50':>7} {'TPOT50':>7} "
+        f"{'TTFT99':>7} {'TPOT99':>7} {'preempt':>8} {'recomp':>7}  misses",
+    ]
+    for p in report["points"]:
+        r = p["ratio"]
+        lines.append(
+            f"{p['kind']:<7} {p['policy']:<18} {p['concurrency']:>4} "
+            f"{r['throughput_tok_s']:>6.2f} {r['ttft_p50_s']:>7.2f} {r['tpot_p50_s']:>7.2f} "
+            f"{r['ttft_p99_s']:>7.2f} {r['tpot_p99_s']:>7.2f} {r['preemptions']:>8.2f} "
+            f"{r['recomputed_tokens']:>7.2f}  {len(p['misses'])}"
+        )
+    lines.append(f"{report['misses']} figures outside their bounds")
+    for p in report["points"]:
+        for m in p["misses"]:
+            lines.append(f"  {p['kind']} {p['policy']} c={p['concurrency']}: {m}")
+    return "\n".join(lines)

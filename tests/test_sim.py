@@ -1,0 +1,262 @@
+"""The simulator is the real scheduler: same decisions as the real engine on the same load,
+the same response to a policy change; its command line; its refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.bench.workload import RequestSpec, load_jsonl, prompts_for, specs_of
+from pdserve.engine.args import EngineArgs
+from pdserve.engine.build import build_engine
+from pdserve.sim.cost import FittedCost
+from pdserve.sim.engine import sim_engine
+from pdserve.sim.load import SLO
+from pdserve.sim.profile import load_profile, profile_from_dict
+from pdserve.sim.replica import Replica, make_admission, run_real, run_sim
+from pdserve.sim.run import Setup, Topology, simulate
+from pdserve.weights import model_config
+
+COST = FittedCost({"intercept": 0.01, "seqs": 0.001, "prefill_tokens": 1e-4})
+
+
+def decisions(log):
+    return [
+        (o.ran, o.preempted, o.parked, o.unparked, tuple(d.request_id for d in o.finished))
+        for o in log
+    ]
+
+
+def real_and_sim(tmp_path, policy: str, preemption: str, clients: int, **engine):
+    """The real tiny-llama engine and the simulator's, same load -> (real log, sim log,
+    real stats, sim stats)."""
+    args = EngineArgs(
+        block_size=4,
+        num_kv_blocks=40,
+        preemption=preemption,
+        spill_dir=str(tmp_path),
+        **engine,
+    )
+    specs = specs_of("reasoning", 20, seed=3, mean_output=40, max_output=70)
+    core, _ = build_engine("tiny-llama", args)
+    prompts = prompts_for(specs, core.model_config.vocab_size, 3)
+    real_log, sim_log = [], []
+    run_real(Replica("real", core, make_admission(policy, core)), specs, prompts, clients, real_log)
+    eng = sim_engine(core.model_config, args, COST, load_profile("h200"), 40, kv_dtype="float32")
+    replica = Replica("sim", eng.core, make_admission(policy, eng.core))
+    run_sim([(replica, eng)], specs, prompts, clients, step_log=sim_log)
+    core.check_integrity()
+    eng.core.check_integrity()
+    stats = core.stats(), eng.core.stats()
+    core.close()
+    return real_log, sim_log, *stats
+
+
+@pytest.mark.parametrize(
+    "policy,preemption",
+    [("greedy", "recompute"), ("greedy", "tiered"), ("kv-aware", "tiered"), ("kv-aware", "swap")],
+)
+def test_the_simulated_decisions_are_the_real_ones(tmp_path, policy, preemption):
+    real_log, sim_log, real, sim = real_and_sim(tmp_path, policy, preemption, clients=6)
+    assert decisions(real_log) == decisions(sim_log)
+    assert real.preemptions == sim.preemptions
+    assert real.recomputed_tokens == sim.recomputed_tokens
+    assert real.spilled_bytes == sim.spilled_bytes  # same blocks, same bytes per block
+    if policy == "greedy":
+        assert real.preemptions > 0, "the load must preempt for this test to mean anything"
+
+
+def test_a_policy_change_changes_both_the_same_way(tmp_path):
+    wide = real_and_sim(tmp_path, "greedy", "recompute", clients=6)
+    narrow = real_and_sim(tmp_path, "greedy", "recompute", clients=6, max_num_seqs=2)
+    assert decisions(wide[0]) != decisions(narrow[0])  # the change did something
+    assert decisions(narrow[0]) == decisions(narrow[1])
+    assert wide[2].preemptions > narrow[2].preemptions == narrow[3].preemptions
+
+
+def test_dp_replicas_route_by_headroom_and_leak_nothing():
+    config = model_config("tiny-llama")
+    specs = specs_of("reasoning", 48, seed=1, mean_output=60, max_output=100)
+    args = EngineArgs(block_size=4, num_kv_blocks=60, preemption="swap")
+    points = {}
+    for route in ("headroom", "round-robin"):
+        setup = Setup(config, load_profile("h200"), Topology(dp=3, route=route), args)
+        points[route] = simulate(setup, "greedy+swap", specs, concurrency=16)
+    for p in points.values():
+        assert p["errors"] == 0 and p["generated_tokens"] == sum(s.output_tokens for s in specs)
+        assert set(p["per_worker"]) == {"replica-0", "replica-1", "replica-2"}
+        assert all(w["requests"] > 0 for w in p["per_worker"].values())
+
+
+def test_a_disaggregated_cluster_serves_every_request():
+    config = model_config("tiny-deepseek")
+    specs = specs_of("reasoning", 30, seed=2, mean_output=40, max_output=80)
+    args = EngineArgs(block_size=4, num_kv_blocks=80)
+    setup = Setup(config, load_profile("h200"), Topology(prefill=1, decode=2), args)
+    for policy in ("greedy+recompute", "kv-aware+tiered"):
+        p = simulate(setup, policy, specs, concurrency=12)
+        assert p["errors"] == 0
+        assert p["generated_tokens"] == sum(s.output_tokens for s in specs)
+        assert p["ttft_p50_s"] > 0 and p["tpot_p50_s"] > 0
+        assert set(p["per_worker"]) == {"decode-0", "decode-1"}
+        if policy.startswith("kv-aware"):
+            assert p["recomputed_tokens"] == 0
+
+
+def test_h200_kv_capacity_is_the_arithmetic():
+    from pdserve.sim.engine import kv_blocks
+    from pdserve.sim.shape import ModelShape
+
+    config = model_config("pdserve/sim/configs/qwen2.5-32b.json")
+    h200 = load_profile("h200")
+    for tp, heads in ((1, 8), (8, 1)):
+        shape = ModelShape.of(config, 2, 2, tp)
+        per_token = 2 * 64 * heads * 128 * 2  # K and V, 64 layers, this GPU's heads, bf16
+        assert shape.kv_bytes_per_token == per_token
+        free = h200.memory_bytes * 0.9 - 4e9 - shape.weight_bytes
+        assert kv_blocks(h200, shape, 16) == int(free // (per_token * 16))
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "sim", *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_the_command_line_writes_every_policy_figure(tmp_path):
+    workload = tmp_path / "w.jsonl"
+    rows = [
+        {"arrival_s": 0.01 * i, "prompt_tokens": 20 + i, "output_tokens": 30} for i in range(12)
+    ]
+    workload.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "sim.json"
+    proc = run_cli(
+        "--model", "tiny-llama", "--num-kv-blocks", "30", "--block-size", "4",
+        "--policy", "greedy+recompute,kv-aware+tiered", "--no-prefix-caching",
+        "--workload", str(workload), "--concurrency", "4", "--json", str(out),
+        "--plot", str(tmp_path / "plots"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["simulated"] is True and report["profile"]["name"] == "h200"
+    assert [p["policy"] for p in report["points"]] == ["greedy+recompute", "kv-aware+tiered"]
+    for p in report["points"]:
+        for key in (
+            "throughput_tok_s",
+            "preemptions",
+            "recomputed_tokens",
+            "generated_tokens",
+            "ttft_p50_s",
+            "ttft_p99_s",
+            "tpot_p50_s",
+            "tpot_p99_s",
+            "goodput_req_s",
+        ):
+            assert key in p, key
+        assert p["generated_tokens"] == 12 * 30
+    assert (tmp_path / "plots" / "kv_usage.png").is_file()
+    assert "SIMULATED" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--model", "tiny-llama", "--profile", "a100"],
+         "profile: unknown 'a100'; built in: h100, h200"),
+        (["--model", "tiny-llama", "--concurrency", "2", "--workload", "chat"],
+         "workload: unknown 'chat'"),
+        (["--model", "tiny-llama", "--concurrency", "2", "--policy", "lucky+recompute"], "policy:"),
+        (["--model", "pdserve/sim/configs/qwen2.5-32b.json", "--profile", "h100",
+          "--concurrency", "2", "--weight-dtype", "bf16", "--tp", "1", "--max-model-len", "99999"],
+         "max_model_len: 99999 exceeds"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_clear_line(argv, message):
+    proc = run_cli(*argv)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_workload_rows_name_their_line_and_field(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    good = '{"prompt_tokens": 5, "output_tokens": 3}'
+    bad = '{"prompt_tokens": 0, "output_tokens": 3}'
+    path.write_text(f"{good}\n\n{bad}\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:3: prompt_tokens: a positive integer"):
+        load_jsonl(str(path))
+    path.write_text('{"prompt_tokens": 5, "output_tokens": 3, "arrival_s": "soon"}\n')
+    with pytest.raises(ValueError, match=r":1: arrival_s: a finite number"):
+        load_jsonl(str(path))
+    path.write_text("not json\n")
+    with pytest.raises(ValueError, match=r":1: not valid JSON"):
+        load_jsonl(str(path))
+    assert load_jsonl_ok(tmp_path) == [RequestSpec(0.5, 4, 2)]
+
+
+def load_jsonl_ok(tmp_path):
+    path = tmp_path / "ok.jsonl"
+    path.write_text('{"arrival_s": 0.5, "prompt_tokens": 4, "output_tokens": 2}\n')
+    return load_jsonl(str(path))
+
+
+def test_profiles_and_configs_refuse_what_they_cannot_use(tmp_path):
+    with pytest.raises(ValueError, match="kind: 'magic'"):
+        profile_from_dict(
+            {"name": "x", "kind": "magic", "memory_bytes": 1, "usable_fraction": 1,
+             "activation_reserve_bytes": 0, "tiers": {}, "link": {"bytes_s": 1}}
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="unknown field 'hbm'"):
+        profile_from_dict({"name": "x", "hbm": 1})
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64}))
+    with pytest.raises(ValueError, match="config.json: missing field 'num_attention_heads'"):
+        model_config(str(config))
+    with pytest.raises(ValueError, match="weights .* leave no room for KV"):
+        Setup(
+            model_config("pdserve/sim/configs/deepseek-v3.json"),
+            load_profile("h200"),
+            Topology(tp=1),
+            EngineArgs(),
+        ).num_blocks()
+
+
+def test_plan_ranks_by_goodput_and_confirms_its_winner():
+    from pdserve.sim.plan import Candidate, evaluate, layouts, plan, score
+
+    config = model_config("tiny-llama")
+    h200 = load_profile("h200")
+    assert {t.describe() for t in layouts(config, h200, 2, 2)} == {
+        "DP=2, TP=1",
+        "1P1D, TP=1",
+        "DP=1, TP=2",
+    }
+    specs = specs_of("reasoning", 16, seed=4, mean_output=30, max_output=60)
+    args = EngineArgs(block_size=4, num_kv_blocks=40)
+    report = plan(config, h200, 2, specs, 6, SLO(2.0, 0.05), args, sample=8)
+    goodputs = [r["goodput_req_s"] for r in report["ranked"]]
+    assert goodputs == sorted(goodputs, reverse=True) and len(goodputs) == report["candidates"]
+    best = report["best"]
+    assert best["layout"] == report["ranked"][0]["layout"]
+    # the printed figure is a fresh simulation of the winner on every request
+    winner = Candidate(
+        Topology(**best["topology"]), best["policy"], best["max_num_seqs"], best["host_tier_x"]
+    )
+    base = Setup(config, h200, Topology(), args, 2, SLO(2.0, 0.05))
+    again = evaluate(base, winner, specs, 6)
+    assert score(again) == (best["goodput_req_s"], best["throughput_tok_s"])
+    assert report["requests"] == {"searched": 8, "confirmed": 16}
+
+
+def test_plan_refuses_what_it_cannot_place():
+    from pdserve.sim.plan import layouts
+
+    with pytest.raises(ValueError, match="gpus: must be >= 1"):
+        layouts(model_config("tiny-llama"), load_profile("h200"), 0, 2)
+    with pytest.raises(ValueError, match="does not fit 1 x h200"):
+        layouts(model_config("pdserve/sim/configs/deepseek-v3.json"), load_profile("h200"), 1, 1)
