@@ -260,3 +260,19 @@ def test_plan_refuses_what_it_cannot_place():
         layouts(model_config("tiny-llama"), load_profile("h200"), 0, 2)
     with pytest.raises(ValueError, match="does not fit 1 x h200"):
         layouts(model_config("pdserve/sim/configs/deepseek-v3.json"), load_profile("h200"), 1, 1)
+
+
+def test_sim_vs_real_names_every_figure_outside_its_bound():
+    from pdserve.sim.vs_real import compare
+
+    real = dict(throughput_tok_s=100.0, ttft_p50_s=1.0, tpot_p50_s=0.1, ttft_p99_s=2.0)
+    real.update(tpot_p99_s=0.2, preemptions=10, recomputed_tokens=100, spilled_bytes=0)
+    sim = dict(real, throughput_tok_s=114.0, ttft_p99_s=2.7, tpot_p50_s=0.12, preemptions=13)
+    got = compare(sim, real, counts=True)
+    assert [m.split(":")[0] for m in got["misses"]] == ["tpot_p50_s", "ttft_p99_s", "preemptions"]
+    assert got["ratio"]["throughput_tok_s"] == pytest.approx(1.14)
+    assert got["ratio"]["spilled_bytes"] == 1.0  # both zero
+    assert [m.split(":")[0] for m in compare(sim, real, counts=False)["misses"]] == [
+        "tpot_p50_s",
+        "ttft_p99_s",
+    ]

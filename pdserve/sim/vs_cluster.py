@@ -8,68 +8,47 @@ the profile's cluster costs (`pdserve sim calibrate --cluster`)."""
 from __future__ import annotations
 
 from pdserve.bench.sweep import COUNTERS, run_point, scrape, wait_drained
-from pdserve.bench.workload import Workload, prompts_for, specs_of
+from pdserve.bench.workload import Workload, prompts_for
 from pdserve.engine.args import EngineArgs
-from pdserve.sim.profile import Profile
 from pdserve.sim.run import Setup, Topology, policy_args, simulate
-from pdserve.sim.vs_real import compare
+from pdserve.sim.vs_real import Comparison
 from pdserve.weights import model_config
 
 
-def cluster_points(
-    model: str,
-    profile: Profile,
-    policies,
-    concurrencies,
-    num_kv_blocks: int,
-    requests: int,
-    mean_output: int,
-    max_output: int,
-    seed: int,
-    spill_dir: str,
-) -> list[dict]:
+def cluster_points(cmp: Comparison) -> list[dict]:
     from pdserve.launch import Cluster
 
-    if not profile.cluster:
+    if not cmp.profile.cluster:
         raise ValueError(
-            f"profile {profile.name}: no cluster costs; run pdserve sim calibrate --cluster"
+            f"profile {cmp.profile.name}: no cluster costs; run pdserve sim calibrate --cluster"
         )
-    config = model_config(model)
-    base = EngineArgs(num_kv_blocks=num_kv_blocks, spill_dir=spill_dir)
+    config = model_config(cmp.model)
+    base = EngineArgs(num_kv_blocks=cmp.num_kv_blocks, spill_dir=cmp.spill_dir)
     points = []
-    for policy in policies:
+    for policy in cmp.policies:
         admission, args = policy_args(base, policy)
         decode_args = ["--admission", admission, "--preemption", args.preemption]
-        decode_args += ["--spill-dir", spill_dir]
+        decode_args += ["--spill-dir", cmp.spill_dir]
         with Cluster(
-            model,
+            cmp.model,
             1,
             1,
-            worker_args=["--num-kv-blocks", str(num_kv_blocks), "--block-size", "16"],
+            worker_args=["--num-kv-blocks", str(cmp.num_kv_blocks), "--block-size", "16"],
             router_args=["--queue-timeout", "3600", "--max-queue", "4096"],
             decode_args=decode_args,
         ) as cluster:
             metrics = [a for k, a in cluster.metrics.items() if k.startswith("decode")]
-            for c in concurrencies:
-                specs = specs_of("reasoning", max(requests, c), seed + c, mean_output, max_output)
-                prompts = prompts_for(specs, config.vocab_size, seed)
+            for c in cmp.concurrencies:
+                specs = cmp.specs(c)
+                prompts = prompts_for(specs, config.vocab_size, cmp.seed)
                 work = Workload(prompts, [s.output_tokens for s in specs])
                 before = scrape(metrics)
-                real = run_point(cluster.address, work, c, seed)
+                real = run_point(cluster.address, work, c, cmp.seed)
                 after = scrape(metrics)
                 wait_drained(cluster, metrics)
                 real.update({k: after[k] - before[k] for k in COUNTERS})
-                setup = Setup(config, profile, Topology(prefill=1, decode=1), args, seed=seed)
+                topology = Topology(prefill=1, decode=1)
+                setup = Setup(config, cmp.profile, topology, args, seed=cmp.seed)
                 sim = simulate(setup, policy, specs, c, label=f"sim cluster {policy} c={c}")
-                sim.pop("series")
-                points.append(
-                    {
-                        "kind": "cluster",
-                        "policy": policy,
-                        "concurrency": c,
-                        "real": real,
-                        "sim": sim,
-                        **compare(sim, real, counts=True),
-                    }
-                )
+                points.append(cmp.point("cluster", policy, c, real, sim))
     return points

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import math
 import tempfile
+from dataclasses import dataclass
 from types import MappingProxyType
 
 from pdserve.bench.report import machine_info
-from pdserve.bench.workload import prompts_for, specs_of
+from pdserve.bench.workload import RequestSpec, prompts_for, specs_of
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
 from pdserve.sim.load import SLO, summarize
@@ -60,27 +61,53 @@ def compare(sim: dict, real: dict, counts: bool) -> dict:
     return {"ratio": ratios, "misses": misses}
 
 
-def engine_points(
-    model: str,
-    profile: Profile,
-    policies,
-    concurrencies,
-    num_kv_blocks: int,
-    requests: int,
-    mean_output: int,
-    max_output: int,
-    seed: int,
-    spill_dir: str,
-) -> list[dict]:
-    config = model_config(model)
-    base = EngineArgs(num_kv_blocks=num_kv_blocks, spill_dir=spill_dir, enable_prefix_caching=False)
+@dataclass(frozen=True)
+class Comparison:
+    """What both halves run: the same model, profile, policies, loads and pool."""
+
+    model: str
+    profile: Profile
+    policies: tuple[str, ...]
+    concurrencies: tuple[int, ...]
+    num_kv_blocks: int
+    requests: int  # at least, per point
+    mean_output: int
+    max_output: int
+    seed: int
+    spill_dir: str
+
+    def specs(self, concurrency: int) -> list[RequestSpec]:
+        n = max(self.requests, concurrency)
+        return specs_of("reasoning", n, self.seed + concurrency, self.mean_output, self.max_output)
+
+    def point(self, kind: str, policy: str, concurrency: int, real: dict, sim: dict) -> dict:
+        sim.pop("series", None)
+        return {
+            "kind": kind,
+            "policy": policy,
+            "concurrency": concurrency,
+            "real": real,
+            "sim": sim,
+            **compare(sim, real, counts=True),
+        }
+
+
+def engine_points(cmp: Comparison) -> list[dict]:
+    config = model_config(cmp.model)
+    base = EngineArgs(
+        num_kv_blocks=cmp.num_kv_blocks, spill_dir=cmp.spill_dir, enable_prefix_caching=False
+    )
     points = []
-    for policy in policies:
+    for policy in cmp.policies:
         admission, args = policy_args(base, policy)
-        core, _ = build_engine(model, args)
-        for c in concurrencies:
-            specs = specs_of("reasoning", max(requests, c), seed + c, mean_output, max_output)
-            prompts = prompts_for(specs, config.vocab_size, seed)
+        core, _ = build_engine(cmp.model, args)
+        warm = [RequestSpec(0.0, 8, 2)]  # first forward passes are slow; calibrate skips them too
+        run_real(
+            Replica("warm-up", core), warm, prompts_for(warm, config.vocab_size, 0), 1, label=""
+        )
+        for c in cmp.concurrencies:
+            specs = cmp.specs(c)
+            prompts = prompts_for(specs, config.vocab_size, cmp.seed)
             before = core.stats()
             replica = Replica("engine", core, make_admission(admission, core))
             records = run_real(replica, specs, prompts, c, label=f"real {policy} c={c}")
@@ -92,19 +119,9 @@ def engine_points(
                 spilled_bytes=after.spilled_bytes - before.spilled_bytes,
             )
             core.check_integrity()
-            setup = Setup(config, profile, Topology(), args, seed=seed)
+            setup = Setup(config, cmp.profile, Topology(), args, seed=cmp.seed)
             sim = simulate(setup, policy, specs, c, label=f"sim {policy} c={c}")
-            sim.pop("series")
-            points.append(
-                {
-                    "kind": "engine",
-                    "policy": policy,
-                    "concurrency": c,
-                    "real": real,
-                    "sim": sim,
-                    **compare(sim, real, counts=True),
-                }
-            )
+            points.append(cmp.point("engine", policy, c, real, sim))
         core.close()
     return points
 
@@ -124,11 +141,11 @@ def bench_sim_vs_real(
     mean_output = mean_output or max(16, budget // 4)
     max_output = max(8, budget // 2 - 48)
     with tempfile.TemporaryDirectory(prefix="pdserve-simvreal-") as spill_dir:
-        points = engine_points(
+        cmp = Comparison(
             model,
             profile,
-            policies,
-            concurrencies,
+            tuple(policies),
+            tuple(concurrencies),
             num_kv_blocks,
             requests,
             mean_output,
@@ -136,21 +153,11 @@ def bench_sim_vs_real(
             seed,
             spill_dir,
         )
+        points = engine_points(cmp)
         if cluster:
             from pdserve.sim.vs_cluster import cluster_points
 
-            points += cluster_points(
-                model,
-                profile,
-                policies,
-                concurrencies,
-                num_kv_blocks,
-                requests,
-                mean_output,
-                max_output,
-                seed,
-                spill_dir,
-            )
+            points += cluster_points(cmp)
     return {
         "benchmark": "sim-vs-real",
         "model": model,
