@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.cli.common import model_label
+from pdserve.cli.common import model_label, print_report
 from pdserve.cli.sim import slo_arg
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pdserve.bench.report import write_json
     from pdserve.bench.workload import load_jsonl
     from pdserve.engine.args import EngineArgs
     from pdserve.sim.load import SLO
@@ -48,11 +47,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         seed=args.seed,
         label=model_label(args.model),
     )
-    print(format_plan(report))
-    if args.json:
-        write_json(report, args.json)
-        print(f"wrote {args.json}")
-    return 0
+    return print_report(report, format_plan, args.json)
 
 
 def add_plan_parser(sub) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pdserve.cli.common import int_list, model_label
+from pdserve.cli.common import int_list, model_label, print_report
 
 DEFAULT_POLICIES = "greedy+recompute,kv-aware+tiered"
 
@@ -82,7 +82,6 @@ def setup_from_args(args: argparse.Namespace):
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from pdserve.bench.report import write_json
     from pdserve.bench.sweep import parse_policy
     from pdserve.sim.plots import plot_sim
     from pdserve.sim.sweep import format_table, sim_sweep
@@ -95,10 +94,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     if concurrency == [None] and not load.specs:
         raise ValueError("concurrency: give --concurrency, or a workload file with arrival times")
     report = sim_sweep(setup, policies, concurrency, load, label=model_label(args.model))
-    print(format_table(report))
-    if args.json:
-        write_json(report, args.json)
-        print(f"wrote {args.json}")
+    print_report(report, format_table, args.json)
     if args.plot:
         for path in plot_sim(report, args.plot):
             print(f"wrote {path}")

@@ -87,37 +87,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch()
         idx = 0
-        # the hot loop, one pass per request: a decoding request whose next token fits its
-        # blocks in place (the common case) takes the short way
-        running, grow, fits = self.running, self.kv.grow, self.kv.fits_in_place
-        requests, chunks, make = batch.requests, batch.chunks, tuple.__new__
+        running, grow = self.running, self.kv.grow  # the hot loop: one pass per request
         while idx < len(running) and budget > 0:
             req = running[idx]
-            tokens, start, blocks = req.token_ids, req.num_computed_tokens, req.block_ids
-            n = min(len(tokens) - start, budget)
-            if n != 1 or not fits(blocks, start):
-                copies = grow(blocks, start, n)
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            copies = grow(req.block_ids, req.num_computed_tokens, n)
+            if copies is None:
+                copies = self._make_room(req, n, batch)
                 if copies is None:
-                    copies = self._make_room(req, n, batch)
-                    if copies is None:
-                        break  # req itself was preempted; everything after it is gone too
-                if copies:
-                    batch.copies += copies
-            end = start + n
-            requests.append(req)
-            chunks.append(
-                make(
-                    ScheduledChunk,
-                    (
-                        tokens[start:end],
-                        start,
-                        blocks,
-                        end == len(tokens),
-                        req.params,
-                        req.generator,
-                    ),
-                )
-            )
+                    break  # req itself was preempted; everything after it is gone too
+            if copies:
+                batch.copies += copies
+            self._add_chunk(batch, req, n)
             budget -= n
             idx += 1
         budget = self._unpark(batch, budget)

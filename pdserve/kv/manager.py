@@ -50,7 +50,6 @@ class KVManager:
         self.cache = cache
         self.offload = offload
         self.prefix_offload = prefix_offload
-        self._bs, self._refs = allocator.block_size, allocator.ref_counts  # for the hot path
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -101,14 +100,6 @@ class KVManager:
         got = self.allocator.allocate_fresh(n)
         self._keep(got.evicted)
         return got.block_ids
-
-    def fits_in_place(self, block_ids: list[int], num_tokens: int) -> bool:
-        """Whether one more token fits the blocks as they are: no new block, no copy-on-write
-        (then grow(block_ids, num_tokens, 1) would change nothing)."""
-        bs = self._bs
-        return num_tokens < len(block_ids) * bs and (
-            num_tokens % bs == 0 or self._refs[block_ids[-1]] <= 1
-        )
 
     def grow(
         self, block_ids: list[int], num_tokens: int, new_tokens: int
