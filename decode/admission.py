@@ -14,7 +14,32 @@ request's term leaves out the blocks already counted for an earlier one, and the
 request's leaves out the held blocks its prompt would share.
 A request refused here waits (its TTFT grows) instead of being preempted later.
 
-Both policies answer in one unit, blocks of headroom: `headroom(held)` is what a new
+`cost-aware` (the default) is kv-aware admission that overcommits the pool by what parking
+costs on this deployment (decode/costs.py measures it):
+
+    admit when  the prompt's blocks are free now,
+                no preempted request has waited more than STALL * L steps, and
+                D_mean  <=  (1 - margin) * pool blocks + R
+
+    R = max(0, ROOM - Z * D_sd),  ROOM = the tier blocks that fit the parking-time budget
+                                  PARK_OVERHEAD * L * step_s, tiers filled in order, each
+                                  block of tier t costing park_s(t)
+
+D_mean is the projected demand above (new request included) and D_sd the standard deviation
+of the held requests' remaining lengths, in blocks (independent requests: variances add);
+L the mean observed output length (the steps a request lives), step_s a decode step's time
+and park_s(t) a block's spill + reload time in tier t. The reasoning: with R blocks of
+expected demand above the pool, about R blocks' worth of requests sit in the tiers at any
+time and each moves out and back about once a request lifetime, so parking takes about
+sum_t R_t * park_s(t) / L seconds per step; ROOM is the most blocks the tiers have free that
+keeps this under PARK_OVERHEAD of a step, and R leaves room for the demand to run Z standard
+deviations above its mean. When parking is impossible (recompute preemption, no tiers,
+tiers full) or slower than computing the block again, R = 0 and the policy is kv-aware.
+The stall bound keeps the tail short: no new request is let in while someone preempted has
+waited STALL of a typical lifetime, so a parked request comes back (oldest first, the
+scheduler's rule) within about that, and its TPOT grows by about STALL at worst.
+
+Every policy answers in one unit, blocks of headroom: `headroom(held)` is what a new
 request could still count on (what the router routes on) and `cost(prompt, max_tokens)` is
 how much of it one admitted request takes (what the router subtracts until the next
 heartbeat).
@@ -23,8 +48,10 @@ heartbeat).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from decode.costs import PreemptionCosts
 from decode.length_estimator import OutputLengthEstimator
 from pdserve.engine.output import HeldRequest
 from pdserve.registry import Registry
@@ -45,11 +72,27 @@ class PoolView(Protocol):
 
     def shared_blocks(self, token_ids: list[int]) -> list[int]: ...
 
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def parks_victims(self) -> bool: ...
+
+    def longest_preempted_wait(self) -> int: ...
+
+    def tier_stats(self) -> dict[str, dict]: ...
+
 
 class GreedyAdmission:
     """Admit whenever the prompt's blocks are free now."""
 
-    def __init__(self, pool: PoolView, estimator: OutputLengthEstimator, margin: float) -> None:
+    def __init__(
+        self,
+        pool: PoolView,
+        estimator: OutputLengthEstimator,
+        margin: float,
+        costs: PreemptionCosts | None = None,
+    ) -> None:
         self.pool = pool
 
     def headroom(self, held: Sequence[HeldRequest]) -> int:
@@ -69,7 +112,13 @@ class GreedyAdmission:
 class KVAwareAdmission(GreedyAdmission):
     """Admit while every held request's expected growth still fits."""
 
-    def __init__(self, pool: PoolView, estimator: OutputLengthEstimator, margin: float) -> None:
+    def __init__(
+        self,
+        pool: PoolView,
+        estimator: OutputLengthEstimator,
+        margin: float,
+        costs: PreemptionCosts | None = None,
+    ) -> None:
         super().__init__(pool, estimator, margin)
         self.estimator = estimator
         self.margin = margin
@@ -109,6 +158,130 @@ class KVAwareAdmission(GreedyAdmission):
         return None
 
 
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What the cost-aware policy decided from, at its last look (exported as gauges)."""
+
+    step_s: float | None = None
+    recompute_s_per_token: float | None = None
+    park_s_per_block: dict[str, float | None] = field(default_factory=dict)
+    tier_free_blocks: int = 0
+    overcommit_blocks: int = 0  # R
+    demand_blocks: int = 0  # D_mean of the held requests
+    demand_sd_blocks: float = 0.0
+    stall_limit_steps: int = 0
+    longest_stall_steps: int = 0
+
+
+class CostAwareAdmission(KVAwareAdmission):
+    """kv-aware, overcommitted by what parking costs here (the formula above)."""
+
+    PARK_OVERHEAD = 0.05  # parking may take this fraction of decode time
+    Z = 1.0  # the tail the tiers must hold: demand this many standard deviations up
+    STALL = 0.25  # of a typical lifetime, the longest a preempted request waits for new ones
+
+    def __init__(
+        self,
+        pool: PoolView,
+        estimator: OutputLengthEstimator,
+        margin: float,
+        costs: PreemptionCosts | None = None,
+    ) -> None:
+        super().__init__(pool, estimator, margin)
+        self.costs = costs or PreemptionCosts()
+        self.inputs = PolicyInputs()
+
+    def _lifetime(self, max_tokens: int) -> float:
+        """Steps a typical request lives: the mean observed length, or this one's cap."""
+        mean = self.estimator.mean_length()
+        return mean if mean is not None else float(max_tokens)
+
+    def _demand(self, held: Sequence[HeldRequest]) -> tuple[int, float]:
+        """(D_mean, D_sd) in blocks; shared blocks count once, as projected_blocks()."""
+        seen: set[int] = set()
+        total, var = 0, 0.0
+        for h in held:
+            mean, v = self.estimator.moments(h.generated, h.max_tokens)
+            total += self.pool.blocks_needed(h.tokens + round(mean)) - len(
+                seen.intersection(h.block_ids)
+            )
+            seen.update(h.block_ids)
+            var += v
+        return total, var**0.5 / self.pool.block_size
+
+    def _overcommit(self, lifetime: float, demand_sd: float) -> int:
+        """R: blocks of expected demand the tiers may carry above the pool. The tiers are
+        filled in the order parks use them, each while the parking-time budget
+        (PARK_OVERHEAD * L * step_s) lasts; a tier that has not moved a block yet costs
+        nothing until it has, one slower than recomputing the block ends the walk."""
+        costs, tiers = self.costs, self.pool.tier_stats()
+        park_s = {name: costs.park_s_per_block(t) for name, t in tiers.items()}
+        free = {name: max(0, t["capacity"] - t["used_blocks"]) for name, t in tiers.items()}
+        room = 0.0
+        if self.pool.parks_victims:
+            budget_s = (
+                float("inf")
+                if costs.step_s is None
+                else self.PARK_OVERHEAD * lifetime * costs.step_s
+            )
+            recompute = costs.recompute_s_per_token
+            for name in tiers:
+                c = park_s[name]
+                if (
+                    c is not None
+                    and recompute is not None
+                    and c >= recompute * self.pool.block_size
+                ):
+                    break  # slower than computing the block again: no overcommit into it
+                if not c:
+                    room += free[name]
+                    continue
+                take = min(free[name], budget_s / c)
+                room += take
+                budget_s -= take * c
+        r = max(0, int(room - self.Z * demand_sd))
+        self.inputs = PolicyInputs(
+            step_s=costs.step_s,
+            recompute_s_per_token=costs.recompute_s_per_token,
+            park_s_per_block=park_s,
+            tier_free_blocks=sum(free.values()),
+            overcommit_blocks=r,
+            demand_sd_blocks=demand_sd,
+            stall_limit_steps=int(self.STALL * lifetime),
+            longest_stall_steps=self.pool.longest_preempted_wait(),
+        )
+        return r
+
+    def _limit(self, held: Sequence[HeldRequest], max_tokens: int) -> tuple[int, int]:
+        """(D_mean of `held`, the most D_mean may reach)."""
+        demand, sd = self._demand(held)
+        limit = self.budget + self._overcommit(self._lifetime(max_tokens), sd)
+        self.inputs = replace(self.inputs, demand_blocks=demand)
+        return demand, limit
+
+    def headroom(self, held: Sequence[HeldRequest]) -> int:
+        demand, limit = self._limit(held, max((h.max_tokens for h in held), default=1))
+        return limit - demand
+
+    def check(self, prompt: list[int], max_tokens: int, held: Sequence[HeldRequest]) -> str | None:
+        refused = GreedyAdmission.check(self, prompt, max_tokens, held)
+        if refused is not None:
+            return refused
+        stall = self.pool.longest_preempted_wait()
+        limit_steps = self.STALL * self._lifetime(max_tokens)
+        if stall > limit_steps:
+            return (
+                f"a preempted request has waited {stall} steps for room "
+                f"(more than {limit_steps:.0f}; cost-aware admission)"
+            )
+        _, limit = self._limit(held, max_tokens)
+        demand = self.projected_blocks([*held, self._new(prompt, max_tokens)])
+        if demand > limit:
+            return f"projected KV demand {demand} blocks exceeds {limit} (cost-aware admission)"
+        return None
+
+
 ADMISSION: Registry[type[GreedyAdmission]] = Registry(
-    "admission", {"greedy": GreedyAdmission, "kv-aware": KVAwareAdmission}
+    "admission",
+    {"greedy": GreedyAdmission, "kv-aware": KVAwareAdmission, "cost-aware": CostAwareAdmission},
 )

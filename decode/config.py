@@ -6,11 +6,16 @@ from dataclasses import dataclass
 
 from decode.admission import ADMISSION
 
+# What a decode worker runs when given no policy flags (`--policy default` in bench sweep):
+# cost-aware admission over the full tiers (decode/admission.py, docs/capacity-trap.md).
+DEFAULT_ADMISSION = "cost-aware"
+DEFAULT_PREEMPTION = "tiered"
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
     worker_id: str
-    admission: str = "greedy"  # decode/admission.py: greedy | kv-aware
+    admission: str = DEFAULT_ADMISSION  # decode/admission.py: greedy | kv-aware | cost-aware
     admission_margin: float = 0.05  # kv-aware keeps this fraction of the pool free
     # a reservation whose Start has not come by then returns its blocks; used when the
     # router names no lease (it normally does: pdserve/router/config.py)

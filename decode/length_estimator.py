@@ -9,6 +9,8 @@ most M, the expected remaining output is
 (the observed lengths conditioned on having outlived g, capped by this request's own limit).
 When nothing observed has outlived g, or nothing has been observed yet, the estimate is the
 cap itself, M - g: a request the history cannot explain is assumed to run to its limit.
+`moments(g, M)` gives the same mean and the variance of that conditional distribution (0
+when it is the cap), for a policy that looks past the mean.
 """
 
 from __future__ import annotations
@@ -33,12 +35,27 @@ class OutputLengthEstimator:
     def count(self) -> int:
         return len(self._recent)
 
+    def mean_length(self) -> float | None:
+        """The mean observed output length (None before the first)."""
+        return float(np.mean(self._recent)) if self._recent else None
+
     def remaining(self, generated: int, max_tokens: int) -> float:
         """E_rem(g, M) above; never negative, never above M - g."""
-        cap = max(0, max_tokens - generated)
+        tail = self._tail(generated, max_tokens)
+        if tail is None:
+            return float(max(0, max_tokens - generated))
+        return float(tail.mean() - generated)
+
+    def moments(self, generated: int, max_tokens: int) -> tuple[float, float]:
+        """(E_rem(g, M), the variance of the remaining length) under the same conditioning."""
+        tail = self._tail(generated, max_tokens)
+        if tail is None:
+            return float(max(0, max_tokens - generated)), 0.0
+        return float(tail.mean() - generated), float(tail.var())
+
+    def _tail(self, generated: int, max_tokens: int) -> np.ndarray | None:
+        """Observed lengths that outlived `generated`, capped at max_tokens (None: none)."""
         if self._sorted is None:
             self._sorted = np.sort(np.fromiter(self._recent, dtype=np.int64))
         tail = self._sorted[np.searchsorted(self._sorted, generated, side="right") :]
-        if tail.size == 0:
-            return float(cap)
-        return float(np.minimum(tail, max_tokens).mean() - generated)
+        return np.minimum(tail, max_tokens) if tail.size else None

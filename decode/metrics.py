@@ -6,12 +6,21 @@ pdserve_transfer_seconds{direction="received"} (reserve -> KV arrived),
 pdserve_decode_preemptions_total, pdserve_decode_recomputed_tokens_total,
 pdserve_decode_admission_refused_total, pdserve_decode_spilled_bytes_total{tier},
 pdserve_decode_reloaded_bytes_total{tier}, pdserve_decode_spill_used_blocks{tier}
+
+The cost-aware admission policy's inputs at its last look (decode/admission.py; -1 while
+not measured yet): pdserve_decode_policy_step_seconds,
+pdserve_decode_policy_recompute_seconds_per_token,
+pdserve_decode_policy_park_seconds_per_block{tier}, pdserve_decode_policy_overcommit_blocks
+(R), pdserve_decode_policy_demand_blocks (D_mean), pdserve_decode_policy_demand_sd_blocks,
+pdserve_decode_policy_tier_free_blocks, pdserve_decode_policy_stall_limit_steps,
+pdserve_decode_policy_longest_stall_steps.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from decode.admission import PolicyInputs
 from pdserve.engine.output import EngineStats
 from pdserve.serving.metrics import Advancing, latency, transfer_metrics
 
@@ -52,6 +61,7 @@ class DecodeMetrics:
             registry=r,
         )
         self._totals = Advancing()
+        self.policy: dict[str, Gauge] = {}  # made on first use: a cost-aware worker only
 
     def account(self, stats: EngineStats) -> None:
         """Gauges and counters from the engine core's state after a step."""
@@ -66,3 +76,46 @@ class DecodeMetrics:
             self._totals.advance(self.spilled.labels(tier), st["spilled_bytes"])
             self._totals.advance(self.reloaded.labels(tier), st["reloaded_bytes"])
             self.spill_used.labels(tier).set(st["used_blocks"])
+
+    def account_policy(self, inputs: PolicyInputs | None) -> None:
+        """The cost-aware policy's inputs (None: the worker runs another policy, and
+        exports none of these)."""
+        if inputs is None:
+            return
+        if not self.policy:
+            self._make_policy_gauges()
+        for name, gauge in self.policy.items():
+            value = getattr(inputs, name)
+            gauge.set(-1.0 if value is None else value)
+        for tier, value in inputs.park_s_per_block.items():
+            self.park_cost.labels(tier).set(-1.0 if value is None else value)
+
+    def _make_policy_gauges(self) -> None:
+        r = self.registry
+        self.policy = {
+            name: Gauge(f"pdserve_decode_policy_{metric}", doc, registry=r)
+            for name, metric, doc in (
+                ("step_s", "step_seconds", "a decode step's time (EWMA)"),
+                (
+                    "recompute_s_per_token",
+                    "recompute_seconds_per_token",
+                    "what a recomputed token adds to a step (EWMA)",
+                ),
+                ("overcommit_blocks", "overcommit_blocks", "R: demand allowed above the pool"),
+                ("demand_blocks", "demand_blocks", "projected demand of the held requests"),
+                ("demand_sd_blocks", "demand_sd_blocks", "its standard deviation"),
+                ("tier_free_blocks", "tier_free_blocks", "free blocks in the spill tiers"),
+                ("stall_limit_steps", "stall_limit_steps", "new requests wait past this stall"),
+                (
+                    "longest_stall_steps",
+                    "longest_stall_steps",
+                    "steps the longest-waiting preempted request has waited",
+                ),
+            )
+        }
+        self.park_cost = Gauge(
+            "pdserve_decode_policy_park_seconds_per_block",
+            "spill + reload seconds per block, per tier",
+            ["tier"],
+            registry=r,
+        )

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 from decode.admission import ADMISSION
 from decode.config import DecodeConfig
+from decode.costs import PreemptionCosts
 from decode.length_estimator import OutputLengthEstimator
 from decode.reservations import Reservation, Reservations
-from pdserve.engine.core import EngineCore
+from pdserve.engine.core import EngineCore, StepPlan
 from pdserve.engine.output import FinishedRequest, HeldRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.serving.registration import WorkerStats
@@ -58,7 +59,10 @@ class DecodeState:
         self.config = config
         self.clock = clock
         self.estimator = OutputLengthEstimator()
-        self.admission = ADMISSION[config.admission](core, self.estimator, config.admission_margin)
+        self.costs = PreemptionCosts()
+        self.admission = ADMISSION[config.admission](
+            core, self.estimator, config.admission_margin, self.costs
+        )
         self.reservations = Reservations()
 
     def reserve(
@@ -110,6 +114,10 @@ class DecodeState:
         this for every request that ends, from start(), release() or a step)."""
         if done.completed:
             self.estimator.observe(len(done.output_token_ids))
+
+    def observe_step(self, plan: StepPlan, seconds: float) -> None:
+        """A step's run took `seconds`: the costs the admission policy reads learn from it."""
+        self.costs.observe_chunks(seconds, plan.batch.chunks)
 
     def held(self) -> list[HeldRequest]:
         """Every request whose KV this pool holds or will hold again."""

@@ -171,6 +171,7 @@ class DecodeWorker:
         step_end = now()
         with self.lock:
             out = core.end_step(plan, result)
+            self.state.observe_step(plan, step_end - step_start)
             self._deliver(out, step_start, step_end)
         return True
 
@@ -187,6 +188,7 @@ class DecodeWorker:
         for done in out.finished:
             self._close(done)
         self.metrics.account(self.core.stats())
+        self.metrics.account_policy(getattr(self.state.admission, "inputs", None))
 
     def _close(self, done: FinishedRequest) -> None:
         self.state.observe(done)

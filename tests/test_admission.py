@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from decode.admission import ADMISSION, GreedyAdmission, KVAwareAdmission
+from decode.admission import ADMISSION, CostAwareAdmission, GreedyAdmission, KVAwareAdmission
+from decode.costs import PreemptionCosts
 from decode.length_estimator import OutputLengthEstimator
 from pdserve.engine.output import HeldRequest
 from pdserve.kv import BlockAllocator
@@ -13,9 +14,19 @@ from pdserve.kv import BlockAllocator
 class Pool:
     """The engine core's pool view (decode.admission.PoolView) over a bare allocator."""
 
-    def __init__(self, alloc: BlockAllocator) -> None:
+    def __init__(self, alloc: BlockAllocator, tiers=None, parks_victims=True) -> None:
         self.alloc = alloc
         self.num_blocks = alloc.num_blocks
+        self.block_size = alloc.block_size
+        self.tiers = tiers or {}  # name -> TierStats-like dict (OffloadStats.tiers)
+        self.parks_victims = parks_victims and bool(self.tiers)
+        self.stall = 0  # steps the longest-waiting preempted request has waited
+
+    def longest_preempted_wait(self) -> int:
+        return self.stall
+
+    def tier_stats(self) -> dict[str, dict]:
+        return self.tiers
 
     @property
     def free_blocks(self) -> int:
@@ -99,7 +110,7 @@ def test_kv_aware_counts_expected_growth_of_everyone_held():
 
 def test_unknown_policy_names_the_choices():
     with pytest.raises(
-        ValueError, match="admission: unknown 'lucky'; choose one of greedy, kv-aware"
+        ValueError, match="admission: unknown 'lucky'; choose one of greedy, kv-aware, cost-aware"
     ):
         ADMISSION["lucky"]
 
@@ -127,3 +138,136 @@ def test_kv_aware_counts_a_shared_prefix_block_once():
     assert adm.check(other, 64, held) == (
         "projected KV demand 19 blocks exceeds 18 (kv-aware admission)"
     )
+
+
+def test_estimator_moments_are_those_of_the_conditional_lengths():
+    est = OutputLengthEstimator()
+    assert est.moments(0, 100) == (100, 0.0)  # nothing observed: the cap, no spread
+    for n in (10, 20, 30, 200):
+        est.observe(n)
+    mean, var = est.moments(15, 1000)  # outlived 10: 20, 30, 200 remain possible
+    assert mean == pytest.approx((20 + 30 + 200) / 3 - 15)
+    assert var == pytest.approx(((5 - mean) ** 2 + (15 - mean) ** 2 + (185 - mean) ** 2) / 3)
+    # capped at 40: 20, 30, 40 -> remaining 15 +- a variance of (100 + 0 + 100) / 3
+    assert est.moments(15, 40) == pytest.approx((15, 200 / 3))
+    assert est.mean_length() == 65.0
+
+
+def tier(capacity, used=0, moved_blocks=0, spill_s=0.0, reload_s=0.0, block_bytes=1000):
+    """One tier's stats: `moved_blocks` spilled and reloaded in spill_s / reload_s."""
+    return {
+        "capacity": capacity,
+        "used_blocks": used,
+        "block_bytes": block_bytes,
+        "spilled_bytes": moved_blocks * block_bytes,
+        "reloaded_bytes": moved_blocks * block_bytes,
+        "spill_s": spill_s,
+        "reload_s": reload_s,
+    }
+
+
+def cost_aware(alloc, est, tiers=None, parks=True, step_s=None, recompute_s=None, margin=0.1):
+    costs = PreemptionCosts()
+    costs.step_s, costs.recompute_s_per_token = step_s, recompute_s
+    return CostAwareAdmission(Pool(alloc, tiers, parks), est, margin, costs)
+
+
+def sixteen():
+    est = OutputLengthEstimator()
+    for _ in range(10):
+        est.observe(16)  # every request generates 16 tokens: no spread
+    return est
+
+
+def test_cost_aware_is_kv_aware_where_nothing_can_be_parked():
+    alloc = BlockAllocator(20, 4, enable_prefix_caching=False)
+    three = [Held(8, 0, 64)] * 3  # 6 blocks each projected, budget 18
+    for adm in (
+        cost_aware(alloc, sixteen()),  # no tiers
+        cost_aware(alloc, sixteen(), {"host": tier(100)}, parks=False),  # recompute preemption
+        cost_aware(alloc, sixteen(), {"host": tier(100, used=100)}),  # the tier is full
+    ):
+        assert adm.check([1] * 8, 64, three[:2]) is None  # 18 <= 18
+        assert adm.check([1] * 8, 64, three) == (
+            "projected KV demand 24 blocks exceeds 18 (cost-aware admission)"
+        )
+        assert adm.inputs.overcommit_blocks == 0
+        assert adm.headroom(three[:2]) == kv_aware(alloc, sixteen(), 0.1).headroom(three[:2])
+
+
+def test_cost_aware_overcommits_by_what_parking_costs():
+    alloc = BlockAllocator(20, 4, enable_prefix_caching=False)
+    # 10 blocks moved out in 0.01 s and back in 0.01 s: 2 ms per block both ways; a step
+    # takes 50 ms; requests live 16 steps: R = 0.05 * 16 * 0.05 / 0.002 = 20 blocks
+    tiers = {"host": tier(100, moved_blocks=10, spill_s=0.01, reload_s=0.01)}
+    adm = cost_aware(alloc, sixteen(), tiers, step_s=0.05)
+    held = [Held(8, 0, 64)] * 6  # 36 projected blocks; limit 18 + 20 = 38
+    assert adm.check([1] * 4, 64, held[:5]) is None  # 30 + 5 <= 38
+    assert adm.check([1] * 8, 64, held) == (
+        "projected KV demand 42 blocks exceeds 38 (cost-aware admission)"
+    )
+    assert adm.inputs.overcommit_blocks == 20 and adm.inputs.park_s_per_block == {
+        "host": pytest.approx(0.002)
+    }
+    assert adm.headroom(held) == 38 - 36
+    # the tier's room bounds it too: 12 free blocks
+    tiers["host"]["used_blocks"] = 88
+    assert adm.headroom(held) == 18 + 12 - 36
+    # before a tier has moved anything, only its room bounds the overcommit
+    fresh = cost_aware(alloc, sixteen(), {"host": tier(7)}, step_s=0.05)
+    assert fresh.headroom(held) == 18 + 7 - 36
+
+
+def test_cost_aware_stops_at_a_tier_slower_than_recomputing():
+    alloc = BlockAllocator(20, 4, enable_prefix_caching=False)
+    held = [Held(8, 0, 64)] * 3
+    tiers = {
+        "host": tier(5, moved_blocks=10, spill_s=0.001, reload_s=0.001),  # 0.2 ms per block
+        "disk": tier(100, moved_blocks=10, spill_s=0.5, reload_s=0.5),  # 100 ms per block
+    }
+    # recomputing a 4-token block costs 4 * 5 ms = 20 ms: the disk tier does not count
+    adm = cost_aware(alloc, sixteen(), tiers, step_s=1.0, recompute_s=0.005)
+    assert adm.headroom(held) == 18 + 5 - 18
+    # recompute dearer than the disk: the host's 5 blocks (1 ms of the 0.8 s parking budget,
+    # 0.05 * 16 steps * 1 s), then the disk's blocks while the rest lasts: 7.99 blocks
+    adm = cost_aware(alloc, sixteen(), tiers, step_s=1.0, recompute_s=1.0)
+    assert adm.headroom(held) == 18 + 12 - 18
+
+
+def test_cost_aware_keeps_the_tail_of_the_demand_in_the_tiers():
+    alloc = BlockAllocator(20, 4, enable_prefix_caching=False)
+    est = OutputLengthEstimator()
+    for n in (8, 24):
+        est.observe(n)  # remaining 16 +- 8 tokens: variance 64 per request
+    held = [Held(8, 0, 64)] * 4  # variance 256 tokens^2: sd 16 tokens = 4 blocks
+    adm = cost_aware(alloc, est, {"host": tier(10)}, step_s=0.05)
+    adm.headroom(held)
+    assert adm.inputs.demand_sd_blocks == 4.0
+    assert adm.inputs.overcommit_blocks == 10 - 4
+
+
+def test_cost_aware_lets_no_one_in_while_a_preempted_request_waits_too_long():
+    alloc = BlockAllocator(20, 4, enable_prefix_caching=False)
+    adm = cost_aware(alloc, sixteen(), {"host": tier(100)}, step_s=0.05)
+    adm.pool.stall = 4  # STALL * 16 steps = 4: still fine
+    assert adm.check([1] * 8, 64, []) is None
+    adm.pool.stall = 5
+    assert adm.check([1] * 8, 64, []) == (
+        "a preempted request has waited 5 steps for room (more than 4; cost-aware admission)"
+    )
+    assert adm.inputs.stall_limit_steps == 4
+
+
+def test_preemption_costs_learn_from_steps():
+    costs = PreemptionCosts()
+    costs.observe_step(0.1, decode_seqs=4, prefill_tokens=0)
+    assert costs.step_s == 0.1 and costs.recompute_s_per_token is None
+    costs.observe_step(0.2, decode_seqs=4, prefill_tokens=0)
+    assert costs.step_s == pytest.approx(0.11)  # EWMA, alpha 0.1
+    costs.observe_step(0.31, decode_seqs=4, prefill_tokens=100)  # 0.2 s more for 100 tokens
+    assert costs.recompute_s_per_token == pytest.approx(0.002)
+    assert costs.step_s == pytest.approx(0.11)  # a mixed step is not a decode step
+    assert PreemptionCosts.park_s_per_block(tier(1, moved_blocks=0)) is None
+    assert PreemptionCosts.park_s_per_block(
+        tier(1, moved_blocks=4, spill_s=0.004, reload_s=0.002)
+    ) == pytest.approx(0.0015)

@@ -173,6 +173,8 @@ def test_bench_sweep_writes_every_point_and_the_plots(tmp_path):
         "1,3",
         "--num-kv-blocks",
         "16",
+        "--policy",
+        "greedy+recompute,default",
         "--quick",
         "--json",
         str(out),
@@ -193,16 +195,30 @@ def test_bench_sweep_writes_every_point_and_the_plots(tmp_path):
         "recomputed_tokens",
         "generated_tokens",
         "spilled_bytes",
+        "goodput_req_s",
+        "goodput_tok_s",
+        "e2e_p50_s",
+        "e2e_p99_s",
     }
     points = report["points"]
     assert [(p["policy"], p["concurrency"]) for p in points] == [
         ("greedy+recompute", 1),
         ("greedy+recompute", 3),
-        ("kv-aware+tiered", 1),
-        ("kv-aware+tiered", 3),
+        ("default", 1),
+        ("default", 3),
     ]
+    assert report["default_policy"] == "cost-aware+tiered"
     for p in points:
         assert fields <= set(p) and p["errors"] == 0 and p["generated_tokens"] > 0
+        assert len(p["requests"]) == p["num_requests"] == 3
+        assert {"ttft_s", "tpot_s", "e2e_s", "output_tokens"} <= set(p["requests"][0])
+        assert sum(r["output_tokens"] for r in p["requests"]) == p["generated_tokens"]
+    # the unloaded point meets its own relative SLO (5x TTFT, 2x TPOT) for most requests
+    assert points[0]["goodput_req_s"] > 0
+    # the default policy's inputs were exported as gauges and scraped: a measured step time
+    inputs = points[-1]["policy_inputs"][0]
+    assert inputs["step_s"] > 0 and inputs["stall_limit_steps"] >= 0
+    assert points[0]["policy_inputs"] == [{}]  # greedy exports none
     # the sweep itself asserts that every block and spill tier drained after each point
     for name in ("throughput", "ttft", "tpot", "frontier"):
         assert (plots / f"{name}.png").read_bytes()[:4] == b"\x89PNG"

@@ -73,6 +73,23 @@ def test_swap_parks_kv_in_host_memory_and_recomputes_nothing(expected, tmp_path)
     core.close()
 
 
+def test_the_longest_preempted_wait_is_counted_in_steps(expected, tmp_path):
+    core = tight(tmp_path, preemption="swap")
+    waits = []
+
+    def note(c):
+        s = c.scheduler
+        since = [r.preempted_at_step for r in (*s.parked, *s.waiting) if r.preempted_at_step]
+        assert c.longest_preempted_wait() == (s.steps - min(since) if since else 0)
+        assert all(r.preempted_at_step is None for r in s.running)
+        waits.append(c.longest_preempted_wait())
+
+    tokens, _ = run(core, note)
+    assert tokens == expected
+    assert max(waits) > 0 and waits[-1] == 0
+    core.close()
+
+
 def test_tiered_spills_down_through_cxl_and_disk(expected, tmp_path):
     # host and CXL tiers too small for everything: later victims land on disk
     core = tight(tmp_path, preemption="tiered", spill_host_blocks=6, spill_cxl_blocks=6)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.bench.serve import Sample
-from pdserve.bench.sweep import analyze, steady_throughput
+from pdserve.bench.slo import SLO, goodput, parse_slo
+from pdserve.bench.sweep import analyze, apply_slo, steady_throughput
 
 
 def sample(sent, first, end, tokens):
@@ -31,6 +34,7 @@ def test_analyze_finds_the_knee_and_the_fall_past_it():
             "throughput_tok_s": t,
             "generated_tokens": 100,
             "recomputed_tokens": r,
+            "tpot_p99_s": 0.1 * c,
         }
         for c, t, r in ((1, 10.0, 0), (2, 20.0, 0), (4, 12.0, 30), (8, 8.0, 70))
     ]
@@ -38,3 +42,58 @@ def test_analyze_finds_the_knee_and_the_fall_past_it():
     assert a["knee_concurrency"] == 2 and a["peak_tok_s"] == 20.0
     assert a["worst_past_knee_fraction"] == 0.4
     assert a["recomputed_fraction"] == 100 / 400
+    assert a["tpot_p99_vs_unloaded"] == {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}
+
+
+def test_steady_throughput_counts_tokens_when_they_arrived():
+    # the 21-token request got 1 token at 0 s and 20 tokens at 19-20 s (it was preempted):
+    # inside the 10 s window it delivered 1 token, not the 11 an even spread would say
+    slow = sample(0, 0, 20, 21)
+    slow.token_times = [0.0] + [19.0 + i / 20 for i in range(20)]
+    fast = sample(0, 0, 10, 11)
+    fast.token_times = [float(i) for i in range(11)]
+    rate, window = steady_throughput([fast, slow])
+    assert window == 10 and rate == (11 + 1) / 10
+
+
+def test_slo_parsing_goodput_and_relative_targets():
+    assert parse_slo("ttft=2,tpot=0.05") == SLO(2.0, 0.05)
+    assert parse_slo("tpot=0.2") == SLO(2.0, 0.2)
+    rel = parse_slo("ttft=4x")
+    assert rel == SLO(4.0, 2.0, relative=True) and rel.resolve(0.5, 0.1) == SLO(2.0, 0.2)
+    for bad, message in (
+        ("ttft=fast", "ttft: expected seconds"),
+        ("ttft=-1", "positive finite"),
+        ("tpot=inf", "positive finite"),
+        ("ttft=2,tpot=3x", "must both be seconds or both multiples"),
+        ("latency=2", "expected ttft=SECONDS"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_slo(bad)
+    requests = [
+        {"ttft_s": 1.0, "tpot_s": 0.1, "output_tokens": 10},
+        {"ttft_s": 3.0, "tpot_s": 0.1, "output_tokens": 20},  # TTFT too long
+        {"ttft_s": 1.0, "tpot_s": 0.3, "output_tokens": 30},  # TPOT too long
+        {"ttft_s": 0.0, "tpot_s": 0.0, "output_tokens": 0, "error": "UNAVAILABLE"},
+    ]
+    assert goodput(requests, SLO(2.0, 0.2), 10.0) == (0.1, 1.0)
+    assert goodput(requests, SLO(5.0, 0.5), 10.0) == (0.3, 6.0)
+
+
+def test_a_relative_slo_is_resolved_against_the_unloaded_point():
+    def point(policy, c, ttft, tpot):
+        return {
+            "policy": policy,
+            "concurrency": c,
+            "ttft_p50_s": ttft,
+            "tpot_p50_s": tpot,
+            "elapsed_s": 10.0,
+            "requests": [{"ttft_s": ttft, "tpot_s": tpot, "output_tokens": 10}] * 5,
+        }
+
+    points = [point("a", 1, 0.2, 0.1), point("a", 8, 1.5, 0.15), point("b", 8, 0.5, 0.5)]
+    used = apply_slo(points, parse_slo("ttft=5x,tpot=2x"))
+    assert used["default"] == SLO(1.0, 0.2).to_dict()  # 5 x 0.2 s, 2 x 0.1 s
+    assert [p["goodput_req_s"] for p in points] == [0.5, 0.0, 0.0]
+    assert [p["goodput"]["loose"]["req_s"] for p in points] == [0.5, 0.5, 0.0]
+    assert points[0]["goodput_tok_s"] == 5.0

@@ -125,6 +125,8 @@ def test_place_fills_host_then_cxl_then_disk_and_reads_back_bit_exact(tmp_path):
         host, disk = tiers[0].stats, tiers[2].stats
         assert host.spilled_bytes == host.reloaded_bytes == 2 * bb
         assert disk.spills == 2 and tiers[2].used_blocks == 0
+        # every successful move is timed (what the cost-aware policy learns park costs from)
+        assert all(t.stats.spill_s > 0 and t.stats.reload_s > 0 for t in tiers)
         with pytest.raises(ReloadFailed, match="holds no entry 'a'"):
             read_into(tiers[0], "a", lambda *_: None)
     finally:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.bench.report import machine_info
+from pdserve.bench.slo import SLO, goodput
 from pdserve.bench.traces import trace_requests
 from pdserve.bench.workload import TRACE_SCALES, Workload, make_workload, scale_lengths
 from pdserve.progress import progress
@@ -42,6 +43,18 @@ class Sample:
     sent_at: float = 0.0
     first_at: float = 0.0
     end_at: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # perf_counter() of every token
+
+    def record(self) -> dict:
+        """The per-request record a report keeps (any SLO can be applied to it later)."""
+        return {
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "e2e_s": self.e2e_s,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "error": self.error,
+        }
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -68,6 +81,7 @@ async def _one(client, prompt: list[int], max_tokens: int) -> Sample:
             now = time.perf_counter()
             if msg.token_ids:
                 sample.output_tokens += len(msg.token_ids)
+                sample.token_times += [now] * len(msg.token_ids)
                 first = first or now
                 last = now
             if msg.finished:
@@ -125,9 +139,12 @@ async def _drive(address, work, concurrency, rate, seed, arrivals=None):
     return samples, elapsed
 
 
-def summarize(samples: list[Sample], elapsed: float) -> dict:
+def summarize(samples: list[Sample], elapsed: float, slo: SLO | None = None) -> dict:
     ok = [s for s in samples if s.error is None]
     tokens = sum(s.output_tokens for s in ok)
+    slo = slo or SLO()
+    good_req_s, good_tok_s = goodput([s.record() for s in samples], slo, elapsed)
+    e2e = [s.e2e_s for s in ok]
 
     def pcts(values):
         return {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
@@ -144,7 +161,12 @@ def summarize(samples: list[Sample], elapsed: float) -> dict:
         "throughput_tok_s": tokens / elapsed if elapsed else 0.0,
         "ttft_s": pcts([s.ttft_s for s in ok]),
         "tpot_s": pcts([s.tpot_s for s in ok if s.output_tokens > 1]),
-        "e2e_s": pcts([s.e2e_s for s in ok]),
+        "e2e_s": pcts(e2e),
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p99_s": percentile(e2e, 99),
+        "slo": slo.to_dict(),
+        "goodput_req_s": good_req_s,
+        "goodput_tok_s": good_tok_s,
         "stages": {
             key: pcts([s.server[key] for s in ok if s.server])
             for key in ("queue_s", "prefill_s", "transfer_s", "tpot_s")
@@ -167,6 +189,7 @@ def bench_serve(
     replay: bool = False,
     time_scale: float = 1.0,
     trace_path: str | None = None,
+    slo: SLO | None = None,
 ) -> dict:
     """`replay`: the trace's first `requests` requests, in order, at their recorded arrival
     times divided by `time_scale` (lengths scaled as in the workload). `trace_path`: write
@@ -219,9 +242,12 @@ def bench_serve(
         },
         "workload": {"kind": workload, "seed": seed},
         "machine": machine_info(),
-        "summary": summarize(samples, elapsed),
+        "summary": summarize(samples, elapsed, slo),
         "trace_coverage": {f"p{q}": percentile(coverage, q) for q in (0, 50, 100)},
-        "samples": [{k: v for k, v in s.__dict__.items() if k != "trace"} for s in samples],
+        "samples": [
+            {k: v for k, v in s.__dict__.items() if k not in ("trace", "token_times")}
+            for s in samples
+        ],
     }
 
 
@@ -247,5 +273,7 @@ def format_table(report: dict) -> str:
         f"transfer ms      {ms(s['stages']['transfer_s'])}",
         f"decode  TPOT ms  {ms(s['stages']['tpot_s'])}",
         f"router overhead per token ms {ms(s['router_overhead_per_token_s'])}",
+        f"SLO goodput {s['goodput_req_s']:.2f} req/s, {s['goodput_tok_s']:.1f} tok/s "
+        f"(TTFT <= {s['slo']['ttft_s']:g} s, TPOT <= {s['slo']['tpot_s']:g} s)",
     ]
     return "\n".join(lines)

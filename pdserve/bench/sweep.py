@@ -14,16 +14,20 @@ every spill tier are empty again, and fails if they do not (a leak).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 import urllib.request
 from types import MappingProxyType
 
+from decode.config import DEFAULT_ADMISSION, DEFAULT_PREEMPTION
 from pdserve.bench.report import machine_info
 from pdserve.bench.serve import _drive, percentile
-from pdserve.bench.workload import make_workload
+from pdserve.bench.slo import DEFAULT_SWEEP_SLO, SLO, goodput, parse_slo
+from pdserve.bench.workload import make_workload, max_prompt_tokens
 from pdserve.progress import progress
 
-DEFAULT_POLICIES = ("greedy+recompute", "kv-aware+tiered")
+DEFAULT_POLICY = "default"  # what a decode worker runs when given no policy flags
+DEFAULT_POLICIES = ("greedy+recompute", "greedy+tiered", DEFAULT_POLICY)
 COUNTERS = MappingProxyType(
     {
         "preemptions": "pdserve_decode_preemptions_total",
@@ -35,11 +39,17 @@ COUNTERS = MappingProxyType(
 
 
 def parse_policy(policy: str) -> tuple[str, str]:
+    from decode.admission import ADMISSION
+    from pdserve.config import PREEMPTION
+
     admission, sep, preemption = policy.partition("+")
-    if not sep or admission not in ("greedy", "kv-aware"):
-        raise ValueError(f"policy: {policy!r} is not admission+preemption, e.g. greedy+recompute")
-    if preemption not in ("recompute", "swap", "tiered"):
-        raise ValueError(f"policy: preemption {preemption!r}; choose recompute, swap or tiered")
+    if not sep or admission not in ADMISSION:
+        raise ValueError(
+            f"policy: {policy!r} is not admission+preemption, e.g. greedy+recompute "
+            f"(admission: {', '.join(ADMISSION)})"
+        )
+    if preemption not in PREEMPTION:
+        raise ValueError(f"policy: preemption {preemption!r}; choose {', '.join(PREEMPTION)}")
     return admission, preemption
 
 
@@ -58,6 +68,35 @@ def scrape(addresses: list[str]) -> dict[str, float]:
                 elif sample.name == "pdserve_decode_spill_used_blocks":
                     totals["spill_used_blocks"] += sample.value
     return totals
+
+
+POLICY_GAUGES = MappingProxyType(
+    {
+        "pdserve_decode_policy_step_seconds": "step_s",
+        "pdserve_decode_policy_recompute_seconds_per_token": "recompute_s_per_token",
+        "pdserve_decode_policy_overcommit_blocks": "overcommit_blocks",
+        "pdserve_decode_policy_demand_blocks": "demand_blocks",
+        "pdserve_decode_policy_stall_limit_steps": "stall_limit_steps",
+    }
+)
+
+
+def scrape_policy(addresses: list[str]) -> list[dict]:
+    """Each decode worker's policy inputs as its gauges read now (cost-aware only)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = []
+    for address in addresses:
+        body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+        seen: dict = {}
+        for family in text_string_to_metric_families(body):
+            for sample in family.samples:
+                if sample.name in POLICY_GAUGES:
+                    seen[POLICY_GAUGES[sample.name]] = sample.value
+                elif sample.name == "pdserve_decode_policy_park_seconds_per_block":
+                    seen.setdefault("park_s_per_block", {})[sample.labels["tier"]] = sample.value
+        out.append(seen)
+    return out
 
 
 def wait_drained(cluster, decode_metrics: list[str], timeout_s: float = 60.0) -> None:
@@ -84,9 +123,9 @@ def steady_throughput(samples) -> tuple[float, float]:
     """(tokens/s, window s) while every client had a request in flight: from the first
     request sent until the first request that ends after the last one was sent (until then
     a client that finished took the next request at once). After that the loop drains, and
-    with long-tailed outputs the drain is one long request decoding alone. Tokens inside the
-    window are counted assuming each request's tokens arrive evenly between its first and
-    last token."""
+    with long-tailed outputs the drain is one long request decoding alone. Tokens are counted
+    by the time they arrived (`token_times`); a record without them (the simulator's) is
+    assumed to get its tokens evenly between its first and last token."""
     ok = [s for s in samples if s.error is None and s.output_tokens > 0]
     if not ok:
         return 0.0, 0.0
@@ -97,6 +136,10 @@ def steady_throughput(samples) -> tuple[float, float]:
     tokens = 0.0
     for s in ok:
         if s.first_at > end:
+            continue
+        times = getattr(s, "token_times", None)
+        if times:
+            tokens += bisect.bisect_right(times, end)
             continue
         span = s.end_at - s.first_at
         inside = 1.0 if span <= 0 else min(1.0, (end - s.first_at) / span)
@@ -112,8 +155,9 @@ def run_point(address, work, concurrency: int, seed: int) -> dict:
     tokens = sum(s.output_tokens for s in ok)
     ttft = [s.ttft_s for s in ok]
     tpot = [s.tpot_s for s in ok if s.output_tokens > 1]
+    e2e = [s.e2e_s for s in ok]
     return {
-        "requests": len(samples),
+        "num_requests": len(samples),
         "errors": len(samples) - len(ok),
         "error_examples": errors,
         "elapsed_s": elapsed,
@@ -125,7 +169,18 @@ def run_point(address, work, concurrency: int, seed: int) -> dict:
         "ttft_p99_s": percentile(ttft, 99),
         "tpot_p50_s": percentile(tpot, 50),
         "tpot_p99_s": percentile(tpot, 99),
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p99_s": percentile(e2e, 99),
+        "requests": [s.record() for s in samples],
     }
+
+
+def policy_flags(policy: str) -> list[str]:
+    """The decode worker's flags for a policy; `default` is no flags at all."""
+    if policy == DEFAULT_POLICY:
+        return []
+    admission, preemption = parse_policy(policy)
+    return ["--admission", admission, "--preemption", preemption]
 
 
 def bench_sweep(
@@ -141,26 +196,35 @@ def bench_sweep(
     mean_output: int | None = None,
     seed: int = 0,
     spill_dir: str | None = None,
+    workload: str = "reasoning",
+    slo: SLO | None = None,
 ) -> dict:
     """`mean_output` defaults to a quarter of one decode worker's KV budget in tokens, so a
-    handful of requests fill it: the trap appears at small concurrency on a small machine."""
+    handful of requests fill it: the trap appears at small concurrency on a small machine.
+    `slo` (default DEFAULT_SWEEP_SLO) may be relative: multiples of the unloaded TTFT and
+    TPOT p50, those of the first policy's lowest concurrency."""
     from pdserve.launch import Cluster
     from pdserve.weights import resolve
 
     for p in policies:
-        parse_policy(p)
+        policy_flags(p)
     if not concurrency or min(concurrency) < 1:
         raise ValueError(f"concurrency: positive integers, got {concurrency}")
+    slo = slo or parse_slo(DEFAULT_SWEEP_SLO)
     budget_tokens = num_kv_blocks * block_size
     mean_output = mean_output or max(16, budget_tokens // 4)
-    # one request alone always fits half a pool: prompt (<= 48) + output
-    max_output = max(8, budget_tokens // 2 - 48)
+    # one request alone always fits half a pool: prompt + output
+    max_output = max(8, budget_tokens // 2 - max_prompt_tokens(workload))
+    if max_prompt_tokens(workload) + 8 > budget_tokens:
+        raise ValueError(
+            f"num_kv_blocks: {num_kv_blocks} blocks of {block_size} tokens cannot hold one "
+            f"{workload} prompt (up to {max_prompt_tokens(workload)} tokens) and its output"
+        )
     vocab = resolve(model).config.vocab_size
     points = []
     bar = progress(total=len(policies) * len(concurrency), desc="bench sweep", unit="point")
     for policy in policies:
-        admission, preemption = parse_policy(policy)
-        decode_args = ["--admission", admission, "--preemption", preemption]
+        decode_args = policy_flags(policy)
         if spill_dir:
             decode_args += ["--spill-dir", spill_dir]
         with Cluster(
@@ -174,7 +238,8 @@ def bench_sweep(
             metrics = [a for k, a in cluster.metrics.items() if k.startswith("decode")]
             for c in concurrency:
                 n = max(min_requests, requests_per_client * c)
-                work = make_workload(n, vocab, seed + c, "reasoning", mean_output, max_output)
+                # reasoning and long-prompt scale outputs to the pool; traces keep their own
+                work = make_workload(n, vocab, seed + c, workload, mean_output, max_output)
                 before = scrape(metrics)
                 point = run_point(cluster.address, work, c, seed)
                 after = scrape(metrics)
@@ -183,10 +248,12 @@ def bench_sweep(
                     {k: after[k] - before[k] for k in COUNTERS},
                     policy=policy,
                     concurrency=c,
+                    policy_inputs=scrape_policy(metrics),
                 )
                 points.append(point)
                 bar.update(1)
     bar.close()
+    slos = apply_slo(points, slo)
     return {
         "benchmark": "sweep",
         "model": model,
@@ -197,27 +264,63 @@ def bench_sweep(
             "block_size": block_size,
         },
         "workload": {
-            "kind": "reasoning",
+            "kind": workload,
             "mean_output": mean_output,
+            "max_output": max_output,
             "seed": seed,
             "requests_per_client": requests_per_client,
             "min_requests": min_requests,
         },
+        "default_policy": f"{DEFAULT_ADMISSION}+{DEFAULT_PREEMPTION}",
+        "slo": slos,
         "machine": machine_info(),
         "points": points,
         "analysis": analyze(points),
     }
 
 
+def apply_slo(points: list[dict], slo: SLO) -> dict:
+    """Goodput on every point: under `slo` (the point's goodput_req_s / goodput_tok_s) and
+    under a tighter (half) and a looser (double) one (`goodput`, by SLO label). A relative
+    SLO is resolved against the first policy's lowest-concurrency point. -> the SLOs used."""
+    base = min(
+        (p for p in points if p["policy"] == points[0]["policy"]),
+        key=lambda p: p["concurrency"],
+        default=None,
+    )
+    if base is None:
+        return {}
+    resolved = slo.resolve(base["ttft_p50_s"], base["tpot_p50_s"])
+    grid = {
+        "default": resolved,
+        "tight": SLO(resolved.ttft_s / 2, resolved.tpot_s / 2),
+        "loose": SLO(resolved.ttft_s * 2, resolved.tpot_s * 2),
+    }
+    for p in points:
+        p["goodput"] = {}
+        for name, s in grid.items():
+            req_s, tok_s = goodput(p["requests"], s, p["elapsed_s"])
+            p["goodput"][name] = {"req_s": req_s, "tok_s": tok_s}
+        p["goodput_req_s"] = p["goodput"]["default"]["req_s"]
+        p["goodput_tok_s"] = p["goodput"]["default"]["tok_s"]
+    return {
+        "asked": slo.to_dict(),
+        "unloaded_from": {"policy": base["policy"], "concurrency": base["concurrency"]},
+        **{name: s.to_dict() for name, s in grid.items()},
+    }
+
+
 def analyze(points: list[dict]) -> dict:
     """Per policy: peak throughput and the concurrency where it happens (the knee), the worst
-    throughput past the knee as a fraction of the peak, and recomputed / generated tokens."""
+    throughput past the knee as a fraction of the peak, recomputed / generated tokens, and
+    TPOT p99 at each concurrency against its own unloaded (lowest-concurrency) value."""
     out = {}
     for policy in dict.fromkeys(p["policy"] for p in points):
         mine = sorted((p for p in points if p["policy"] == policy), key=lambda p: p["concurrency"])
         peak = max(mine, key=lambda p: p["throughput_tok_s"])
         past = [p for p in mine if p["concurrency"] > peak["concurrency"]]
         generated = sum(p["generated_tokens"] for p in mine)
+        unloaded_tpot = mine[0]["tpot_p99_s"]
         out[policy] = {
             "peak_tok_s": peak["throughput_tok_s"],
             "knee_concurrency": peak["concurrency"],
@@ -230,27 +333,41 @@ def analyze(points: list[dict]) -> dict:
                 sum(p["recomputed_tokens"] for p in mine) / generated if generated else None
             ),
             "throughput_by_concurrency": {p["concurrency"]: p["throughput_tok_s"] for p in mine},
+            "tpot_p99_vs_unloaded": {
+                p["concurrency"]: p["tpot_p99_s"] / unloaded_tpot if unloaded_tpot else None
+                for p in mine
+            },
         }
     return out
 
 
 def format_table(report: dict) -> str:
+    slo = report.get("slo", {}).get("default")
     lines = [
         f"capacity sweep: {report['model']}, {report['cluster']['prefill']}P"
         f"{report['cluster']['decode']}D, {report['cluster']['num_kv_blocks']} KV blocks of "
-        f"{report['cluster']['block_size']} tokens per decode worker, reasoning workload "
-        f"(mean output {report['workload']['mean_output']} tokens)",
-        f"{'policy':<20} {'conc':>4} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} "
-        f"{'p99':>7} {'preempt':>7} {'recomp':>7} {'spilled MiB':>11} {'err':>4}",
+        f"{report['cluster']['block_size']} tokens per decode worker, {report['workload']['kind']} "
+        f"workload (mean output {report['workload']['mean_output']} tokens); `default` is "
+        f"{report.get('default_policy', '?')}",
+        f"{'policy':<20} {'conc':>4} {'tok/s':>7} {'good r/s':>8} {'TTFT p50':>8} {'p99':>7} "
+        f"{'TPOT p50':>8} {'p99':>7} {'e2e p50':>7} {'p99':>7} {'preempt':>7} {'recomp':>7} "
+        f"{'spill MiB':>9} {'err':>3}",
     ]
     for p in report["points"]:
         lines.append(
-            f"{p['policy']:<20} {p['concurrency']:>4} {p['throughput_tok_s']:>8.1f} "
-            f"{p['ttft_p50_s']:>9.2f} {p['ttft_p99_s']:>8.2f} {p['tpot_p50_s'] * 1e3:>7.0f}ms "
-            f"{p['tpot_p99_s'] * 1e3:>5.0f}ms {p['preemptions']:>7.0f} "
-            f"{p['recomputed_tokens']:>7.0f} {p['spilled_bytes'] / 2**20:>11.1f} {p['errors']:>4}"
+            f"{p['policy']:<20} {p['concurrency']:>4} {p['throughput_tok_s']:>7.1f} "
+            f"{p.get('goodput_req_s', float('nan')):>8.2f} "
+            f"{p['ttft_p50_s']:>8.2f} {p['ttft_p99_s']:>7.2f} {p['tpot_p50_s'] * 1e3:>6.0f}ms "
+            f"{p['tpot_p99_s'] * 1e3:>5.0f}ms {p['e2e_p50_s']:>7.1f} {p['e2e_p99_s']:>7.1f} "
+            f"{p['preemptions']:>7.0f} {p['recomputed_tokens']:>7.0f} "
+            f"{p['spilled_bytes'] / 2**20:>9.1f} {p['errors']:>3}"
         )
     lines.append("")
+    if slo:
+        lines.append(
+            f"SLO goodput (good r/s): TTFT <= {slo['ttft_s']:.2f} s and TPOT <= "
+            f"{slo['tpot_s'] * 1e3:.0f} ms ({report['slo']['asked']})"
+        )
     for policy, a in report["analysis"].items():
         worst = a["worst_past_knee_fraction"]
         lines.append(

@@ -12,6 +12,9 @@ Workloads (seeded; prompt token ids drawn at random from the vocabulary):
               KV budget), clipped to [8, max_output] (default 4 x mean; the sweep keeps
               every request under half a decode worker's pool). Requests run to their
               length (ignore_eos).
+  long-prompt the reasoning outputs after prompts uniform in [192, 320] tokens: contexts
+              long enough that recomputing a preempted request costs several decode
+              steps on a CPU (`pdserve bench preempt-cost`), where the trap shows.
 """
 
 from __future__ import annotations
@@ -44,8 +47,20 @@ TRACE_SCALES = MappingProxyType(
     }
 )
 TRACE_CLIP = ((4, 512), (4, 256))
-WORKLOADS = (*TRACE_SCALES, "uniform", "reasoning")
+WORKLOADS = (*TRACE_SCALES, "uniform", "reasoning", "long-prompt")
 REASONING_SIGMA = 1.0
+PROMPT_RANGE = MappingProxyType({"reasoning": (16, 48), "long-prompt": (192, 320)})
+
+
+def max_prompt_tokens(kind: str) -> int:
+    """The longest prompt a workload kind draws."""
+    if kind in PROMPT_RANGE:
+        return PROMPT_RANGE[kind][1]
+    if kind in TRACE_SCALES:
+        return TRACE_CLIP[0][1]
+    if kind == "uniform":
+        return 256
+    raise ValueError(f"workload: unknown {kind!r}; choose one of {', '.join(WORKLOADS)}")
 
 
 def scale_lengths(kind: str, prompt: int, output: int) -> tuple[int, int]:
@@ -55,14 +70,18 @@ def scale_lengths(kind: str, prompt: int, output: int) -> tuple[int, int]:
 
 
 def reasoning_lengths(
-    n: int, gen: torch.Generator, mean_output: int, max_output: int | None = None
+    n: int,
+    gen: torch.Generator,
+    mean_output: int,
+    max_output: int | None = None,
+    prompts: tuple[int, int] = PROMPT_RANGE["reasoning"],
 ) -> list[tuple[int, int]]:
     cap = max_output if max_output is not None else 4 * mean_output
     # lognormal: mean = exp(mu + sigma^2 / 2)
     mu = math.log(mean_output) - REASONING_SIGMA**2 / 2
     out = []
     for _ in range(n):
-        prompt = int(torch.randint(16, 49, (), generator=gen))
+        prompt = int(torch.randint(prompts[0], prompts[1] + 1, (), generator=gen))
         z = torch.randn((), generator=gen).item()
         length = int(round(math.exp(mu + REASONING_SIGMA * z)))
         out.append((prompt, min(max(length, 8), cap)))
@@ -77,8 +96,8 @@ def _lengths(
     max_output: int | None = None,
     native: bool = False,
 ) -> list[tuple[int, int]]:
-    if kind == "reasoning":
-        return reasoning_lengths(n, gen, mean_output, max_output)
+    if kind in PROMPT_RANGE:
+        return reasoning_lengths(n, gen, mean_output, max_output, PROMPT_RANGE[kind])
     if kind in TRACE_SCALES:
         trace = trace_requests(kind)
         picks = torch.randint(0, len(trace), (n,), generator=gen).tolist()

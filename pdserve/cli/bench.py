@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.cli.common import DEMO_MODEL, WORKLOAD_CHOICES, int_list, print_report
+from pdserve.bench.slo import DEFAULT_SWEEP_SLO
+from pdserve.cli.common import (
+    DEMO_MODEL,
+    WORKLOAD_CHOICES,
+    int_list,
+    print_report,
+    slo_arg,
+    sweep_slo_arg,
+)
 
 
 def cmd_bench_offline(args: argparse.Namespace) -> int:
@@ -53,6 +61,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         replay=args.replay,
         time_scale=args.time_scale,
         trace_path=args.trace,
+        slo=args.slo,
     )
     if args.trace:
         print(f"wrote per-request traces to {args.trace} (plot: pdserve trace {args.trace} --plot)")
@@ -93,6 +102,8 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
         mean_output=args.mean_output,
         seed=args.seed,
         spill_dir=args.spill_dir,
+        workload=args.workload,
+        slo=args.slo,
     )
     print(format_table(report))
     if args.json:
@@ -160,6 +171,9 @@ def add_bench_parser(sub) -> None:
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--json", default=None)
     srv.add_argument("--trace", default=None, help="write each request's spans (JSON lines)")
+    srv.add_argument(
+        "--slo", type=slo_arg, default=None, help="ttft=SECONDS,tpot=SECONDS (default 2, 0.1)"
+    )
     srv.set_defaults(func=cmd_bench_serve)
 
     ti = bench_sub.add_parser("tiers", help="spill/reload throughput per tier vs raw moves")
@@ -184,8 +198,22 @@ def add_bench_parser(sub) -> None:
     sw.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16])
     sw.add_argument(
         "--policy",
-        default="greedy+recompute,kv-aware+tiered",
-        help="comma-separated admission+preemption pairs",
+        default="greedy+recompute,greedy+tiered,default",
+        help="comma-separated admission+preemption pairs; `default` is what a decode worker "
+        "runs when given no policy flags",
+    )
+    sw.add_argument(
+        "--workload",
+        default="reasoning",
+        choices=WORKLOAD_CHOICES,
+        help="reasoning and long-prompt scale their outputs to the KV budget",
+    )
+    sw.add_argument(
+        "--slo",
+        type=sweep_slo_arg,
+        default=None,
+        help=f"ttft=SECONDS,tpot=SECONDS, or multiples of the unloaded p50s "
+        f"(default {DEFAULT_SWEEP_SLO})",
     )
     sw.add_argument("--prefill", type=int, default=1)
     sw.add_argument("--decode", type=int, default=1)

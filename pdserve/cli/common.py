@@ -6,7 +6,14 @@ import argparse
 import os
 
 DEMO_MODEL = "smollm2-135m"
-WORKLOAD_CHOICES = ("azure-conv", "azure-code", "mooncake-conv", "uniform", "reasoning")
+WORKLOAD_CHOICES = (
+    "azure-conv",
+    "azure-code",
+    "mooncake-conv",
+    "uniform",
+    "reasoning",
+    "long-prompt",
+)
 
 
 def int_list(text: str) -> list[int]:
@@ -39,3 +46,27 @@ def model_label(model: str) -> str:
     if base == "config.json":
         base = os.path.basename(os.path.dirname(os.path.abspath(model)))
     return base.removesuffix(".json")
+
+
+def _slo(text: str, relative_ok: bool):
+    from pdserve.bench.slo import parse_slo
+
+    try:
+        slo = parse_slo(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if slo.relative and not relative_ok:
+        raise argparse.ArgumentTypeError(
+            f"expected ttft=SECONDS,tpot=SECONDS here (no unloaded run to scale by), got {text!r}"
+        )
+    return slo
+
+
+def slo_arg(text: str):
+    """argparse type: `ttft=2,tpot=0.05` -> SLO, in seconds."""
+    return _slo(text, relative_ok=False)
+
+
+def sweep_slo_arg(text: str):
+    """argparse type: seconds, or multiples of the unloaded p50s (`ttft=5x,tpot=2x`)."""
+    return _slo(text, relative_ok=True)

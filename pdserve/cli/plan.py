@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.cli.common import model_label, print_report
-from pdserve.cli.sim import slo_arg
+from pdserve.cli.common import model_label, print_report, slo_arg
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from pdserve.bench.slo import SLO
     from pdserve.bench.workload import load_jsonl
     from pdserve.engine.args import EngineArgs
-    from pdserve.sim.load import SLO
     from pdserve.sim.plan import format_plan, plan
     from pdserve.sim.profile import load_profile
     from pdserve.sim.sweep import Load

@@ -155,6 +155,7 @@ def run_decode(args: argparse.Namespace) -> int:
 
 def add_serve_parser(sub) -> None:
     from decode.admission import ADMISSION
+    from decode.config import DEFAULT_ADMISSION, DEFAULT_PREEMPTION
     from pdserve.config import PREEMPTION
     from prefill.config import KV_PUSH
     from transfer import PROCESS_BACKENDS
@@ -198,9 +199,9 @@ def add_serve_parser(sub) -> None:
                 "--spill-host-blocks", type=int, default=None, help="host tier size in blocks"
             )
             if role == "decode":
-                p.add_argument("--admission", default="greedy", choices=ADMISSION.names)
+                p.add_argument("--admission", default=DEFAULT_ADMISSION, choices=ADMISSION.names)
                 p.add_argument("--admission-margin", type=float, default=0.05)
-                p.add_argument("--preemption", default="recompute", choices=PREEMPTION.names)
+                p.add_argument("--preemption", default=DEFAULT_PREEMPTION, choices=PREEMPTION.names)
                 p.add_argument("--spill-cxl-blocks", type=int, default=None)
                 p.add_argument("--spill-disk-blocks", type=int, default=None)
                 p.add_argument("--spill-dir", default=None, help="parent of the spill directory")

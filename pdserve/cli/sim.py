@@ -12,34 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from pdserve.cli.common import int_list, model_label, print_report
+from pdserve.cli.common import int_list, model_label, print_report, slo_arg
 
 DEFAULT_POLICIES = "greedy+recompute,kv-aware+tiered"
 
 
-def slo_arg(text: str):
-    """argparse type: `ttft=2,tpot=0.05` -> SLO."""
-    from pdserve.sim.load import SLO
-
-    fields = {}
-    for part in text.split(","):
-        key, sep, value = part.partition("=")
-        if not sep or key not in ("ttft", "tpot"):
-            raise argparse.ArgumentTypeError(f"expected ttft=SECONDS,tpot=SECONDS, got {text!r}")
-        try:
-            fields[f"{key}_s"] = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{key}: expected seconds, got {value!r}") from None
-        if not fields[f"{key}_s"] > 0:
-            raise argparse.ArgumentTypeError(f"{key}: must be > 0")
-    return SLO(**fields)
-
-
 def setup_from_args(args: argparse.Namespace):
     """The simulator's Setup and Load from the command line (ValueError naming the field)."""
+    from pdserve.bench.slo import SLO
     from pdserve.bench.workload import load_jsonl
     from pdserve.engine.args import EngineArgs
-    from pdserve.sim.load import SLO
     from pdserve.sim.profile import load_profile
     from pdserve.sim.run import Setup, Topology
     from pdserve.sim.sweep import Load

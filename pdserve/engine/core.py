@@ -196,6 +196,20 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def longest_preempted_wait(self) -> int:
+        """Steps the longest-waiting preempted request has waited for room (0: none)."""
+        return self.scheduler.longest_preempted_wait()
+
+    @property
+    def parks_victims(self) -> bool:
+        """Whether a preemption parks the victim's KV in a tier (else it is recomputed)."""
+        return self.scheduler.park_victims
+
+    def tier_stats(self) -> dict[str, dict]:
+        """Per spill tier, in the order parks try them: bytes, seconds, used and capacity."""
+        offloaded = self.kv.offload.stats() if self.kv.offload is not None else None
+        return offloaded.tiers if offloaded is not None else {}
+
     def holds(self, request_id: str) -> bool:
         """Whether the scheduler still has the request (running, waiting, parked)."""
         return self.scheduler.find(request_id) is not None

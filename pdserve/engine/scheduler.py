@@ -57,6 +57,7 @@ class Scheduler:
         self.park_victims = config.preemption != "recompute" and kv.can_park
         self.preemptions = 0
         self.recomputed_tokens = 0
+        self.steps = 0  # schedule() calls: the clock preemption stalls are counted on
 
     # -- requests -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -67,6 +68,7 @@ class Scheduler:
         """A request whose computed tokens' KV is already in its blocks joins the batch."""
         assert request.block_ids, "a running request holds its blocks"
         request.status = RequestStatus.RUNNING
+        request.preempted_at_step = None
         self.running.append(request)
 
     @property
@@ -84,6 +86,7 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        self.steps += 1
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch()
         idx = 0
@@ -126,6 +129,13 @@ class Scheduler:
             budget -= n
         return batch
 
+    def longest_preempted_wait(self) -> int:
+        """Steps the longest-waiting preempted request (parked or to be computed again) has
+        waited for room; 0 when none waits."""
+        since = [r.preempted_at_step for r in self.parked]
+        since += [r.preempted_at_step for r in self.waiting if r.preempted_at_step is not None]
+        return self.steps - min(since) if since else 0
+
     def _make_room(self, req: Request, n: int, batch: ScheduledBatch) -> tuple | None:
         """Preempt from the tail until `req` can grow by n tokens -> its copy-on-write
         pairs, or None if req itself was the victim."""
@@ -166,6 +176,7 @@ class Scheduler:
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         req.metrics.preemptions += 1
         self.preemptions += 1
+        req.preempted_at_step = self.steps
         batch.preempted.append(req)
         req.status = RequestStatus.WAITING
         computed = req.num_computed_tokens

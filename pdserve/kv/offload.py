@@ -250,6 +250,7 @@ class OffloadedKV:
                 **t.stats.__dict__,
                 "used_blocks": t.used_blocks,
                 "capacity": t.capacity_blocks,
+                "block_bytes": t.block_bytes,
             }
             for t in self.tiers
         }

@@ -18,6 +18,10 @@ class VirtualClock:
     def charge(self, seconds: float) -> None:
         self._charged += seconds
 
+    def elapsed(self) -> float:
+        """Now plus what is charged to the step being scheduled (what a timer would read)."""
+        return self.now + self._charged
+
     def take_charges(self) -> float:
         charged, self._charged = self._charged, 0.0
         return charged

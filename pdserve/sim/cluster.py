@@ -288,6 +288,7 @@ class ClusterSim:
         eng = d.engine
         eng.clock.now = now
         out = eng.core.end_step(plan, result)
+        d.state.observe_step(plan, now - began)
         self.steps += 1
         for done in out.finished:
             d.state.observe(done)

@@ -16,6 +16,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from pdserve.bench.serve import percentile
+from pdserve.bench.slo import SLO
 from pdserve.bench.sweep import steady_throughput
 from pdserve.bench.workload import RequestSpec
 
@@ -103,15 +104,6 @@ class Record:
         return self.end_at - self.arrival
 
 
-@dataclass(frozen=True)
-class SLO:
-    ttft_s: float = 2.0
-    tpot_s: float = 0.1
-
-    def met(self, r: Record) -> bool:
-        return r.end is not None and r.ttft_s <= self.ttft_s and r.tpot_s <= self.tpot_s
-
-
 @dataclass
 class Series:
     """Samples over time, thinned to at most `limit` points (every k-th kept)."""
@@ -137,7 +129,7 @@ def summarize(records: list[Record], slo: SLO) -> dict:
     start = min((r.arrival for r in records), default=0.0)
     end = max((r.end for r in ok), default=start)
     steady, window = steady_throughput(records)
-    good = [r for r in ok if slo.met(r)]
+    good = [r for r in ok if slo.meets(r.ttft_s, r.tpot_s)]
     elapsed = end - start
     ttft = [r.ttft_s for r in ok]
     tpot = [r.tpot_s for r in ok if r.output_tokens > 1]

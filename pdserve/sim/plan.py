@@ -23,11 +23,11 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+from pdserve.bench.slo import SLO
 from pdserve.bench.workload import RequestSpec
 from pdserve.config import ModelConfig
 from pdserve.engine.args import EngineArgs
 from pdserve.progress import progress
-from pdserve.sim.load import SLO
 from pdserve.sim.profile import Profile
 from pdserve.sim.run import Setup, Topology, simulate
 

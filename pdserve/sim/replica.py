@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 
 from decode.admission import ADMISSION, KVAwareAdmission
+from decode.costs import PreemptionCosts
 from decode.length_estimator import OutputLengthEstimator
 from pdserve.bench.workload import RequestSpec
 from pdserve.engine.core import EngineCore, StepPlan
@@ -41,9 +42,9 @@ ROUTES = ("headroom", "round-robin")
 def make_admission(policy: str, core: EngineCore, margin: float = 0.05):
     """The admission gate of a colocated replica (None: greedy, every request straight in)."""
     cls = ADMISSION[policy]
-    if cls is not KVAwareAdmission:
+    if not issubclass(cls, KVAwareAdmission):
         return None
-    return cls(core, OutputLengthEstimator(), margin)
+    return cls(core, OutputLengthEstimator(), margin, PreemptionCosts())
 
 
 class Replica:
@@ -75,6 +76,12 @@ class Replica:
             self.admission.headroom(held) if self.admission is not None else self.core.free_blocks
         )
         return room, -len(self.pending)
+
+    def stepped(self, plan: StepPlan, seconds: float) -> None:
+        """A step's run took `seconds` (the cost-aware policy learns its costs from it)."""
+        costs = getattr(self.admission, "costs", None)
+        if costs is not None:
+            costs.observe_chunks(seconds, plan.batch.chunks)
 
     @property
     def busy(self) -> bool:
@@ -131,7 +138,10 @@ def run_real(
             began = time.monotonic() - t0
             plan = core.begin_step()
             if plan is not None:
-                out = core.end_step(plan, core.run(plan))
+                ran = time.monotonic()
+                result = core.run(plan)
+                replica.stepped(plan, time.monotonic() - ran)
+                out = core.end_step(plan, result)
                 end = time.monotonic() - t0
                 if samples is not None:
                     start = last_end if last_end is not None else began
@@ -212,6 +222,7 @@ def run_sim(
                 elapsed = now - eng.clock.now
                 eng.clock.now = now
                 out = eng.core.end_step(plan, result)
+                rep.stepped(plan, elapsed)
                 steps += 1
                 if step_log is not None:
                     step_log.append(out)

@@ -33,6 +33,9 @@ class SimTier(Tier):
         self.stats.spilled_bytes += nbytes
         self.clock.charge(self.cost.seconds(nbytes, reload=False))
 
+    def timer(self) -> float:
+        return self.clock.elapsed()
+
     def get(self, key: Hashable) -> torch.Tensor:
         raise TierError("a simulated tier holds no bytes")
 

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from pdserve.bench.report import machine_info
+from pdserve.bench.slo import SLO
 from pdserve.bench.workload import RequestSpec, prompts_for, specs_of
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
-from pdserve.sim.load import SLO, summarize
+from pdserve.sim.load import summarize
 from pdserve.sim.profile import Profile
 from pdserve.sim.replica import Replica, make_admission, run_real
 from pdserve.sim.run import Setup, Topology, policy_args, simulate

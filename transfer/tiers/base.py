@@ -14,6 +14,7 @@ serve those bytes.
 from __future__ import annotations
 
 import math
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -75,6 +76,8 @@ class TierStats:
     spills: int = 0
     reloads: int = 0
     failures: int = 0
+    spill_s: float = 0.0  # time spent in successful puts (packing included) and gets
+    reload_s: float = 0.0
 
 
 class Tier(ABC):
@@ -86,6 +89,10 @@ class Tier(ABC):
         self.capacity_blocks = capacity_blocks
         self.block_bytes = block_bytes
         self.stats = TierStats()
+
+    def timer(self) -> float:
+        """The clock spill and reload times are measured on (a simulated tier's is virtual)."""
+        return time.perf_counter()
 
     @abstractmethod
     def put(self, key: Hashable, data: torch.Tensor | BlockSource) -> None:

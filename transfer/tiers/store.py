@@ -44,6 +44,7 @@ def place(tiers: Sequence[Tier], key: Hashable, data: torch.Tensor | BlockSource
     takes it) in the first tier with room -> that tier."""
     reasons = []
     for tier in tiers:
+        began = tier.timer()
         try:
             tier.put(key, data)
         except TierFull as e:
@@ -53,6 +54,7 @@ def place(tiers: Sequence[Tier], key: Hashable, data: torch.Tensor | BlockSource
             log.warning("spill of %s skipped the %s tier: %s", key, tier.name, e)
             reasons.append(str(e))
             continue
+        tier.stats.spill_s += tier.timer() - began
         return tier
     raise SpillFailed(f"no tier took {key!r}: " + "; ".join(reasons or ["no tiers"]))
 
@@ -60,8 +62,11 @@ def place(tiers: Sequence[Tier], key: Hashable, data: torch.Tensor | BlockSource
 def read_into(tier: Tier, key: Hashable, sink: Callable[[torch.Tensor, int, int], None]) -> int:
     """Hand the entry's blocks to sink(rows, start, stop) piece by piece (Tier.get_into);
     the entry stays in the tier. -> the number of blocks."""
+    began = tier.timer()
     try:
-        return tier.get_into(key, sink)
+        n = tier.get_into(key, sink)
     except TierError as e:
         log.warning("reload of %s from the %s tier failed: %s", key, tier.name, e)
         raise ReloadFailed(str(e)) from None
+    tier.stats.reload_s += tier.timer() - began
+    return n
