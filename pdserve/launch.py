@@ -5,6 +5,8 @@ router address, and stops everything on SIGINT/SIGTERM (or on `close()`), leavin
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -15,6 +17,24 @@ import grpc
 
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with(parent: int):
+    """A preexec_fn: the child gets SIGTERM when `parent` dies, however it dies (a SIGKILL
+    leaves no chance to run close()). Linux only; elsewhere None (close() still stops it).
+    libc is loaded here, in the parent: the child only makes the call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return functools.partial(_set_parent_death_signal, prctl, parent)
+
+
+def _set_parent_death_signal(prctl, parent: int) -> None:
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the call: nobody would signal us
+        os._exit(1)
 
 
 class Cluster:
@@ -60,6 +80,7 @@ class Cluster:
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,  # its own process group: close() reaches its children
+            preexec_fn=_die_with(os.getpid()),  # and a killed parent takes them along
         )
         self.procs.append(proc)
         line = proc.stdout.readline()

@@ -244,3 +244,42 @@ def test_an_idle_cluster_uses_almost_no_cpu(transfer):
         used, elapsed = cluster.cpu_seconds(), time.monotonic() - started
     share = {name: (used[name] - before[name]) / elapsed for name in used}
     assert len(share) == 4 and all(s < 0.05 for s in share.values()), share
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    """A launcher killed with SIGKILL runs no cleanup: its children still go (PDEATHSIG)."""
+    import signal
+    import subprocess
+    import sys
+
+    pidfile = tmp_path / "child.pid"
+    launcher = (
+        "import os, subprocess, sys\n"
+        "from pdserve.launch import _die_with\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],"
+        " preexec_fn=_die_with(os.getpid()), start_new_session=True)\n"
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+        "import time; time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", launcher])
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline, "the launcher did not start its child"
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        # a zombie (dead, not yet reaped by init) counts as gone
+        with open(f"/proc/{child}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        if time.monotonic() > deadline:
+            os.kill(child, signal.SIGKILL)
+            raise AssertionError("the child outlived its killed launcher")
+        time.sleep(0.05)

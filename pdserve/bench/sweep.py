@@ -20,7 +20,7 @@ import urllib.request
 from types import MappingProxyType
 
 from decode.config import DEFAULT_ADMISSION, DEFAULT_PREEMPTION
-from pdserve.bench.report import machine_info
+from pdserve.bench.report import machine_info, write_json
 from pdserve.bench.serve import _drive, percentile
 from pdserve.bench.slo import DEFAULT_SWEEP_SLO, SLO, goodput, parse_slo
 from pdserve.bench.workload import make_workload, max_prompt_tokens
@@ -198,11 +198,13 @@ def bench_sweep(
     spill_dir: str | None = None,
     workload: str = "reasoning",
     slo: SLO | None = None,
+    partial_json: str | None = None,
 ) -> dict:
     """`mean_output` defaults to a quarter of one decode worker's KV budget in tokens, so a
     handful of requests fill it: the trap appears at small concurrency on a small machine.
     `slo` (default DEFAULT_SWEEP_SLO) may be relative: multiples of the unloaded TTFT and
-    TPOT p50, those of the first policy's lowest concurrency."""
+    TPOT p50, those of the first policy's lowest concurrency. `partial_json`: the report so
+    far is written there after every point (a sweep stopped midway keeps what it measured)."""
     from pdserve.launch import Cluster
     from pdserve.weights import resolve
 
@@ -221,7 +223,33 @@ def bench_sweep(
             f"{workload} prompt (up to {max_prompt_tokens(workload)} tokens) and its output"
         )
     vocab = resolve(model).config.vocab_size
-    points = []
+    points: list[dict] = []
+
+    def report(points: list[dict]) -> dict:
+        return {
+            "benchmark": "sweep",
+            "model": model,
+            "cluster": {
+                "prefill": prefill,
+                "decode": decode,
+                "num_kv_blocks": num_kv_blocks,
+                "block_size": block_size,
+            },
+            "workload": {
+                "kind": workload,
+                "mean_output": mean_output,
+                "max_output": max_output,
+                "seed": seed,
+                "requests_per_client": requests_per_client,
+                "min_requests": min_requests,
+            },
+            "default_policy": f"{DEFAULT_ADMISSION}+{DEFAULT_PREEMPTION}",
+            "slo": apply_slo(points, slo),
+            "machine": machine_info(),
+            "points": points,
+            "analysis": analyze(points),
+        }
+
     bar = progress(total=len(policies) * len(concurrency), desc="bench sweep", unit="point")
     for policy in policies:
         decode_args = policy_flags(policy)
@@ -252,31 +280,10 @@ def bench_sweep(
                 )
                 points.append(point)
                 bar.update(1)
+                if partial_json:
+                    write_json(report(points), partial_json)
     bar.close()
-    slos = apply_slo(points, slo)
-    return {
-        "benchmark": "sweep",
-        "model": model,
-        "cluster": {
-            "prefill": prefill,
-            "decode": decode,
-            "num_kv_blocks": num_kv_blocks,
-            "block_size": block_size,
-        },
-        "workload": {
-            "kind": workload,
-            "mean_output": mean_output,
-            "max_output": max_output,
-            "seed": seed,
-            "requests_per_client": requests_per_client,
-            "min_requests": min_requests,
-        },
-        "default_policy": f"{DEFAULT_ADMISSION}+{DEFAULT_PREEMPTION}",
-        "slo": slos,
-        "machine": machine_info(),
-        "points": points,
-        "analysis": analyze(points),
-    }
+    return report(points)
 
 
 def apply_slo(points: list[dict], slo: SLO) -> dict:

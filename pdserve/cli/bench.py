@@ -104,6 +104,7 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
         spill_dir=args.spill_dir,
         workload=args.workload,
         slo=args.slo,
+        partial_json=args.json,
     )
     print(format_table(report))
     if args.json:

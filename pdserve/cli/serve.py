@@ -69,7 +69,10 @@ def run_router(args: argparse.Namespace) -> int:
     )
     service = RouterService(config, source.config.vocab_size, source.tokenizer)
     server, port = start_server(
-        lambda s: rpc.add_RouterServicer_to_server(service, s), args.host, args.port
+        lambda s: rpc.add_RouterServicer_to_server(service, s),
+        args.host,
+        args.port,
+        held_calls=config.max_queue,  # Generate streams the router admits at once
     )
     metrics_port = serve_metrics(service.metrics.registry, args.host, args.metrics_port)
     http = None

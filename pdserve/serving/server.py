@@ -13,9 +13,14 @@ from pdserve.rpc import pdserve_pb2 as pb
 SERVER_THREADS = 64
 
 
-def start_server(add_servicer: Callable[[grpc.Server], None], host: str, port: int):
-    """-> (server, bound port). Port 0 asks the OS for a free one."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=SERVER_THREADS))
+def start_server(
+    add_servicer: Callable[[grpc.Server], None], host: str, port: int, held_calls: int = 0
+):
+    """-> (server, bound port). Port 0 asks the OS for a free one. `held_calls`: how many
+    long calls (streams) may hold a thread at once; SERVER_THREADS more stay for short ones
+    (a router whose threads all held streams could not take the workers' heartbeats, and
+    routed on what it knew when they stopped: the capacity sweep hung at 64 clients)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=held_calls + SERVER_THREADS))
     add_servicer(server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
