@@ -265,3 +265,47 @@ def test_bench_preempt_cost_reports_recompute_and_swap_in_decode_steps(tmp_path)
 def test_bench_preempt_cost_refuses_bad_contexts():
     proc = run_cli("bench", "preempt-cost", "--model", "tiny-llama", "--contexts", "1")
     assert proc.returncode == 2 and "contexts" in proc.stderr
+
+
+def test_bench_rescore_applies_another_slo_to_a_sweep_report(tmp_path):
+    def point(policy, c, ttft, tpot):
+        return {
+            "policy": policy,
+            "concurrency": c,
+            "num_requests": 2,
+            "errors": 0,
+            "elapsed_s": 10.0,
+            "generated_tokens": 20,
+            "throughput_tok_s": 2.0,
+            "recomputed_tokens": 0,
+            "preemptions": 0,
+            "spilled_bytes": 0,
+            **{
+                f"{m}_p{q}_s": v
+                for m, v in (("ttft", ttft), ("tpot", tpot), ("e2e", 1.0))
+                for q in (50, 99)
+            },
+            "requests": [{"ttft_s": ttft, "tpot_s": tpot, "e2e_s": 1.0, "output_tokens": 10}] * 2,
+        }
+
+    report = {
+        "model": "m",
+        "cluster": {"prefill": 1, "decode": 1, "num_kv_blocks": 8, "block_size": 16},
+        "workload": {"kind": "reasoning", "mean_output": 10},
+        "points": [point("a", 1, 0.5, 0.1), point("a", 4, 3.0, 0.1)],
+        "analysis": {},
+    }
+    src, out = tmp_path / "sweep.json", tmp_path / "rescored.json"
+    src.write_text(json.dumps(report))
+    proc = run_cli("bench", "rescore", str(src), "--slo", "ttft=4,tpot=0.2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())
+    assert [p["goodput_req_s"] for p in got["points"]] == [0.2, 0.2]
+    assert got["slo"]["default"] == {"ttft_s": 4.0, "tpot_s": 0.2, "relative": False}
+    assert got["slo"]["tpot-only"]["ttft_s"] is None
+    # relative: 5 x 0.5 s TTFT -> the second point's 3 s fails
+    proc = run_cli("bench", "rescore", str(src), "--json", str(out))
+    assert [p["goodput_req_s"] for p in json.loads(out.read_text())["points"]] == [0.2, 0.0]
+    src.write_text(json.dumps({"points": [{"policy": "a"}]}))
+    proc = run_cli("bench", "rescore", str(src))
+    assert proc.returncode != 0 and "no per-request records" in proc.stderr

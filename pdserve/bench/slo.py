@@ -43,7 +43,13 @@ class SLO:
         return f"TTFT <= {self.ttft_s:g}{unit}, TPOT <= {self.tpot_s:g}{unit}"
 
     def to_dict(self) -> dict:
-        return {"ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "relative": self.relative}
+        """JSON-ready: an unbounded target is null."""
+        finite = lambda v: v if v != float("inf") else None  # noqa: E731
+        return {
+            "ttft_s": finite(self.ttft_s),
+            "tpot_s": finite(self.tpot_s),
+            "relative": self.relative,
+        }
 
 
 def parse_slo(text: str) -> SLO:

@@ -116,6 +116,25 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_rescore(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from pdserve.bench.slo import parse_slo
+    from pdserve.bench.sweep import format_table, rescore
+
+    try:
+        report = json.loads(Path(args.report).read_text())
+        points = report["points"]
+        if not points or "requests" not in points[0] or not isinstance(points[0]["requests"], list):
+            raise ValueError("it has no per-request records (written by an older sweep?)")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"pdserve: error: report: {args.report}: {e}") from None
+    return print_report(
+        rescore(report, args.slo or parse_slo(DEFAULT_SWEEP_SLO)), format_table, args.json
+    )
+
+
 def cmd_bench_sim_vs_real(args: argparse.Namespace) -> int:
     from pdserve.sim.profile import load_profile
     from pdserve.sim.vs_real import bench_sim_vs_real, format_table
@@ -232,6 +251,14 @@ def add_bench_parser(sub) -> None:
     sw.add_argument("--json", default=None)
     sw.add_argument("--plot", default=None, help="directory for the PNG plots")
     sw.set_defaults(func=cmd_bench_sweep)
+
+    rs = bench_sub.add_parser(
+        "rescore", help="a sweep's goodput again under another SLO, from its request records"
+    )
+    rs.add_argument("report", help="a bench sweep JSON report")
+    rs.add_argument("--slo", type=sweep_slo_arg, default=None, help=f"default {DEFAULT_SWEEP_SLO}")
+    rs.add_argument("--json", default=None)
+    rs.set_defaults(func=cmd_bench_rescore)
 
     svr = bench_sub.add_parser(
         "sim-vs-real", help="the simulator against real runs of the engine (and a cluster)"
