@@ -22,8 +22,11 @@ def build_model(
     weights=None,
     load: bool = True,
 ) -> CausalLM:
-    """Instantiate the model on `device` in `dtype` and load `weights` (name, tensor) pairs."""
-    model = MODEL_CLASSES[config.architecture](config)
+    """Instantiate the model on `device` in `dtype` and load `weights` (name, tensor) pairs.
+    Parameters are made on the device itself: an 8B-parameter model is not first built (and
+    initialised) in host memory."""
+    with torch.device(device):
+        model = MODEL_CLASSES[config.architecture](config)
     if load:
         model.load_weights(weights)
     model.to(device=device, dtype=dtype)

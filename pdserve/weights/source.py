@@ -24,6 +24,9 @@ class ModelSource:
     hf_model_type: str | None = None
 
 
+RANDOM_PREFIX = "random:"  # random:CONFIG.json: that architecture, seeded random weights
+
+
 def resolve(model: str) -> ModelSource:
     from pdserve.weights import presets
 
@@ -31,6 +34,8 @@ def resolve(model: str) -> ModelSource:
         raise ValueError(f"model: expected a preset name or a path, got {model!r}")
     if model in presets.PRESETS:
         return presets.load_preset(model)
+    if model.startswith(RANDOM_PREFIX):
+        return presets.random_model(model[len(RANDOM_PREFIX) :])
     path = Path(model).expanduser()
     if path.is_dir():
         from pdserve.weights.hf_checkpoint import load_hf_checkpoint
@@ -45,7 +50,7 @@ def resolve(model: str) -> ModelSource:
     names = ", ".join(sorted(presets.PRESETS))
     raise ValueError(
         f"model: {model!r} is neither a preset ({names}), nor a checkpoint directory, "
-        f"nor a .gguf file"
+        f"nor a .gguf file, nor random:CONFIG.json"
     )
 
 

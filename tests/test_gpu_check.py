@@ -1,0 +1,36 @@
+"""scripts/gpu-check.sh, dry-run on this CPU: every section runs with a tiny model and small
+sizes, writes its JSON and reports its exit status, so that the GPU session's one run is
+known to work before a GPU is lent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_gpu_check_runs_every_section_on_a_cpu(tmp_path):
+    env = dict(os.environ, GPU_CHECK_DRY_RUN="1", RESULTS=str(tmp_path), PYTHON=sys.executable)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu-check.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = (tmp_path / "gpu-check.log").read_text()
+    assert "== bench preempt-cost (tiny-llama): exit 0" in log, log
+    assert "== kernel tests (-m gpu): exit" in log  # skipped inside pytest without CUDA
+    cost = json.loads((tmp_path / "preempt-cost.json").read_text())
+    assert [r["context"] for r in cost["rows"]] == [64, 256]
+    assert all(r["decode_step_s"] > 0 and r["recompute_s"] > 0 for r in cost["rows"])
+    assert "== bench sweep (tiny-llama): exit 0" in log, log
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    policies = {p["policy"] for p in sweep["points"]}
+    assert policies == {"greedy+recompute", "greedy+tiered", "default"}
+    assert all(p["errors"] == 0 and "goodput_req_s" in p for p in sweep["points"])
