@@ -136,3 +136,42 @@ def test_mistral_sliding_window_caps_the_model_length(hf_checkpoints):
     directory, _ = hf_checkpoints("mistral")
     # full attention equals sliding-window attention within one window
     assert LLM(str(directory)).model_config.max_position == 512
+
+
+def test_a_random_model_of_a_config_file_is_the_preset_of_that_shape(tmp_path):
+    """random:CONFIG.json builds that architecture with the presets' seeded weights: for
+    tiny-llama's own shape, the same weights and so the same greedy tokens."""
+    import json
+
+    from pdserve import LLM, SamplingParams
+    from pdserve.weights import resolve
+    from pdserve.weights.presets import TINY_CONFIGS
+
+    c = TINY_CONFIGS["tiny-llama"]
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": c.hidden_size,
+                "intermediate_size": c.intermediate_size,
+                "num_hidden_layers": c.num_layers,
+                "num_attention_heads": c.num_heads,
+                "num_key_value_heads": c.num_kv_heads,
+                "head_dim": c.head_dim,
+                "vocab_size": c.vocab_size,
+                "max_position_embeddings": c.max_position,
+                "rope_theta": c.rope.theta,
+                "rms_norm_eps": c.rms_norm_eps,
+                "tie_word_embeddings": c.tie_word_embeddings,
+            }
+        )
+    )
+    source = resolve(f"random:{config}")
+    assert source.config.num_kv_heads == c.num_kv_heads and source.name.startswith("random:")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = [[5, 6, 7, 8, 9]]
+    got = LLM(f"random:{config}").generate(prompt, params)[0].token_ids
+    assert got == LLM("tiny-llama").generate(prompt, params)[0].token_ids
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve(f"random:{tmp_path / 'missing.json'}")
