@@ -94,6 +94,9 @@ class GreedyAdmission:
         costs: PreemptionCosts | None = None,
     ) -> None:
         self.pool = pool
+        self.estimator = estimator
+        self.margin = margin
+        self.costs = costs or PreemptionCosts()  # what cost-aware reads; measured by the worker
 
     def headroom(self, held: Sequence[HeldRequest]) -> int:
         return self.pool.free_blocks
@@ -111,17 +114,6 @@ class GreedyAdmission:
 
 class KVAwareAdmission(GreedyAdmission):
     """Admit while every held request's expected growth still fits."""
-
-    def __init__(
-        self,
-        pool: PoolView,
-        estimator: OutputLengthEstimator,
-        margin: float,
-        costs: PreemptionCosts | None = None,
-    ) -> None:
-        super().__init__(pool, estimator, margin)
-        self.estimator = estimator
-        self.margin = margin
 
     @property
     def budget(self) -> int:
@@ -180,15 +172,8 @@ class CostAwareAdmission(KVAwareAdmission):
     Z = 1.0  # the tail the tiers must hold: demand this many standard deviations up
     STALL = 0.25  # of a typical lifetime, the longest a preempted request waits for new ones
 
-    def __init__(
-        self,
-        pool: PoolView,
-        estimator: OutputLengthEstimator,
-        margin: float,
-        costs: PreemptionCosts | None = None,
-    ) -> None:
-        super().__init__(pool, estimator, margin)
-        self.costs = costs or PreemptionCosts()
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.inputs = PolicyInputs()
 
     def _lifetime(self, max_tokens: int) -> float:
