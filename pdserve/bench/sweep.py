@@ -378,12 +378,18 @@ def analyze(points: list[dict]) -> dict:
 
 def format_table(report: dict) -> str:
     slo = report.get("slo", {}).get("default")
+    kind = report["workload"]["kind"]
+    # only the synthetic workloads scale their outputs to the pool; a trace keeps its own
+    lengths = (
+        f" (mean output {report['workload']['mean_output']} tokens)"
+        if kind in ("reasoning", "long-prompt")
+        else ""
+    )
     lines = [
         f"capacity sweep: {report['model']}, {report['cluster']['prefill']}P"
         f"{report['cluster']['decode']}D, {report['cluster']['num_kv_blocks']} KV blocks of "
-        f"{report['cluster']['block_size']} tokens per decode worker, {report['workload']['kind']} "
-        f"workload (mean output {report['workload']['mean_output']} tokens); `default` is "
-        f"{report.get('default_policy', '?')}",
+        f"{report['cluster']['block_size']} tokens per decode worker, {kind} workload"
+        f"{lengths}; `default` is {report.get('default_policy', '?')}",
         f"{'policy':<20} {'conc':>4} {'tok/s':>7} {'good r/s':>8} {'TPOT-ok':>7} "
         f"{'TTFT p50':>8} {'p99':>7} "
         f"{'TPOT p50':>8} {'p99':>7} {'e2e p50':>7} {'p99':>7} {'preempt':>7} {'recomp':>7} "
