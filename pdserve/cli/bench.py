@@ -88,7 +88,10 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
     from pdserve.bench.sweep import bench_sweep, format_table
     from pdserve.bench.sweep_plots import plot_sweep
 
-    concurrency = args.concurrency
+    # --quick: fewer, smaller points unless asked otherwise (a pool of 16 blocks fills at a
+    # few clients, so the trap still shows)
+    concurrency = args.concurrency or ([1, 4, 16] if args.quick else [1, 2, 4, 8, 16])
+    num_kv_blocks = args.num_kv_blocks or (16 if args.quick else 48)
     policies = [p for p in args.policy.split(",") if p]
     report = bench_sweep(
         args.model,
@@ -96,7 +99,7 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
         concurrency,
         prefill=args.prefill,
         decode=args.decode,
-        num_kv_blocks=args.num_kv_blocks,
+        num_kv_blocks=num_kv_blocks,
         requests_per_client=1 if args.quick else args.requests_per_client,
         min_requests=3 if args.quick else 4,
         mean_output=args.mean_output,
@@ -215,7 +218,9 @@ def add_bench_parser(sub) -> None:
 
     sw = bench_sub.add_parser("sweep", help="throughput and latency vs concurrency per policy")
     sw.add_argument("--model", default=DEMO_MODEL)
-    sw.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16])
+    sw.add_argument(
+        "--concurrency", type=int_list, default=None, help="default 1,2,4,8,16 (--quick: 1,4,16)"
+    )
     sw.add_argument(
         "--policy",
         default="greedy+recompute,greedy+tiered,default",
@@ -237,7 +242,9 @@ def add_bench_parser(sub) -> None:
     )
     sw.add_argument("--prefill", type=int, default=1)
     sw.add_argument("--decode", type=int, default=1)
-    sw.add_argument("--num-kv-blocks", type=int, default=48, help="per decode worker")
+    sw.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="per decode worker (default 48; --quick 16)"
+    )
     sw.add_argument(
         "--mean-output",
         type=int,

@@ -37,9 +37,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     dropped_tokens: int = 0  # KV dropped by a preemption, not yet computed again
-    preempted_at_step: int | None = (
-        None  # the scheduler step of its last preemption, until it runs again
-    )
+    # the scheduler step of its last preemption, until it runs again
+    preempted_at_step: int | None = None
     # prefix caching: the chain hashes of its full blocks (by content, kept across
     # preemptions) and how many leading blocks of block_ids are registered or were hits
     block_hashes: list[int] = field(default_factory=list)
