@@ -18,7 +18,11 @@ def prefill_worker(model: str, worker_id: str, backend: str, args: EngineArgs, *
 
 
 def decode_worker(model: str, worker_id: str, backend: str, args: EngineArgs, **config):
+    """A decode worker in this process. Admission is greedy unless given: these tests pin
+    the block protocol, whose refusals are greedy's (blocks free now); the default policy
+    (cost-aware) is tested on its own (tests/test_admission.py) and through the sweep."""
     agent = make_agent(backend, worker_id)
+    config.setdefault("admission", "greedy")
     return DecodeWorker.build(model, args, DecodeConfig(worker_id, **config), agent)
 
 
