@@ -48,7 +48,7 @@ heartbeat).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from decode.costs import PreemptionCosts
@@ -83,8 +83,25 @@ class PoolView(Protocol):
     def tier_stats(self) -> dict[str, dict]: ...
 
 
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What the cost-aware policy decided from, at its last look (exported as gauges)."""
+
+    step_s: float | None = None
+    recompute_s_per_token: float | None = None
+    park_s_per_block: dict[str, float | None] = field(default_factory=dict)
+    tier_free_blocks: int = 0
+    overcommit_blocks: int = 0  # R
+    demand_blocks: int = 0  # D_mean of the held requests
+    demand_sd_blocks: float = 0.0
+    stall_limit_steps: int = 0
+    longest_stall_steps: int = 0
+
+
 class GreedyAdmission:
     """Admit whenever the prompt's blocks are free now."""
+
+    inputs: PolicyInputs | None = None  # what the policy decided from (cost-aware only)
 
     def __init__(
         self,
@@ -150,21 +167,6 @@ class KVAwareAdmission(GreedyAdmission):
         return None
 
 
-@dataclass(frozen=True)
-class PolicyInputs:
-    """What the cost-aware policy decided from, at its last look (exported as gauges)."""
-
-    step_s: float | None = None
-    recompute_s_per_token: float | None = None
-    park_s_per_block: dict[str, float | None] = field(default_factory=dict)
-    tier_free_blocks: int = 0
-    overcommit_blocks: int = 0  # R
-    demand_blocks: int = 0  # D_mean of the held requests
-    demand_sd_blocks: float = 0.0
-    stall_limit_steps: int = 0
-    longest_stall_steps: int = 0
-
-
 class CostAwareAdmission(KVAwareAdmission):
     """kv-aware, overcommitted by what parking costs here (the formula above)."""
 
@@ -194,55 +196,51 @@ class CostAwareAdmission(KVAwareAdmission):
             var += v
         return total, var**0.5 / self.pool.block_size
 
-    def _overcommit(self, lifetime: float, demand_sd: float) -> int:
-        """R: blocks of expected demand the tiers may carry above the pool. The tiers are
-        filled in the order parks use them, each while the parking-time budget
-        (PARK_OVERHEAD * L * step_s) lasts; a tier that has not moved a block yet costs
-        nothing until it has, one slower than recomputing the block ends the walk."""
+    def _room(self, lifetime: float) -> tuple[float, dict[str, float | None], dict[str, int]]:
+        """(ROOM, park_s per tier, free blocks per tier). The tiers are filled in the order
+        parks use them, each while the parking-time budget (PARK_OVERHEAD * L * step_s)
+        lasts; a tier that has not moved a block yet costs nothing until it has, one slower
+        than recomputing the block ends the walk."""
         costs, tiers = self.costs, self.pool.tier_stats()
         park_s = {name: costs.park_s_per_block(t) for name, t in tiers.items()}
         free = {name: max(0, t["capacity"] - t["used_blocks"]) for name, t in tiers.items()}
+        if not self.pool.parks_victims:
+            return 0.0, park_s, free
+        budget_s = (
+            float("inf") if costs.step_s is None else self.PARK_OVERHEAD * lifetime * costs.step_s
+        )
+        recompute_block = (
+            None
+            if costs.recompute_s_per_token is None
+            else costs.recompute_s_per_token * self.pool.block_size
+        )
         room = 0.0
-        if self.pool.parks_victims:
-            budget_s = (
-                float("inf")
-                if costs.step_s is None
-                else self.PARK_OVERHEAD * lifetime * costs.step_s
-            )
-            recompute = costs.recompute_s_per_token
-            for name in tiers:
-                c = park_s[name]
-                if (
-                    c is not None
-                    and recompute is not None
-                    and c >= recompute * self.pool.block_size
-                ):
-                    break  # slower than computing the block again: no overcommit into it
-                if not c:
-                    room += free[name]
-                    continue
-                take = min(free[name], budget_s / c)
-                room += take
-                budget_s -= take * c
-        r = max(0, int(room - self.Z * demand_sd))
+        for name, c in park_s.items():
+            if c is not None and recompute_block is not None and c >= recompute_block:
+                break  # slower than computing the block again: no overcommit into it
+            take = free[name] if not c else min(free[name], budget_s / c)
+            room += take
+            budget_s -= take * (c or 0.0)
+        return room, park_s, free
+
+    def _limit(self, held: Sequence[HeldRequest], max_tokens: int) -> tuple[int, int]:
+        """(D_mean of `held`, the most it may reach: budget + R); records the inputs."""
+        lifetime = self._lifetime(max_tokens)
+        demand, sd = self._demand(held)
+        room, park_s, free = self._room(lifetime)
+        r = max(0, int(room - self.Z * sd))
         self.inputs = PolicyInputs(
-            step_s=costs.step_s,
-            recompute_s_per_token=costs.recompute_s_per_token,
+            step_s=self.costs.step_s,
+            recompute_s_per_token=self.costs.recompute_s_per_token,
             park_s_per_block=park_s,
             tier_free_blocks=sum(free.values()),
             overcommit_blocks=r,
-            demand_sd_blocks=demand_sd,
+            demand_blocks=demand,
+            demand_sd_blocks=sd,
             stall_limit_steps=int(self.STALL * lifetime),
             longest_stall_steps=self.pool.longest_preempted_wait(),
         )
-        return r
-
-    def _limit(self, held: Sequence[HeldRequest], max_tokens: int) -> tuple[int, int]:
-        """(D_mean of `held`, the most D_mean may reach)."""
-        demand, sd = self._demand(held)
-        limit = self.budget + self._overcommit(self._lifetime(max_tokens), sd)
-        self.inputs = replace(self.inputs, demand_blocks=demand)
-        return demand, limit
+        return demand, self.budget + r
 
     def headroom(self, held: Sequence[HeldRequest]) -> int:
         demand, limit = self._limit(held, max((h.max_tokens for h in held), default=1))
@@ -259,8 +257,8 @@ class CostAwareAdmission(KVAwareAdmission):
                 f"a preempted request has waited {stall} steps for room "
                 f"(more than {limit_steps:.0f}; cost-aware admission)"
             )
-        _, limit = self._limit(held, max_tokens)
-        demand = self.projected_blocks([*held, self._new(prompt, max_tokens)])
+        # one pass over everyone held, the new request included (its spread counts too)
+        demand, limit = self._limit([*held, self._new(prompt, max_tokens)], max_tokens)
         if demand > limit:
             return f"projected KV demand {demand} blocks exceeds {limit} (cost-aware admission)"
         return None

@@ -35,12 +35,10 @@ class PreemptionCosts:
     def __init__(self) -> None:
         self.step_s: float | None = None
         self.recompute_s_per_token: float | None = None
-        self.steps = 0
 
     def observe_step(self, seconds: float, decode_seqs: int, prefill_tokens: int) -> None:
         if seconds <= 0:
             return
-        self.steps += 1
         if prefill_tokens == 0:
             if decode_seqs:
                 self.step_s = _ewma(self.step_s, seconds)

@@ -188,7 +188,7 @@ class DecodeWorker:
         for done in out.finished:
             self._close(done)
         self.metrics.account(self.core.stats())
-        self.metrics.account_policy(getattr(self.state.admission, "inputs", None))
+        self.metrics.account_policy(self.state.admission.inputs)
 
     def _close(self, done: FinishedRequest) -> None:
         self.state.observe(done)

@@ -57,48 +57,46 @@ def parse_policy(policy: str) -> tuple[str, str]:
     return admission, preemption
 
 
-def scrape(addresses: list[str]) -> dict[str, float]:
-    """Sum of the decode workers' counters (and spill blocks in use) right now."""
+def _samples(address: str):
+    """Every sample a worker's /metrics endpoint serves now."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    for family in text_string_to_metric_families(body):
+        yield from family.samples
+
+
+def scrape(addresses: list[str]) -> dict[str, float]:
+    """Sum of the decode workers' counters (and spill blocks in use) right now."""
     totals = {k: 0.0 for k in COUNTERS} | {"spill_used_blocks": 0.0}
     names = {v: k for k, v in COUNTERS.items()}
     for address in addresses:
-        body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-        for family in text_string_to_metric_families(body):
-            for sample in family.samples:
-                if sample.name in names:
-                    totals[names[sample.name]] += sample.value
-                elif sample.name == "pdserve_decode_spill_used_blocks":
-                    totals["spill_used_blocks"] += sample.value
+        for sample in _samples(address):
+            if sample.name in names:
+                totals[names[sample.name]] += sample.value
+            elif sample.name == "pdserve_decode_spill_used_blocks":
+                totals["spill_used_blocks"] += sample.value
     return totals
 
 
-POLICY_GAUGES = MappingProxyType(
-    {
-        "pdserve_decode_policy_step_seconds": "step_s",
-        "pdserve_decode_policy_recompute_seconds_per_token": "recompute_s_per_token",
-        "pdserve_decode_policy_overcommit_blocks": "overcommit_blocks",
-        "pdserve_decode_policy_demand_blocks": "demand_blocks",
-        "pdserve_decode_policy_stall_limit_steps": "stall_limit_steps",
-    }
-)
+POLICY_PREFIX = "pdserve_decode_policy_"
 
 
 def scrape_policy(addresses: list[str]) -> list[dict]:
-    """Each decode worker's policy inputs as its gauges read now (cost-aware only)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+    """Each decode worker's policy gauges now, by name without the prefix (`step_seconds`,
+    `overcommit_blocks`, ...; per tier under `park_seconds_per_block`); {} for a worker
+    that runs no cost-aware policy (decode/metrics.py names them all)."""
     out = []
     for address in addresses:
-        body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
         seen: dict = {}
-        for family in text_string_to_metric_families(body):
-            for sample in family.samples:
-                if sample.name in POLICY_GAUGES:
-                    seen[POLICY_GAUGES[sample.name]] = sample.value
-                elif sample.name == "pdserve_decode_policy_park_seconds_per_block":
-                    seen.setdefault("park_s_per_block", {})[sample.labels["tier"]] = sample.value
+        for sample in _samples(address):
+            if not sample.name.startswith(POLICY_PREFIX):
+                continue
+            name = sample.name.removeprefix(POLICY_PREFIX)
+            if "tier" in sample.labels:
+                seen.setdefault(name, {})[sample.labels["tier"]] = sample.value
+            else:
+                seen[name] = sample.value
         out.append(seen)
     return out
 

@@ -79,9 +79,8 @@ class Replica:
 
     def stepped(self, plan: StepPlan, seconds: float) -> None:
         """A step's run took `seconds` (the cost-aware policy learns its costs from it)."""
-        costs = getattr(self.admission, "costs", None)
-        if costs is not None:
-            costs.observe_chunks(seconds, plan.batch.chunks)
+        if self.admission is not None:
+            self.admission.costs.observe_chunks(seconds, plan.batch.chunks)
 
     @property
     def busy(self) -> bool:
