@@ -127,6 +127,18 @@ def test_chat_matches_the_sdk_on_the_rendered_template(oai, sdk):
     assert chunks[-1].usage.completion_tokens == 12
 
 
+def test_top_k_one_is_greedy_over_http(oai):
+    greedy = oai.completions.create(model="tiny-llama", prompt=PROMPTS[1], **GREEDY)
+    top1 = oai.completions.create(
+        model="tiny-llama",
+        prompt=PROMPTS[1],
+        max_tokens=12,
+        temperature=1.0,
+        extra_body={"top_k": 1},
+    )
+    assert top1.choices[0].text == greedy.choices[0].text
+
+
 def test_stop_strings_cut_the_text_before_them(oai):
     full = oai.completions.create(model="tiny-llama", prompt=PROMPTS[0], **GREEDY)
     text = full.choices[0].text
@@ -175,6 +187,12 @@ BAD = [
     (b'{"prompt": "x", "presence_penalty": 1}', "presence_penalty"),
     (b'{"prompt": "x", "model": 7}', "model"),
     (b'{"prompt": "x", "ignore_eos": "no"}', "ignore_eos"),
+    (b'{"prompt": "x", "top_k": 0.5}', "top_k"),
+    (b'{"prompt": "x", "temperature": NaN}', "temperature"),
+    (b'{"prompt": "x", "temperature": 1e999}', "temperature"),
+    (b'{"prompt": "x", "prompt": "y"}', "prompt"),
+    (b'{"prompt": "\\ud800"}', "prompt"),
+    (b"", None),
 ]
 
 BAD_CHAT = [

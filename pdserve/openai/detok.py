@@ -4,7 +4,8 @@ The whole generated text is decoded again as tokens arrive (simple and exact: a 
 text can depend on its neighbours). Text is released only when it can no longer change:
 a trailing U+FFFD (an incomplete UTF-8 sequence) and any tail that could still grow into a
 stop string are held back. When a stop string appears, the text before it is final and the
-request is ended (the stop string itself is not returned, as OpenAI does).
+request is ended (the stop string itself is not returned, as OpenAI does). A model without
+a tokenizer (token-id prompts only) has no text: every delta is empty.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 class TextStream:
     def __init__(self, tokenizer, stops: list[str]) -> None:
-        self.tokenizer = tokenizer
+        self.decode = tokenizer.decode if tokenizer is not None else (lambda ids: "")
         self.stops = stops
         self.ids: list[int] = []
         self.sent = 0  # characters already released
@@ -32,7 +33,7 @@ class TextStream:
         if self.stopped:
             return ""
         self.ids.extend(token_ids)
-        text = self.tokenizer.decode(self.ids)
+        text = self.decode(self.ids)
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True
@@ -47,7 +48,7 @@ class TextStream:
         """The rest of the text once generation ended without a stop string."""
         if self.stopped:
             return ""
-        text = self.tokenizer.decode(self.ids)
+        text = self.decode(self.ids)
         delta = text[self.sent :]
         self.sent = len(text)
         return delta

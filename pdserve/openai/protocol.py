@@ -3,27 +3,32 @@
 Validation raises `BadRequest(param, message)` for anything wrong; the server answers 400
 with the field named. Fields this server does not know are ignored (load tools send extras
 such as `user`); known fields are checked for type and range, and options it cannot honour
-(`n` > 1, `echo`, `logprobs`, `best_of` > 1, non-zero penalties) are refused rather than
-silently dropped. `ignore_eos` is accepted as the vLLM extension that `vllm bench serve` uses.
+(`n` > 1, `echo`, `logprobs`, `best_of` > 1, non-zero penalties, `min_p`) are refused rather
+than silently dropped. `ignore_eos` and `top_k` are accepted as the vLLM extensions that
+`vllm bench serve` uses.
+
+The body itself is read by `pdserve.openai.strict_json.loads` (re-exported here).
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from pdserve.openai.strict_json import BadRequest, loads, show
+
+__all__ = ["BadRequest", "OpenAIRequest", "loads", "parse_chat", "parse_completion"]
+
 MAX_STOP = 4
+MAX_STOP_CHARS = 512  # each stop string; held-back text is checked against every prefix
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-class BadRequest(ValueError):
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-        self.message = message
+# -- requests --------------------------------------------------------------------------------
 
 
 @dataclass
@@ -52,7 +57,7 @@ def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
     if not _is_int(v):
         raise BadRequest(name, f"{name}: expected an integer, got {type(v).__name__}")
     if not lo <= v <= hi:
-        raise BadRequest(name, f"{name}: must be in [{lo}, {hi}], got {v}")
+        raise BadRequest(name, f"{name}: must be in [{lo}, {hi}], got {show(v)}")
     return v
 
 
@@ -64,16 +69,17 @@ def _num(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> 
         raise BadRequest(name, f"{name}: expected a number, got {type(v).__name__}")
     if not (lo < v if lo_open else lo <= v) or not v <= hi:
         interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
-        raise BadRequest(name, f"{name}: must be in {interval}, got {v}")
+        raise BadRequest(name, f"{name}: must be in {interval}, got {show(v)}")
     return float(v)
 
 
-def _bool(body: dict, name: str) -> bool:
+def _bool(body: dict, name: str, parent: str | None = None) -> bool:
     v = body.get(name, False)
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise BadRequest(name, f"{name}: expected true or false, got {type(v).__name__}")
+        where = f"{parent}.{name}" if parent else name
+        raise BadRequest(parent or name, f"{where}: expected true or false, got {show(v)}")
     return v
 
 
@@ -90,6 +96,10 @@ def _refuse_unsupported(body: dict) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if _num(body, name, -2.0, 2.0) not in (None, 0.0):
             raise BadRequest(name, f"{name}: only 0 is supported")
+    if _num(body, "repetition_penalty", 0.0, math.inf, lo_open=True) not in (None, 1.0):
+        raise BadRequest("repetition_penalty", "repetition_penalty: only 1 is supported")
+    if _num(body, "min_p", 0.0, 1.0) not in (None, 0.0):
+        raise BadRequest("min_p", "min_p: only 0 is supported")
 
 
 def _stop(body: dict) -> list[str]:
@@ -101,6 +111,8 @@ def _stop(body: dict) -> list[str]:
         raise BadRequest("stop", "stop: expected a non-empty string or a list of them")
     if len(stops) > MAX_STOP:
         raise BadRequest("stop", f"stop: at most {MAX_STOP} sequences, got {len(stops)}")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise BadRequest("stop", f"stop: each sequence is at most {MAX_STOP_CHARS} characters")
     return stops
 
 
@@ -118,6 +130,9 @@ def _common(body: dict, chat: bool, prompt, vocab_size: int) -> OpenAIRequest:
     top_p = _num(body, "top_p", 0.0, 1.0, lo_open=True)
     if top_p is not None:
         sampling["top_p"] = top_p
+    top_k = _int(body, "top_k", -1, INT32_MAX)  # 0 and -1: no top-k
+    if top_k is not None:
+        sampling["top_k"] = top_k
     seed = _int(body, "seed", -INT64_MAX, INT64_MAX)
     if seed is not None:
         sampling["seed"] = seed
@@ -126,7 +141,7 @@ def _common(body: dict, chat: bool, prompt, vocab_size: int) -> OpenAIRequest:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("stream_options", "stream_options: expected an object")
-    include_usage = _bool(options or {}, "include_usage")
+    include_usage = _bool(options or {}, "include_usage", parent="stream_options")
     stream = _bool(body, "stream")
     if include_usage and not stream:
         raise BadRequest("stream_options", "stream_options: only allowed when stream is true")
@@ -187,7 +202,7 @@ def messages_of(body: dict) -> list[dict[str, str]]:
             raise BadRequest("messages", f"messages[{i}]: expected an object")
         role, content = m.get("role"), m.get("content")
         if role not in ("system", "developer", "user", "assistant", "tool"):
-            raise BadRequest("messages", f"messages[{i}].role: unknown role {role!r}")
+            raise BadRequest("messages", f"messages[{i}].role: unknown role {show(role)}")
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):

@@ -5,17 +5,26 @@
 
 Requests are validated here (400 naming the field), then go through the router's own gRPC
 `Generate` as token ids, so that HTTP and SDK requests share one path (admission, worker
-choice, timings, traces). gRPC failures map to HTTP: INVALID_ARGUMENT 400, RESOURCE_EXHAUSTED
-429 with Retry-After, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, anything else from a worker 502.
-A client that disconnects mid-stream cancels the gRPC call, which aborts the request on every
-worker. The server runs its own asyncio loop on a thread of the router process.
+choice, timings, traces). gRPC failures map to HTTP: INVALID_ARGUMENT 400, UNAUTHENTICATED
+401, PERMISSION_DENIED 403, ALREADY_EXISTS 409, RESOURCE_EXHAUSTED 429 with Retry-After,
+UNAVAILABLE 503, DEADLINE_EXCEEDED 504, anything else from a worker 502. A client that
+disconnects mid-stream cancels the gRPC call, which aborts the request on every worker. The
+server runs its own asyncio loop on a thread of the router process.
+
+Bodies are read as JSON whatever their Content-Type says (`curl -d` sends a form type), and
+strictly (strict_json.loads): anything malformed is a 400 naming where it is, never a 500. With
+`api_keys` set, every path but `public_paths` needs `Authorization: Bearer <key>` before its
+body is read (401 otherwise); the key that was presented goes on to the router as gRPC
+metadata, and is never logged or echoed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +41,7 @@ from pdserve.openai.detok import TextStream
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.tokenizer import Tokenizer
+from pdserve.validation import RequestValidator
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
@@ -40,6 +50,9 @@ MAX_BODY_BYTES = 8 << 20
 _STATUS = MappingProxyType(
     {
         grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+        grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+        grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+        grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
         grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
         grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
         grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
@@ -47,9 +60,16 @@ _STATUS = MappingProxyType(
 )
 
 
-def _json_error(status: int, message: str, kind: str, param: str | None = None):
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
-    return web.json_response(proto.error_body(message, kind, param), status=status, headers=headers)
+def _json_error(
+    status: int, message: str, kind: str, param: str | None = None, code: str | None = None
+):
+    headers = {}
+    if status == 429:
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    body = proto.error_body(message, kind, param, code)
+    return web.json_response(body, status=status, headers=headers)
 
 
 def _param_of(message: str) -> str | None:
@@ -64,6 +84,26 @@ def _grpc_error(e: grpc.RpcError):
     return _json_error(status, message, kind, _param_of(message) if status == 400 else None)
 
 
+def _bearer(header: str | None) -> str | None:
+    scheme, _, key = (header or "").strip().partition(" ")
+    key = key.strip()
+    return key if scheme.lower() == "bearer" and key else None
+
+
+def _known(key: str, keys: tuple[str, ...]) -> bool:
+    """Compared with every key, not stopping at a match, so the time says nothing."""
+    presented = key.encode("utf-8", "surrogatepass")
+    found = False
+    for k in keys:
+        found |= hmac.compare_digest(presented, k.encode())
+    return found
+
+
+def _sendable(key: str) -> bool:
+    """A gRPC metadata value (and an HTTP header value) is printable ASCII."""
+    return key.isascii() and key.isprintable()
+
+
 @dataclass(frozen=True)
 class RouterView:
     """What the front door needs of the router beside it (it calls the router over gRPC)."""
@@ -73,6 +113,18 @@ class RouterView:
     tokenizer: Tokenizer | None
     metrics: CollectorRegistry  # served at /metrics
     workers: Callable[[], tuple[int, int]]  # live (prefill, decode) workers now
+    api_keys: tuple[str, ...] = ()  # empty: no key needed
+    public_paths: tuple[str, ...] = ("/health", "/metrics")  # reachable without a key
+    grpc_metadata: tuple[tuple[str, str], ...] = ()  # on every call to the router
+    # address -> channel to the router (TLS, credentials); None: an insecure channel
+    channel_factory: Callable[[str], grpc.aio.Channel] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("api_keys", "public_paths"):
+            if isinstance(getattr(self, name), str):
+                raise ValueError(f"{name}: expected a tuple of strings, got one string")
+        if not all(isinstance(k, str) and k and _sendable(k) for k in self.api_keys):
+            raise ValueError("api_keys: each key must be non-empty printable ASCII")
 
 
 class OpenAIFrontDoor:
@@ -81,10 +133,17 @@ class OpenAIFrontDoor:
         self.grpc_address = grpc_address
         self.model_name = model_name
         self.stub = None  # created on the server's loop
+        self.validator = RequestValidator(
+            vocab_size=service.vocab_size,
+            max_model_len=service.max_model_len,
+            tokenizer=service.tokenizer,
+        )
 
     # -- app -----------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
+        app = web.Application(
+            client_max_size=MAX_BODY_BYTES, middlewares=[self._auth, self._errors]
+        )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -95,11 +154,26 @@ class OpenAIFrontDoor:
         return app
 
     async def _connect(self, app) -> None:
-        self.channel = grpc.aio.insecure_channel(self.grpc_address)
+        factory = self.service.channel_factory or grpc.aio.insecure_channel
+        self.channel = factory(self.grpc_address)
         self.stub = rpc.RouterStub(self.channel)
 
     async def _disconnect(self, app) -> None:
         await self.channel.close()
+
+    @web.middleware
+    async def _auth(self, request, handler):
+        """Runs before any handler reads the body."""
+        key = _bearer(request.headers.get("Authorization"))
+        keys = self.service.api_keys
+        if keys and request.path not in self.service.public_paths:
+            if key is None:
+                message = "authorization: missing API key; send 'Authorization: Bearer <key>'"
+                return _json_error(401, message, "authentication_error", code="missing_api_key")
+            if not _known(key, keys):
+                message = "authorization: the API key is not valid"
+                return _json_error(401, message, "authentication_error", code="invalid_api_key")
+        return await handler(request)
 
     @web.middleware
     async def _errors(self, request, handler):
@@ -110,7 +184,8 @@ class OpenAIFrontDoor:
         except web.HTTPException as e:  # 404, 405, 413 ... as OpenAI-style bodies
             if e.status < 400:
                 raise
-            return _json_error(e.status, e.reason, "invalid_request_error")
+            message = f"body: over {MAX_BODY_BYTES} bytes" if e.status == 413 else e.reason
+            return _json_error(e.status, message, "invalid_request_error")
 
     # -- simple endpoints ------------------------------------------------------------------
     async def models(self, request) -> web.Response:
@@ -141,10 +216,8 @@ class OpenAIFrontDoor:
 
     # -- generation ------------------------------------------------------------------------
     async def _body(self, request) -> object:
-        try:
-            return await request.json(loads=json.loads)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise proto.BadRequest(None, f"the request body is not valid JSON ({e})") from None
+        """The body as JSON, whatever the Content-Type (see the module docstring)."""
+        return proto.loads(await request.read())  # over MAX_BODY_BYTES: 413
 
     async def completions(self, request) -> web.StreamResponse:
         body = await self._body(request)
@@ -161,11 +234,11 @@ class OpenAIFrontDoor:
         return await self._generate(request, parsed)
 
     def _prompt_ids(self, req: proto.OpenAIRequest) -> list[int]:
-        if isinstance(req.prompt, list):
-            return req.prompt
-        if self.service.tokenizer is None:
-            raise proto.BadRequest("prompt", "prompt: this model has no tokenizer; send token ids")
-        return self.service.tokenizer.encode(req.prompt)
+        field = "messages" if req.chat else "prompt"  # a chat prompt is its rendered messages
+        try:
+            return self.validator.prompt(req.prompt, field)
+        except ValueError as e:
+            raise proto.BadRequest(field, str(e)) from None
 
     async def _generate(self, request, req: proto.OpenAIRequest) -> web.StreamResponse:
         ids = self._prompt_ids(req)
@@ -183,7 +256,11 @@ class OpenAIFrontDoor:
             raise proto.BadRequest(_param_of(str(e)), str(e)) from None
         rid = proto.new_id(req.chat)
         msg.request_id = rid
-        call = self.stub.Generate(msg)
+        metadata = [*self.service.grpc_metadata]
+        key = _bearer(request.headers.get("Authorization"))
+        if key is not None and _sendable(key):  # checked by _auth when api_keys are set
+            metadata.append(("authorization", f"Bearer {key}"))
+        call = self.stub.Generate(msg, metadata=tuple(metadata) or None)
         try:
             if req.stream:
                 return await self._stream(request, req, rid, call, len(ids))
@@ -271,23 +348,29 @@ def _extra(msg: pb.GenerateResponse) -> dict:
 class HTTPServerThread:
     """Runs the front door on its own asyncio loop; `port` is the bound port."""
 
-    def __init__(self, front: OpenAIFrontDoor, host: str, port: int) -> None:
+    def __init__(
+        self,
+        front: OpenAIFrontDoor,
+        host: str,
+        port: int,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._runner = web.AppRunner(front.app(), access_log=None)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(
-            target=self._run, args=(host, port), name="openai-http", daemon=True
+            target=self._run, args=(host, port, ssl_context), name="openai-http", daemon=True
         )
         self._thread.start()
         if not self._ready.wait(timeout=30) or self._error is not None:
             raise RuntimeError(f"HTTP server failed to start on {host}:{port}: {self._error}")
 
-    def _run(self, host: str, port: int) -> None:
+    def _run(self, host: str, port: int, ssl_context: ssl.SSLContext | None) -> None:
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, host, port)
+            site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
             self._loop.run_until_complete(site.start())
             self.port = site._server.sockets[0].getsockname()[1]
         except BaseException as e:  # noqa: BLE001 - reported to the starting thread
@@ -305,10 +388,19 @@ class HTTPServerThread:
             self._thread.join(timeout=10)
 
 
-def start_http(service: RouterView, grpc_port: int, host: str, port: int, model_name: str):
+def start_http(
+    service: RouterView,
+    grpc_port: int,
+    host: str,
+    port: int,
+    model_name: str,
+    ssl_context: ssl.SSLContext | None = None,  # given: HTTPS
+):
     connect = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     front = OpenAIFrontDoor(service, f"{connect}:{grpc_port}", model_name)
     started = time.monotonic()
-    server = HTTPServerThread(front, host, port)
-    log.info("OpenAI HTTP on %s:%d (%.2fs)", host, server.port, time.monotonic() - started)
+    server = HTTPServerThread(front, host, port, ssl_context)
+    scheme = "HTTPS" if ssl_context is not None else "HTTP"
+    elapsed = time.monotonic() - started
+    log.info("OpenAI %s on %s:%d (%.2fs)", scheme, host, server.port, elapsed)
     return server
