@@ -5,8 +5,12 @@
     result.token_ids, result.text, result.timings["ttft_s"]
     for token in client.stream([1, 2, 3], max_tokens=8): ...   # closing it aborts everywhere
 
+    client = Client("node:50051", api_key="...", tls=TLS.from_files(None, None, "ca.pem"))
+
 Keyword arguments mirror `SamplingParams` and are validated client-side (ValueError naming
-the field). Server errors arrive as `PdserveError` subclasses carrying the gRPC status.
+the field); `request_id=` picks the request's id (else the router assigns a random one).
+Server errors arrive as `PdserveError` subclasses carrying the gRPC status and whether a
+retry can help (`retryable`).
 """
 
 from __future__ import annotations
@@ -20,8 +24,13 @@ from pdserve.rpc import PROTOCOL_VERSION
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.sampling_params import SamplingParams
+from pdserve.serving import auth
+from pdserve.serving.auth import TLS, Security
 from pdserve.serving.convert import sampling_to_proto, spans_from_proto
+from pdserve.serving.server import MAX_MESSAGE_BYTES
 from pdserve.trace import Span
+
+__all__ = ["TLS", "AsyncClient", "Client", "GenerateResult", "PdserveError"]
 
 TIMING_KEYS = (
     "queue_s",
@@ -36,30 +45,56 @@ TIMING_KEYS = (
 
 
 class PdserveError(RuntimeError):
+    retryable = False  # whether the same request may succeed later
+
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
 
 
 class InvalidRequest(PdserveError, ValueError):
-    """INVALID_ARGUMENT: the request itself is wrong."""
+    """INVALID_ARGUMENT (or ALREADY_EXISTS: its request_id is taken): the request itself is
+    wrong and will never succeed as it is."""
+
+
+class Unauthorized(PdserveError):
+    """UNAUTHENTICATED / PERMISSION_DENIED: a missing or wrong API key or cluster secret."""
 
 
 class Overloaded(PdserveError):
     """RESOURCE_EXHAUSTED: no room now; retry later."""
 
+    retryable = True
+
 
 class Unavailable(PdserveError):
-    """UNAVAILABLE: no worker can serve the request."""
+    """UNAVAILABLE: no worker can serve the request now."""
+
+    retryable = True
+
+
+_KINDS = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.ALREADY_EXISTS: InvalidRequest,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthorized,
+    grpc.StatusCode.PERMISSION_DENIED: Unauthorized,
+}
 
 
 def _error(e: grpc.RpcError) -> PdserveError:
-    kind = {
-        grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-        grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
-        grpc.StatusCode.UNAVAILABLE: Unavailable,
-    }.get(e.code(), PdserveError)
-    return kind(e.code(), e.details() or "")
+    details = e.details() or ""
+    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+        # gRPC's own message-size limit: this request can never pass, however long we wait
+        return InvalidRequest(e.code(), f"prompt: the request is too large ({details})")
+    return _KINDS.get(e.code(), PdserveError)(e.code(), details)
+
+
+def _security(api_key: str | None, tls: TLS | None, security: Security | None) -> Security:
+    if security is not None:
+        return security
+    return Security(api_key=api_key, tls=tls)
 
 
 @dataclass
@@ -82,14 +117,36 @@ class GenerateResult:
         }
 
 
-def build_request(prompt: str | list[int], sampling: dict) -> pb.GenerateRequest:
+def build_request(
+    prompt: str | list[int], sampling: dict, request_id: str = ""
+) -> pb.GenerateRequest:
+    """ValueError naming the field for what the router would refuse anyway: bad sampling
+    values, and a message larger than the router accepts (gRPC would answer that one
+    RESOURCE_EXHAUSTED, which reads as "retry later")."""
     params = SamplingParams(**sampling)
-    msg = pb.GenerateRequest(protocol_version=PROTOCOL_VERSION, sampling=sampling_to_proto(params))
+    msg = pb.GenerateRequest(
+        protocol_version=PROTOCOL_VERSION,
+        sampling=sampling_to_proto(params),
+        request_id=request_id,
+    )
     if isinstance(prompt, str):
         msg.text = prompt
     else:
         msg.token_ids.ids.extend(prompt)
+    if msg.ByteSize() > MAX_MESSAGE_BYTES:
+        raise ValueError(
+            f"prompt: the request is {msg.ByteSize()} bytes; the router accepts at most "
+            f"{MAX_MESSAGE_BYTES} (and max_model_len tokens)"
+        )
     return msg
+
+
+def _build(prompt, sampling: dict) -> pb.GenerateRequest:
+    request_id = sampling.pop("request_id", "")
+    try:
+        return build_request(prompt, sampling, request_id)
+    except ValueError as e:
+        raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
 
 def timings_of(t: pb.Timings) -> dict:
@@ -113,8 +170,18 @@ def _absorb(result: GenerateResult, msg: pb.GenerateResponse) -> None:
 
 
 class Client:
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address)
+    """`api_key`: presented on every call (the router's --api-key); `tls`: the CA that signed
+    the router's certificate (and this client's own certificate under mutual TLS);
+    `security`: a cluster member's credentials instead (pdserve.launch uses it)."""
+
+    def __init__(
+        self,
+        address: str,
+        api_key: str | None = None,
+        tls: TLS | None = None,
+        security: Security | None = None,
+    ) -> None:
+        self.channel = auth.channel(address, _security(api_key, tls, security))
         self.stub = rpc.RouterStub(self.channel)
 
     def health(self) -> pb.HealthResponse:
@@ -124,12 +191,16 @@ class Client:
             raise _error(e) from None
 
     def workers(self) -> list[pb.WorkerInfo]:
-        return list(self.stub.ListWorkers(pb.Empty(), timeout=5).workers)
+        try:
+            return list(self.stub.ListWorkers(pb.Empty(), timeout=5).workers)
+        except grpc.RpcError as e:
+            raise _error(e) from None
 
     def generate(self, prompt: str | list[int], **sampling) -> GenerateResult:
         result = GenerateResult(request_id="")
+        request = _build(prompt, sampling)
         try:
-            for msg in self.stub.Generate(build_request(prompt, sampling)):
+            for msg in self.stub.Generate(request):
                 _absorb(result, msg)
         except grpc.RpcError as e:
             raise _error(e) from None
@@ -137,7 +208,7 @@ class Client:
 
     def stream(self, prompt: str | list[int], **sampling) -> Iterator[int]:
         """Yields token ids as they arrive; closing the generator cancels the request."""
-        call = self.stub.Generate(build_request(prompt, sampling))
+        call = self.stub.Generate(_build(prompt, sampling))
         try:
             for msg in call:
                 yield from msg.token_ids
@@ -148,7 +219,12 @@ class Client:
             call.cancel()
 
     def abort(self, request_id: str) -> bool:
-        return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=5).found
+        """True when a request of this id, created by this client's key (or connection), was
+        running and is now aborted; False for any other id, another owner's included."""
+        try:
+            return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=5).found
+        except grpc.RpcError as e:
+            raise _error(e) from None
 
     def close(self) -> None:
         self.channel.close()
@@ -163,21 +239,30 @@ class Client:
 class AsyncClient:
     """The same API on grpc.aio, for asyncio programs and load generators."""
 
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.aio.insecure_channel(address)
+    def __init__(
+        self,
+        address: str,
+        api_key: str | None = None,
+        tls: TLS | None = None,
+        security: Security | None = None,
+    ) -> None:
+        security = _security(api_key, tls, security)
+        self.channel = auth.aio_channel(address, security)
+        self.metadata = security.call_metadata()
         self.stub = rpc.RouterStub(self.channel)
 
     async def generate(self, prompt: str | list[int], **sampling) -> GenerateResult:
         result = GenerateResult(request_id="")
+        request = _build(prompt, sampling)
         try:
-            async for msg in self.stub.Generate(build_request(prompt, sampling)):
+            async for msg in self.stub.Generate(request, metadata=self.metadata):
                 _absorb(result, msg)
         except grpc.RpcError as e:
             raise _error(e) from None
         return result
 
     async def stream(self, prompt: str | list[int], **sampling) -> AsyncIterator[int]:
-        call = self.stub.Generate(build_request(prompt, sampling))
+        call = self.stub.Generate(_build(prompt, sampling), metadata=self.metadata)
         try:
             async for msg in call:
                 for token in msg.token_ids:

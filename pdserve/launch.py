@@ -1,6 +1,11 @@
 """`pdserve launch`: a local cluster of separate processes (router, prefill and decode workers)
 on 127.0.0.1, each on a port the OS picks. Waits until every worker is registered, prints the
 router address, and stops everything on SIGINT/SIGTERM (or on `close()`), leaving no orphans.
+
+Every cluster gets a fresh cluster secret (pdserve/serving/auth.py), handed to each child on
+its stdin (`--cluster-secret-file -`): never on a command line, never in an environment.
+`Cluster.security` holds it for the launcher's own calls (and for tests and benchmarks that
+act as cluster members). TLS files and API keys are passed on as paths.
 """
 
 from __future__ import annotations
@@ -8,15 +13,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
-
-import grpc
+from dataclasses import dataclass
 
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
+from pdserve.serving import auth
+from pdserve.serving.auth import TLS, Security
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -37,6 +44,19 @@ def _set_parent_death_signal(prctl, parent: int) -> None:
         os._exit(1)
 
 
+@dataclass(frozen=True)
+class TLSFiles:
+    """PEM paths every member is started with (one certificate for all of them: its SANs
+    must name 127.0.0.1)."""
+
+    cert: str
+    key: str
+    ca: str
+
+    def flags(self) -> list[str]:
+        return ["--tls-cert", self.cert, "--tls-key", self.key, "--tls-ca", self.ca]
+
+
 class Cluster:
     def __init__(
         self,
@@ -51,17 +71,26 @@ class Cluster:
         decode_args: list[str] | None = None,
         startup_timeout_s: float = 180.0,
         http_port: int | None = None,
+        tls: TLSFiles | None = None,
+        api_key_file: str | None = None,
     ) -> None:
+        secret = secrets.token_urlsafe(32)
+        tls_pem = TLS.from_files(tls.cert, tls.key, tls.ca) if tls else None
+        self.security = Security(cluster_secret=secret, tls=tls_pem)
+        self._secret_line = f"{secret}\n"
+        member = ["--cluster-secret-file", "-", *(tls.flags() if tls else [])]
         self.procs: list[subprocess.Popen] = []
         self.names: list[str] = []  # role-index of each process, parallel to procs
         self.metrics: dict[str, str] = {}  # role-index -> host:port of /metrics
         self.http_address: str | None = None  # host:port of the OpenAI API, when asked for
         try:
-            router = ["serve", "router", "--model", model, "--port", str(port)]
+            router = ["serve", "router", "--model", model, "--port", str(port), *member]
             if http_port is not None:
                 router += ["--http-port", str(http_port)]
+            if api_key_file is not None:
+                router += ["--api-key-file", api_key_file]
             self.address = self._spawn([*router, *(router_args or [])])
-            common = ["--model", model, "--router", self.address, "--transfer", transfer]
+            common = ["--model", model, "--router", self.address, "--transfer", transfer, *member]
             # workers sharing one machine's CPUs split them instead of oversubscribing
             threads = max(1, (os.cpu_count() or 1) // max(1, prefill + decode))
             common += ["--threads", str(threads)]
@@ -77,12 +106,18 @@ class Cluster:
     def _spawn(self, argv: list[str]) -> str:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", *argv],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,  # its own process group: close() reaches its children
             preexec_fn=_die_with(os.getpid()),  # and a killed parent takes them along
         )
         self.procs.append(proc)
+        try:  # the secret, on a pipe only this child reads
+            proc.stdin.write(self._secret_line)
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died at once: the READY wait below says so
         line = proc.stdout.readline()
         while line and not line.startswith("READY "):  # libraries may log to stdout first
             line = proc.stdout.readline()
@@ -100,7 +135,7 @@ class Cluster:
 
     def _await_registered(self, prefill: int, decode: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.address) as channel:
+        with auth.channel(self.address, self.security) as channel:
             stub = rpc.RouterStub(channel)
             while time.monotonic() < deadline:
                 workers = stub.ListWorkers(pb.Empty(), timeout=5).workers
@@ -154,6 +189,11 @@ def run_launch(args) -> int:
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
     worker_args = []
+    tls = None
+    if args.tls_cert or args.tls_key or args.tls_ca:
+        if not (args.tls_cert and args.tls_key and args.tls_ca):
+            raise ValueError("tls: launch needs --tls-cert, --tls-key and --tls-ca together")
+        tls = TLSFiles(args.tls_cert, args.tls_key, args.tls_ca)
     if args.num_kv_blocks:
         worker_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
     print(
@@ -167,6 +207,8 @@ def run_launch(args) -> int:
         args.transfer,
         worker_args,
         http_port=args.http_port,
+        tls=tls,
+        api_key_file=args.api_key_file,
     ) as c:
         print(f"cluster ready: router at {c.address}  (Ctrl-C stops everything)", flush=True)
         if c.http_address:

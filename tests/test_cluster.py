@@ -283,3 +283,62 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
             os.kill(child, signal.SIGKILL)
             raise AssertionError("the child outlived its killed launcher")
         time.sleep(0.05)
+
+
+def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
+    """The cluster secret is on no command line, in no environment and in no log line;
+    without it the router refuses a registration and changes nothing; API keys (from a
+    file) guard Generate and the OpenAI API; Health and /health stay open."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from pdserve.client import Unauthorized
+    from pdserve.rpc import PROTOCOL_VERSION
+    from pdserve.serving import auth
+
+    keys = tmp_path / "keys"
+    keys.write_text("# one per line\nkey-one-abc\nkey-two-def\n")
+    with Cluster("tiny-llama", 1, 1, http_port=0, api_key_file=str(keys)) as c:
+        secret = c.security.cluster_secret
+        for proc in c.procs:
+            for part in ("cmdline", "environ"):
+                with open(f"/proc/{proc.pid}/{part}", "rb") as f:
+                    assert secret.encode() not in f.read(), (proc.args, part)
+        with Client(c.address, api_key="key-two-def") as client:
+            served = client.generate([1, 2, 3], max_tokens=3, temperature=0)
+            assert len(served.token_ids) == 3
+            before = sorted((w.worker_id, w.address) for w in client.workers())
+        with Client(c.address) as anonymous:
+            with pytest.raises(Unauthorized):
+                anonymous.generate([1, 2, 3], max_tokens=3)
+            assert anonymous.health().ok
+        fake = pb.WorkerInfo(worker_id="fake", role="prefill", address="127.0.0.1:9")
+        with auth.channel(c.address, auth.Security(api_key="key-one-abc")) as channel:
+            with pytest.raises(grpc.RpcError) as e:
+                rpc.RouterStub(channel).Register(
+                    pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, worker=fake), timeout=5
+                )
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with Client(c.address, security=c.security) as member:
+            assert sorted((w.worker_id, w.address) for w in member.workers()) == before
+        url = f"http://{c.http_address}"
+        body = json.dumps({"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}).encode()
+
+        def post(headers: dict) -> int:
+            request = urllib.request.Request(f"{url}/v1/completions", body, headers)
+            try:
+                with urllib.request.urlopen(request, timeout=60) as r:
+                    return r.status
+            except urllib.error.HTTPError as err:
+                return err.code
+
+        json_type = {"Content-Type": "application/json"}
+        assert post(json_type) == 401
+        assert post({**json_type, "Authorization": "Bearer nope"}) == 401
+        assert post({**json_type, "Authorization": "Bearer key-one-abc"}) == 200
+        with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+            assert r.status == 200
+    out, err = capfd.readouterr()
+    assert secret not in out and secret not in err
+    assert "key-one-abc" not in out + err

@@ -76,7 +76,7 @@ async def _one(client, prompt: list[int], max_tokens: int) -> Sample:
     try:
         result = None
         params = dict(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        call = client.stub.Generate(build_request(prompt, params))
+        call = client.stub.Generate(build_request(prompt, params), metadata=client.metadata)
         async for msg in call:
             now = time.perf_counter()
             if msg.token_ids:

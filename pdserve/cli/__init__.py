@@ -13,7 +13,8 @@ pdserve bench sim-vs-real --profile PROFILE.json [--cluster] --json out.json
 pdserve sim --model M [--profile h200] --policy P1,P2 --concurrency 1,8,64 --json out.json
 pdserve sim calibrate --model M [--cluster] --json PROFILE.json
 pdserve plan --model CONFIG --gpu h200 --gpus 8 --workload azure-conv --slo ttft=2,tpot=0.05
-pdserve launch --model M --prefill N --decode M
+pdserve launch --model M --prefill N --decode M [--tls-cert C --tls-key K --tls-ca CA]
+pdserve certs DIR --host 10.0.0.1 --host node1 (a CA and a member certificate for TLS)
 pdserve serve router|prefill|decode --model M ...
 pdserve demo
 """
@@ -69,6 +70,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return run_launch(args)
 
 
+def cmd_certs(args: argparse.Namespace) -> int:
+    from pdserve.serving.certs import make_certs
+
+    for path in make_certs(args.dir, args.host, args.days).values():
+        print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from transfer import PROCESS_BACKENDS
 
@@ -108,7 +117,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port (0: free)"
     )
     launch.add_argument("--num-kv-blocks", type=int, default=None)
+    launch.add_argument("--tls-cert", default=None, help="PEM certificate for every member")
+    launch.add_argument("--tls-key", default=None, help="its private key")
+    launch.add_argument("--tls-ca", default=None, help="the CA that signed it (mutual TLS)")
+    launch.add_argument(
+        "--api-key-file", default=None, help="API keys (one per line) for Generate and HTTP"
+    )
     launch.set_defaults(func=cmd_launch)
+
+    certs = sub.add_parser("certs", help="a private CA and a member certificate for TLS")
+    certs.add_argument("dir", help="an empty directory to write them to")
+    certs.add_argument(
+        "--host", action="append", required=True, help="an address members are reached at"
+    )
+    certs.add_argument("--days", type=int, default=365)
+    certs.set_defaults(func=cmd_certs)
 
     add_demo_parser(sub)
     return parser

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 import uuid
 
@@ -31,6 +32,37 @@ def _ready(role: str, host: str, port: int, metrics_port: int, http_port: int | 
     """`READY role grpc-address metrics-address [http-address]` (pdserve launch reads it)."""
     http = f" {host}:{http_port}" if http_port is not None else ""
     print(f"READY {role} {host}:{port} {host}:{metrics_port}{http}", flush=True)
+
+
+def security_of(args: argparse.Namespace, role: str):
+    """The role's credentials from its flags and environment (pdserve/serving/auth.py). A
+    role without a cluster secret says so: anyone who reaches its port may then register
+    workers, reserve blocks and push KV."""
+    from pdserve.serving.auth import TLS, Security, load_api_keys, load_secret
+
+    secret = load_secret(args.cluster_secret_file)
+    keys = load_api_keys(args.api_key, args.api_key_file) if role == "router" else ()
+    if secret is None:
+        print(
+            f"pdserve {role}: no cluster secret (--cluster-secret-file or "
+            "$PDSERVE_CLUSTER_SECRET): internal RPCs are open to anyone who reaches this port",
+            file=sys.stderr,
+            flush=True,
+        )
+    tls = TLS.from_files(args.tls_cert, args.tls_key, args.tls_ca)
+    return Security(cluster_secret=secret, api_keys=keys, tls=tls)
+
+
+def _http_ssl(args: argparse.Namespace):
+    """The OpenAI endpoint's TLS context (server certificate only: HTTP clients are
+    authenticated by API key, not by certificate)."""
+    if not args.tls_cert:
+        return None
+    import ssl
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(args.tls_cert, args.tls_key)
+    return context
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
@@ -57,22 +89,27 @@ def run_router(args: argparse.Namespace) -> int:
     from pdserve.router.config import RouterConfig
     from pdserve.router.service import RouterService
     from pdserve.rpc import pdserve_pb2_grpc as rpc
+    from pdserve.serving import auth
+    from pdserve.serving.auth import Security
     from pdserve.serving.metrics import serve_metrics
-    from pdserve.serving.server import start_server
+    from pdserve.serving.server import MAX_MESSAGE_BYTES, start_server
     from pdserve.weights import resolve
 
+    security = security_of(args, "router")
     source = resolve(args.model)
     config = RouterConfig(
         max_model_len=args.max_model_len or source.config.max_position,
         max_queue=args.max_queue,
         queue_timeout_s=args.queue_timeout,
     )
-    service = RouterService(config, source.config.vocab_size, source.tokenizer)
+    service = RouterService(config, source.config.vocab_size, source.tokenizer, security)
     server, port = start_server(
         lambda s: rpc.add_RouterServicer_to_server(service, s),
         args.host,
         args.port,
         held_calls=config.max_queue,  # Generate streams the router admits at once
+        security=security,
+        max_message_bytes=MAX_MESSAGE_BYTES,
     )
     metrics_port = serve_metrics(service.metrics.registry, args.host, args.metrics_port)
     http = None
@@ -84,8 +121,15 @@ def run_router(args: argparse.Namespace) -> int:
             tokenizer=source.tokenizer,
             metrics=service.metrics.registry,
             workers=lambda: (len(registry.alive("prefill")), len(registry.alive("decode"))),
+            api_keys=security.api_keys,
+            public_paths=tuple(args.public_path or PUBLIC_PATHS),
+            # the front door calls this router's gRPC port as an HTTP caller's proxy: TLS
+            # (with this router's certificate as its client one), the caller's key, no secret
+            channel_factory=lambda address: auth.aio_channel(address, Security(tls=security.tls)),
         )
-        http = start_http(view, port, args.host, args.http_port, args.model)
+        http = start_http(
+            view, port, args.host, args.http_port, args.model, ssl_context=_http_ssl(args)
+        )
     stop = _stop_event()
     _ready("router", args.host, port, metrics_port, http.port if http else None)
     stop.wait()
@@ -105,6 +149,7 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
     from pdserve.serving.server import start_server
     from transfer import make_agent
 
+    security = security_of(args, role)
     worker_id = args.worker_id or f"{role}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -129,7 +174,7 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         worker = PrefillWorker.build(args.model, engine_args(args), config, agent)
         service = PrefillService(worker)
         add = lambda s: rpc.add_PrefillServicer_to_server(service, s)  # noqa: E731
-    server, port = start_server(add, args.host, args.port)
+    server, port = start_server(add, args.host, args.port, security=security)
     metrics_port = serve_metrics(worker.metrics.registry, args.host, args.metrics_port)
     info = pb.WorkerInfo(
         worker_id=worker_id,
@@ -137,7 +182,7 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         address=f"{args.host}:{port}",
         metrics_address=f"{args.host}:{metrics_port}",
     )
-    registration = Registration(args.router, info, worker.stats) if args.router else None
+    registration = Registration(args.router, info, worker.stats, security) if args.router else None
     stop = _stop_event()
     _ready(role, args.host, port, metrics_port)
     stop.wait()
@@ -156,6 +201,36 @@ def run_decode(args: argparse.Namespace) -> int:
     return _run_worker(args, "decode")
 
 
+PUBLIC_PATHS = ("/health", "/metrics")
+
+
+def _add_security_flags(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        help="file holding the cluster secret ('-': read its first line from stdin); "
+        "default: $PDSERVE_CLUSTER_SECRET. Never on a command line.",
+    )
+    p.add_argument("--tls-cert", default=None, help="PEM certificate of this member (TLS)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None, help="PEM CA that signed every member: mutual TLS")
+    if role == "router":
+        p.add_argument(
+            "--api-key",
+            action="append",
+            default=[],
+            help="accept this API key on Generate and the OpenAI API (repeatable; "
+            "also --api-key-file and $PDSERVE_API_KEY, which keep it off `ps`)",
+        )
+        p.add_argument("--api-key-file", default=None, help="one API key per line")
+        p.add_argument(
+            "--public-path",
+            action="append",
+            default=None,
+            help="HTTP paths served without an API key (default: /health and /metrics)",
+        )
+
+
 def add_serve_parser(sub) -> None:
     from decode.admission import ADMISSION
     from decode.config import DEFAULT_ADMISSION, DEFAULT_PREEMPTION
@@ -172,6 +247,7 @@ def add_serve_parser(sub) -> None:
         p.add_argument("--port", type=int, default=0, help="0: a free port chosen by the OS")
         p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port")
         p.add_argument("--max-model-len", type=int, default=None)
+        _add_security_flags(p, role)
         if role == "router":
             p.add_argument(
                 "--http-port",

@@ -27,6 +27,8 @@ import grpc
 
 from pdserve.router.config import RouterConfig
 from pdserve.rpc import pdserve_pb2_grpc as rpc
+from pdserve.serving import auth
+from pdserve.serving.auth import Security
 from pdserve.serving.registration import WorkerStats
 
 
@@ -41,9 +43,11 @@ class WorkerRecord:
     stats: WorkerStats
 
 
-def grpc_connect(record: WorkerRecord) -> tuple[grpc.Channel, rpc.DecodeStub | rpc.PrefillStub]:
-    """A channel to the worker and the stub of its role."""
-    channel = grpc.insecure_channel(record.address)
+def grpc_connect(
+    record: WorkerRecord, security: Security | None = None
+) -> tuple[grpc.Channel, rpc.DecodeStub | rpc.PrefillStub]:
+    """A channel to the worker (presenting the cluster secret) and the stub of its role."""
+    channel = auth.channel(record.address, security)
     return channel, (rpc.DecodeStub if record.role == "decode" else rpc.PrefillStub)(channel)
 
 

@@ -1,10 +1,17 @@
 """The router's gRPC service: Generate (validate -> bounded admission -> the handoff),
 Abort, and the worker registry's Register / ListWorkers, and Health (ready only once at
-least one prefill and one decode worker are registered)."""
+least one prefill and one decode worker are registered).
+
+Request ownership: a request belongs to whoever created it (its API key, or its connection
+when the router has no keys; pdserve/serving/auth.py). Only its owner or a cluster member can
+abort it; anyone else is told found=False, as for an id that does not exist. Ids the router
+assigns are random (128 bits); an id a client chooses that is already in use is refused with
+the same answer whoever owns the first, so a refusal says nothing about it."""
 
 from __future__ import annotations
 
-import itertools
+import re
+import secrets
 import threading
 import time
 
@@ -13,16 +20,45 @@ import grpc
 from pdserve.router.config import RouterConfig
 from pdserve.router.handoff import Arrival, Handoff
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.registry import Worker, WorkerRecord, WorkerRegistry
+from pdserve.router.registry import Worker, WorkerRecord, WorkerRegistry, grpc_connect
 from pdserve.rpc import PROTOCOL_VERSION
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
+from pdserve.serving.auth import MEMBER, Security
 from pdserve.serving.convert import sampling_from_proto
 from pdserve.serving.registration import WorkerStats
 from pdserve.serving.server import health
 from pdserve.tokenizer import Tokenizer
 from pdserve.trace import now
 from pdserve.validation import RequestValidator
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_WORKER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_ADDRESS = re.compile(r"[A-Za-z0-9._-]{1,253}:[0-9]{1,5}|\[[0-9A-Fa-f:.]{2,45}\]:[0-9]{1,5}")
+# a block or token count beyond this is not a count any worker reports
+_COUNT_MAX = 1 << 30
+
+
+def check_worker_info(info: pb.WorkerInfo) -> None:
+    """A registration's claims must be ones a real worker could make: a fake prefill worker
+    advertising queued_tokens=-1e9 would attract every request."""
+    if info.role not in ("prefill", "decode"):
+        raise ValueError(f"worker.role: must be prefill or decode, got {info.role[:32]!r}")
+    if not _WORKER_ID.fullmatch(info.worker_id):
+        raise ValueError("worker.worker_id: 1-128 characters of [A-Za-z0-9._:-]")
+    for name in ("address", "metrics_address"):
+        value = getattr(info, name)
+        if name == "metrics_address" and not value:
+            continue  # a worker may serve no /metrics
+        if not _ADDRESS.fullmatch(value) or not 0 < int(value.rsplit(":", 1)[1]) < 65536:
+            raise ValueError(f"worker.{name}: expected host:port, got {value[:64]!r}")
+    for name in ("free_blocks", "total_blocks", "queued_tokens", "running"):
+        if not 0 <= getattr(info, name) <= _COUNT_MAX:
+            raise ValueError(f"worker.{name}: must be in [0, {_COUNT_MAX}]")
+    if info.free_blocks > info.total_blocks:
+        raise ValueError("worker.free_blocks: exceeds total_blocks")
+    if not -_COUNT_MAX <= info.headroom_blocks <= _COUNT_MAX:
+        raise ValueError(f"worker.headroom_blocks: must be in [-{_COUNT_MAX}, {_COUNT_MAX}]")
 
 
 def record_from_proto(info: pb.WorkerInfo) -> WorkerRecord:
@@ -58,17 +94,27 @@ def record_to_proto(record: WorkerRecord, age_s: float) -> pb.WorkerInfo:
 
 
 class RouterService(rpc.RouterServicer):
-    def __init__(self, config: RouterConfig, vocab_size: int, tokenizer: Tokenizer | None) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        vocab_size: int,
+        tokenizer: Tokenizer | None,
+        security: Security | None = None,
+    ) -> None:
         self.config = config
+        self.security = security or Security()
         self.tokenizer = tokenizer
         self.validator = RequestValidator(
             vocab_size=vocab_size, max_model_len=config.max_model_len, tokenizer=tokenizer
         )
-        self.registry = WorkerRegistry(config)
+        self.registry = WorkerRegistry(
+            config, connect=lambda record: grpc_connect(record, self.security)
+        )
         self.metrics = RouterMetrics()
         self.admission = threading.BoundedSemaphore(config.max_queue)
-        self._ids = itertools.count()
         self.inflight: dict[str, Worker] = {}  # request id -> its decode worker
+        self._owners: dict[str, str] = {}  # request id -> who created it (Security.caller)
+        self._owners_lock = threading.Lock()
         self.handoff = Handoff(config, self.registry, self.metrics, tokenizer, self.inflight)
 
     @property
@@ -82,6 +128,10 @@ class RouterService(rpc.RouterServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"protocol version {request.protocol_version} != router's {PROTOCOL_VERSION}",
             )
+        try:
+            check_worker_info(request.worker)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         record = record_from_proto(request.worker)
         self.registry.upsert(record)
         s = record.stats
@@ -107,6 +157,8 @@ class RouterService(rpc.RouterServicer):
     def _validate(self, request: pb.GenerateRequest) -> list[int]:
         if request.protocol_version not in (0, PROTOCOL_VERSION):
             raise ValueError(f"protocol_version: {request.protocol_version} is not supported")
+        if request.request_id and not REQUEST_ID.fullmatch(request.request_id):
+            raise ValueError("request_id: 1-128 characters of [A-Za-z0-9._:-]")
         prompt = self._prompt(request)
         self.validator.request(prompt, sampling_from_proto(request.sampling))
         return prompt
@@ -118,17 +170,38 @@ class RouterService(rpc.RouterServicer):
         except ValueError as e:
             self.metrics.requests.labels("invalid").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        request_id = request.request_id or f"req-{next(self._ids)}"
-        if not self.admission.acquire(blocking=False):
-            self.metrics.requests.labels("rejected").inc()
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "router queue is full; retry later")
+        request_id = request.request_id or f"req-{secrets.token_hex(16)}"
+        if not self._claim(request_id, self.security.caller(context)):
+            self.metrics.requests.labels("invalid").inc()
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, "request_id: already in use")
         try:
-            arrival = Arrival(request_id, prompt, request.sampling, arrived, arrived_wall)
-            yield from self.handoff.serve(arrival, context)
+            if not self.admission.acquire(blocking=False):
+                self.metrics.requests.labels("rejected").inc()
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, "router queue is full; retry later"
+                )
+            try:
+                arrival = Arrival(request_id, prompt, request.sampling, arrived, arrived_wall)
+                yield from self.handoff.serve(arrival, context)
+            finally:
+                self.admission.release()
         finally:
-            self.admission.release()
+            with self._owners_lock:
+                del self._owners[request_id]
+
+    def _claim(self, request_id: str, owner: str) -> bool:
+        with self._owners_lock:
+            if request_id in self._owners:
+                return False
+            self._owners[request_id] = owner
+            return True
 
     def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        found = request.request_id in self.inflight
-        self.handoff.release(request.request_id)
+        rid, caller = request.request_id, self.security.caller(context)
+        with self._owners_lock:
+            owner = self._owners.get(rid)
+        if owner is None or caller not in (owner, MEMBER):
+            return pb.AbortResponse(found=False)
+        found = rid in self.inflight
+        self.handoff.release(rid)
         return pb.AbortResponse(found=found)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,12 +12,23 @@ import grpc
 from pdserve.rpc import PROTOCOL_VERSION
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
+from pdserve.serving import auth
+from pdserve.serving.auth import Security
 from pdserve.serving.convert import worker_info
 
 # The heartbeat interval until the router says otherwise (RegisterResponse); the router's
 # own default (pdserve/router/config.py) is this value.
 HEARTBEAT_S = 1.0
 REGISTER_TIMEOUT_S = 2.0
+# answers no later heartbeat can change by itself: said once in the log, then retried quietly
+# (an operator may fix the router's secret or version and restart it)
+_REFUSED = (
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,8 +44,14 @@ class WorkerStats:
 
 
 class Registration:
-    def __init__(self, router: str, info: pb.WorkerInfo, stats: Callable[[], WorkerStats]) -> None:
-        self.channel = grpc.insecure_channel(router)
+    def __init__(
+        self,
+        router: str,
+        info: pb.WorkerInfo,
+        stats: Callable[[], WorkerStats],
+        security: Security | None = None,
+    ) -> None:
+        self.channel = auth.channel(router, security)
         self.stub = rpc.RouterStub(self.channel)
         self.info = info
         self.stats = stats
@@ -44,13 +61,20 @@ class Registration:
         self._thread.start()
 
     def _run(self) -> None:
+        said: set[grpc.StatusCode] = set()
         while not self._stop.is_set():
             request = pb.RegisterRequest(
                 protocol_version=PROTOCOL_VERSION, worker=worker_info(self.info, self.stats())
             )
             # the router may not be up yet or restarting: the next heartbeat retries
-            with contextlib.suppress(grpc.RpcError):
+            try:
                 reply = self.stub.Register(request, timeout=REGISTER_TIMEOUT_S)
+            except grpc.RpcError as e:
+                if e.code() in _REFUSED and e.code() not in said:
+                    said.add(e.code())
+                    log.warning("the router refused this worker: %s %s", e.code().name, e.details())
+            else:
+                said.clear()
                 if reply.heartbeat_interval_s > 0:
                     self.interval_s = reply.heartbeat_interval_s
             self._stop.wait(self.interval_s)

@@ -9,24 +9,99 @@ import grpc
 
 from pdserve.rpc import PROTOCOL_VERSION
 from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.serving.auth import AuthInterceptor, Security
 
 SERVER_THREADS = 64
+# gRPC's own default (4 MiB) answers a larger message RESOURCE_EXHAUSTED, which a client
+# reads as "retry later". The router takes requests up to this size, so that a prompt far
+# beyond max_model_len reaches validation and is answered INVALID_ARGUMENT naming `prompt`
+# (10M token ids fit); the SDK refuses larger ones itself (pdserve/client.py).
+MAX_MESSAGE_BYTES = 64 << 20
 
 
 def start_server(
-    add_servicer: Callable[[grpc.Server], None], host: str, port: int, held_calls: int = 0
+    add_servicer: Callable[[grpc.Server], None],
+    host: str,
+    port: int,
+    held_calls: int = 0,
+    security: Security | None = None,
+    max_message_bytes: int | None = None,
 ):
     """-> (server, bound port). Port 0 asks the OS for a free one. `held_calls`: how many
     long calls (streams) may hold a thread at once; SERVER_THREADS more stay for short ones
     (a router whose threads all held streams could not take the workers' heartbeats, and
-    routed on what it knew when they stopped: the capacity sweep hung at 64 clients)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=held_calls + SERVER_THREADS))
+    routed on what it knew when they stopped: the capacity sweep hung at 64 clients).
+    `security`: the doors every RPC passes (pdserve/serving/auth.py) and TLS when set."""
+    security = security or Security()
+    options = []
+    if max_message_bytes is not None:
+        options.append(("grpc.max_receive_message_length", max_message_bytes))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=held_calls + SERVER_THREADS),
+        interceptors=[AuthInterceptor(security), ParseGuard()],
+        options=options,
+    )
     add_servicer(server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if security.tls is not None:
+        bound = server.add_secure_port(address, security.tls.server_credentials())
+    else:
+        bound = server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     server.start()
     return server, bound
+
+
+class _Unparsed:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class ParseGuard(grpc.ServerInterceptor):
+    """A request body that is not the method's message (cut, bit-flipped, invalid UTF-8 in
+    a string) is answered INVALID_ARGUMENT, not gRPC's own INTERNAL ("Exception
+    deserializing request!"), which reads as the server's fault."""
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.request_streaming:
+            return handler
+        parse = handler.request_deserializer
+
+        def guarded_parse(body: bytes):
+            try:
+                return parse(body)
+            except Exception as e:  # noqa: BLE001 - DecodeError and its kin: the body is bad
+                return _Unparsed(e)
+
+        def refuse(request: _Unparsed, context):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request: not a valid message for {details.method} ({request.error})",
+            )
+
+        if handler.response_streaming:
+            behavior = handler.unary_stream
+
+            def stream(request, context):
+                if isinstance(request, _Unparsed):
+                    refuse(request, context)
+                return behavior(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, guarded_parse, handler.response_serializer
+            )
+        behavior = handler.unary_unary
+
+        def unary(request, context):
+            if isinstance(request, _Unparsed):
+                refuse(request, context)
+            return behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary, guarded_parse, handler.response_serializer
+        )
 
 
 def health(role: str, worker_id: str, reason: str = "") -> pb.HealthResponse:
