@@ -68,6 +68,14 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return print_report(report, format_table, args.json)
 
 
+def cmd_bench_fuzz(args: argparse.Namespace) -> int:
+    from pdserve.bench.fuzz import bench_fuzz, format_table, ok
+
+    report = bench_fuzz(args.model, inputs=args.inputs, seed=args.seed, threads=args.threads)
+    print_report(report, format_table, args.json)
+    return 0 if ok(report) else 1
+
+
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
     from pdserve.bench.tiers import bench_tiers, format_table
 
@@ -198,6 +206,16 @@ def add_bench_parser(sub) -> None:
         "--slo", type=slo_arg, default=None, help="ttft=SECONDS,tpot=SECONDS (default 2, 0.1)"
     )
     srv.set_defaults(func=cmd_bench_serve)
+
+    fz = bench_sub.add_parser(
+        "fuzz", help="generated bad input at every RPC and the HTTP API of a launched cluster"
+    )
+    fz.add_argument("--model", default="tiny-llama")
+    fz.add_argument("--inputs", type=int, default=10_000)
+    fz.add_argument("--seed", type=int, default=0)
+    fz.add_argument("--threads", type=int, default=8, help="calls in flight at once")
+    fz.add_argument("--json", default=None)
+    fz.set_defaults(func=cmd_bench_fuzz)
 
     ti = bench_sub.add_parser("tiers", help="spill/reload throughput per tier vs raw moves")
     ti.add_argument("--model", default=DEMO_MODEL)
