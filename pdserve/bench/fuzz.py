@@ -89,20 +89,31 @@ class Fuzzer:
         call = make(path, request_serializer=serialize, response_deserializer=None)
         try:
             reply = call(message, timeout=DEADLINE_S)
+            if streaming and case.cancel_after == 0:
+                reply.cancel()  # before any answer: the release path of a queued request
             if streaming:
-                for _ in reply:
-                    pass
+                for got, _ in enumerate(reply, start=1):
+                    if case.cancel_after is not None and got >= case.cancel_after:
+                        reply.cancel()  # the caller walks away mid-stream
+                        break
             code = grpc.StatusCode.OK
         except grpc.RpcError as e:
             code = e.code()
         if code == grpc.StatusCode.OK and case.target == "Decode/Reserve":
-            self.reserved.add(case.message.request_id)
+            reserve = message
+            if isinstance(message, bytes):  # bent, and it still parsed: the server read this
+                from pdserve.rpc import pdserve_pb2 as pb
+
+                reserve = pb.ReserveRequest.FromString(message)
+            self.reserved.add(reserve.request_id)
         return code.name, self._verdict(case, code)
 
     @staticmethod
     def _verdict(case: Case, code: grpc.StatusCode) -> str | None:
         if code in CRASH:
             return "crash"
+        if code == grpc.StatusCode.CANCELLED and case.cancel_after is not None:
+            return None  # we cancelled it: it says nothing about the door
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return "hang"
         door = auth.DOORS[f"/pdserve.v1.{case.target}"]

@@ -47,6 +47,7 @@ class Case:
     path: str = ""  # http
     body: bytes = b""  # http
     content_type: str = "application/json"
+    cancel_after: int | None = None  # streaming RPCs: the caller cancels after this many
 
     @property
     def kind(self) -> str:
@@ -74,7 +75,10 @@ class Inputs:
             message = self._message(target)
         if rng.random() < 0.25:
             message = self._bend_bytes(message.SerializeToString())
-        return Case(target, creds, message)
+        cancel = None
+        if target in ("Router/Generate", "Decode/Start") and rng.random() < 0.3:
+            cancel = rng.randrange(4)  # mid-stream: the release path runs under the fuzz too
+        return Case(target, creds, message, cancel_after=cancel)
 
     # -- values ------------------------------------------------------------------------
     def _int(self) -> int:
@@ -114,6 +118,8 @@ class Inputs:
     # -- messages ----------------------------------------------------------------------
     def _message(self, target: str):
         rng = self.rng
+        if target == "Router/Generate" and rng.random() < 0.3:
+            return self._good_generate()
         if target == "Router/Generate":
             msg = pb.GenerateRequest(
                 protocol_version=rng.choice((0, PROTOCOL_VERSION, PROTOCOL_VERSION + 1, 2**31)),
@@ -156,6 +162,23 @@ class Inputs:
                 dest_cached_blocks=self._int() % 2**31,
             )
         return pb.Empty()
+
+    def _good_generate(self) -> pb.GenerateRequest:
+        """A request a real client would send: real work (KV reserved, pushed, decoded,
+        released) between the bad ones."""
+        rng = self.rng
+        msg = pb.GenerateRequest(
+            protocol_version=PROTOCOL_VERSION,
+            sampling=pb.SamplingParams(
+                max_tokens=rng.randrange(1, 17),
+                temperature=rng.choice((0.0, 0.7)),
+                top_p=1.0,
+                ignore_eos=True,
+            ),
+        )
+        n = rng.randrange(1, max(2, min(64, self.max_len // 4)))
+        msg.token_ids.ids.extend(rng.randrange(self.vocab) for _ in range(n))
+        return msg
 
     def _register(self, impossible: bool) -> pb.RegisterRequest:
         rng = self.rng
@@ -226,8 +249,9 @@ class Inputs:
         else:
             base["messages"] = [{"role": "user", "content": "Hi"}]
         kind = rng.randrange(9)
-        if kind <= 2:  # a well-formed body with some fields bent
-            for _ in range(rng.randrange(4)):
+        if kind <= 2:  # a well-formed body, some fields bent (none in a third of them)
+            base["stream"] = rng.random() < 0.5
+            for _ in range(rng.choice((0, 0, 1, 2, 3))):
                 field = rng.choice(
                     ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream")
                     + ("n", "prompt", "messages", "stream_options", "logprobs", "model")
