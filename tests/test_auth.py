@@ -323,3 +323,15 @@ def test_with_tls_a_plaintext_client_is_refused_and_a_certified_one_served(certs
 def test_security_never_prints_a_credential():
     text = repr(Security(cluster_secret=SECRET, api_keys=(KEY_A,), api_key=KEY_B))
     assert SECRET not in text and KEY_A not in text and KEY_B not in text
+
+
+def test_a_prompt_far_beyond_max_model_len_is_invalid_not_overloaded(cluster):
+    """10M token ids (10 MB on the wire) reach validation and are refused naming `prompt`;
+    one larger than the router takes is refused by the SDK itself: both can never succeed,
+    so neither may read as "retry later"."""
+    with Client(cluster, api_key=KEY_A) as c:
+        with pytest.raises(InvalidRequest, match="INVALID_ARGUMENT: prompt: 10000000 tokens"):
+            c.generate([1] * 10_000_000, max_tokens=1)
+        with pytest.raises(InvalidRequest, match="prompt: the request is") as e:
+            c.generate([2**21] * 17_000_000, max_tokens=1)  # 4 bytes each: 68 MB
+        assert not e.value.retryable

@@ -342,3 +342,36 @@ def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
     out, err = capfd.readouterr()
     assert secret not in out and secret not in err
     assert "key-one-abc" not in out + err
+
+
+def test_a_cluster_launched_with_mutual_tls(tmp_path):
+    """Every member on TLS with one certificate from `pdserve certs`: workers register and
+    requests flow router -> workers over mTLS; a plaintext client and a client without a
+    certificate are refused; the OpenAI API answers over HTTPS."""
+    import json
+    import ssl
+    import urllib.request
+
+    from pdserve.client import Unavailable
+    from pdserve.launch import TLSFiles
+    from pdserve.serving.auth import TLS
+    from pdserve.serving.certs import make_certs
+
+    certs = make_certs(tmp_path, ["127.0.0.1"])
+    files = TLSFiles(str(certs["member.pem"]), str(certs["member-key.pem"]), str(certs["ca.pem"]))
+    with Cluster("tiny-llama", 1, 1, http_port=0, tls=files) as c:
+        member = TLS.from_files(files.cert, files.key, files.ca)
+        with Client(c.address, tls=member) as client:
+            assert len(client.generate([1, 2, 3], max_tokens=3, temperature=0).token_ids) == 3
+        for tls in (None, TLS.from_files(None, None, files.ca)):
+            with Client(c.address, tls=tls) as refused, pytest.raises(Unavailable):
+                refused.health()
+        context = ssl.create_default_context(cafile=files.ca)
+        body = json.dumps({"model": "m", "prompt": [1, 2], "max_tokens": 2}).encode()
+        request = urllib.request.Request(
+            f"https://{c.http_address}/v1/completions",
+            body,
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60, context=context) as r:
+            assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 2

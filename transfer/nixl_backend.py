@@ -75,7 +75,12 @@ class NixlAgent(TransferAgent):
 
         super().__init__(name)
         self._agent = nixl_agent(
-            name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False)
+            # no listener: peers' metadata arrives only inside authenticated RPCs (Reserve
+            # answers, Prefill requests; pdserve/serving/auth.py), never on a socket of ours
+            name,
+            nixl_agent_config(
+                backends=["UCX"], enable_prog_thread=False, enable_listen_thread=False
+            ),
         )
         if "UCX" not in self._agent.backends:
             raise ImportError("NIXL's UCX plugin could not be instantiated")

@@ -92,7 +92,7 @@ def run_router(args: argparse.Namespace) -> int:
     from pdserve.serving import auth
     from pdserve.serving.auth import Security
     from pdserve.serving.metrics import serve_metrics
-    from pdserve.serving.server import MAX_MESSAGE_BYTES, start_server
+    from pdserve.serving.server import start_server
     from pdserve.weights import resolve
 
     security = security_of(args, "router")
@@ -109,7 +109,6 @@ def run_router(args: argparse.Namespace) -> int:
         args.port,
         held_calls=config.max_queue,  # Generate streams the router admits at once
         security=security,
-        max_message_bytes=MAX_MESSAGE_BYTES,
     )
     metrics_port = serve_metrics(service.metrics.registry, args.host, args.metrics_port)
     http = None

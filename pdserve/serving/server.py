@@ -13,7 +13,7 @@ from pdserve.serving.auth import AuthInterceptor, Security
 
 SERVER_THREADS = 64
 # gRPC's own default (4 MiB) answers a larger message RESOURCE_EXHAUSTED, which a client
-# reads as "retry later". The router takes requests up to this size, so that a prompt far
+# reads as "retry later". Every role takes messages up to this size, so that a prompt far
 # beyond max_model_len reaches validation and is answered INVALID_ARGUMENT naming `prompt`
 # (10M token ids fit); the SDK refuses larger ones itself (pdserve/client.py).
 MAX_MESSAGE_BYTES = 64 << 20
@@ -25,7 +25,7 @@ def start_server(
     port: int,
     held_calls: int = 0,
     security: Security | None = None,
-    max_message_bytes: int | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
 ):
     """-> (server, bound port). Port 0 asks the OS for a free one. `held_calls`: how many
     long calls (streams) may hold a thread at once; SERVER_THREADS more stay for short ones
@@ -33,9 +33,7 @@ def start_server(
     routed on what it knew when they stopped: the capacity sweep hung at 64 clients).
     `security`: the doors every RPC passes (pdserve/serving/auth.py) and TLS when set."""
     security = security or Security()
-    options = []
-    if max_message_bytes is not None:
-        options.append(("grpc.max_receive_message_length", max_message_bytes))
+    options = [("grpc.max_receive_message_length", max_message_bytes)]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=held_calls + SERVER_THREADS),
         interceptors=[AuthInterceptor(security), ParseGuard()],
