@@ -11,6 +11,11 @@
 #   PDSERVE_TRANSFER  nixl | loopback                                (default nixl)
 #   PDSERVE_KV_BYTES  KV pool bytes per worker                       (default: half of free GPU memory)
 #   CUDA_VISIBLE_DEVICES  which GPU this worker uses
+#   PDSERVE_SECRET_FILE   the cluster secret, one file readable only by this user, the same
+#                     on every node (or PDSERVE_CLUSTER_SECRET; docs/security.md)
+#   PDSERVE_TLS_DIR   a directory from `pdserve certs` (member.pem, member-key.pem, ca.pem):
+#                     mutual TLS between all members
+#   PDSERVE_API_KEY_FILE  router: API keys for Generate and the OpenAI API, one per line
 #   PDSERVE_EXTRA     more flags for `pdserve serve <role>`
 set -euo pipefail
 : "${PDSERVE_ROLE:?set PDSERVE_ROLE to router, prefill or decode}"
@@ -18,6 +23,14 @@ set -euo pipefail
 args=(serve "$PDSERVE_ROLE" --model "$PDSERVE_MODEL"
       --host "${PDSERVE_HOST:-127.0.0.1}" --port "${PDSERVE_PORT:-0}"
       --metrics-port "${PDSERVE_METRICS_PORT:-0}")
+[[ -n ${PDSERVE_SECRET_FILE:-} ]] && args+=(--cluster-secret-file "$PDSERVE_SECRET_FILE")
+if [[ -n ${PDSERVE_TLS_DIR:-} ]]; then
+  args+=(--tls-cert "$PDSERVE_TLS_DIR/member.pem" --tls-key "$PDSERVE_TLS_DIR/member-key.pem"
+         --tls-ca "$PDSERVE_TLS_DIR/ca.pem")
+fi
+if [[ $PDSERVE_ROLE == router && -n ${PDSERVE_API_KEY_FILE:-} ]]; then
+  args+=(--api-key-file "$PDSERVE_API_KEY_FILE")
+fi
 if [[ $PDSERVE_ROLE != router ]]; then
   : "${PDSERVE_ROUTER:?workers need PDSERVE_ROUTER=host:port}"
   args+=(--router "$PDSERVE_ROUTER" --transfer "${PDSERVE_TRANSFER:-nixl}")
