@@ -335,3 +335,21 @@ def test_a_prompt_far_beyond_max_model_len_is_invalid_not_overloaded(cluster):
         with pytest.raises(InvalidRequest, match="prompt: the request is") as e:
             c.generate([2**21] * 17_000_000, max_tokens=1)  # 4 bytes each: 68 MB
         assert not e.value.retryable
+
+
+def test_a_body_that_is_not_the_message_is_invalid_argument_not_internal(cluster):
+    """gRPC answers INTERNAL ("Exception deserializing request!") by itself: that reads as
+    the server's fault. A refused caller's body is not even parsed."""
+    garbage = b"\x0a\xff\xff\xff\xff\x0f"  # field 1, a length no body holds
+    for security, method, code in (
+        (MEMBER, "/pdserve.v1.Router/Abort", grpc.StatusCode.INVALID_ARGUMENT),
+        (Security(), "/pdserve.v1.Router/Health", grpc.StatusCode.INVALID_ARGUMENT),
+        (Security(), "/pdserve.v1.Router/Register", grpc.StatusCode.UNAUTHENTICATED),
+    ):
+        with auth.channel(cluster, security) as channel:
+            call = channel.unary_unary(method)  # bytes in, bytes out
+            with pytest.raises(grpc.RpcError) as e:
+                call(garbage, timeout=5)
+            assert e.value.code() == code, (method, e.value.details())
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                assert e.value.details().startswith("request: not a valid message"), method

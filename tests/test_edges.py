@@ -23,6 +23,7 @@ from http.client import HTTPException
 import grpc
 import pytest
 import torch
+from http_calls import http
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
@@ -110,24 +111,6 @@ def keyed_door(router):
     server = start_http(front, port, "127.0.0.1", 0, "fake")
     yield f"http://127.0.0.1:{server.port}"
     server.close()
-
-
-def http(base: str, path: str, body: bytes | None = None, headers=None, method=None, ctx=None):
-    """(status, headers, parsed JSON or text) without raising on 4xx/5xx."""
-    method = method or ("POST" if body is not None else "GET")
-    req = urllib.request.Request(f"{base}{path}", data=body, method=method)
-    for name, value in (headers or {"Content-Type": "application/json"}).items():
-        req.add_header(name, value)
-    try:
-        with urllib.request.urlopen(req, timeout=30, context=ctx) as resp:
-            status, got, raw = resp.status, resp.headers, resp.read()
-    except urllib.error.HTTPError as e:
-        status, got, raw = e.code, e.headers, e.read()
-    text = raw.decode()
-    try:
-        return status, got, json.loads(text)
-    except json.JSONDecodeError:
-        return status, got, text
 
 
 # -- bodies ----------------------------------------------------------------------------------

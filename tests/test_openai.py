@@ -3,13 +3,11 @@ launched cluster (real processes on 127.0.0.1), checked against the gRPC SDK."""
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
+from http_calls import http as http_call
 
 from pdserve.client import Client
 from pdserve.launch import Cluster
@@ -44,19 +42,7 @@ def sdk(cluster):
 
 
 def http(cluster, method: str, path: str, body: bytes | None = None):
-    """(status, headers, parsed JSON or text) without raising on 4xx/5xx."""
-    req = urllib.request.Request(f"http://{cluster.http_address}{path}", data=body, method=method)
-    req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            status, headers, raw = resp.status, resp.headers, resp.read()
-    except urllib.error.HTTPError as e:
-        status, headers, raw = e.code, e.headers, e.read()
-    text = raw.decode()
-    try:
-        return status, headers, json.loads(text)
-    except json.JSONDecodeError:
-        return status, headers, text
+    return http_call(f"http://{cluster.http_address}", path, body, method=method)
 
 
 def test_completions_match_the_sdk(oai, sdk):

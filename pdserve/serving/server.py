@@ -79,27 +79,20 @@ class ParseGuard(grpc.ServerInterceptor):
                 f"request: not a valid message for {details.method} ({request.error})",
             )
 
-        if handler.response_streaming:
-            behavior = handler.unary_stream
+        streaming = handler.response_streaming
+        behavior = handler.unary_stream if streaming else handler.unary_unary
 
-            def stream(request, context):
-                if isinstance(request, _Unparsed):
-                    refuse(request, context)
-                return behavior(request, context)
-
-            return grpc.unary_stream_rpc_method_handler(
-                stream, guarded_parse, handler.response_serializer
-            )
-        behavior = handler.unary_unary
-
-        def unary(request, context):
+        def guarded(request, context):
             if isinstance(request, _Unparsed):
                 refuse(request, context)
             return behavior(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(
-            unary, guarded_parse, handler.response_serializer
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if streaming
+            else grpc.unary_unary_rpc_method_handler
         )
+        return make(guarded, guarded_parse, handler.response_serializer)
 
 
 def health(role: str, worker_id: str, reason: str = "") -> pb.HealthResponse:
