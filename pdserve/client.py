@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import grpc
 
@@ -73,14 +74,16 @@ class Unavailable(PdserveError):
     retryable = True
 
 
-_KINDS = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-    grpc.StatusCode.ALREADY_EXISTS: InvalidRequest,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.UNAUTHENTICATED: Unauthorized,
-    grpc.StatusCode.PERMISSION_DENIED: Unauthorized,
-}
+_KINDS = MappingProxyType(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+        grpc.StatusCode.ALREADY_EXISTS: InvalidRequest,
+        grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+        grpc.StatusCode.UNAVAILABLE: Unavailable,
+        grpc.StatusCode.UNAUTHENTICATED: Unauthorized,
+        grpc.StatusCode.PERMISSION_DENIED: Unauthorized,
+    }
+)
 
 
 def _error(e: grpc.RpcError) -> PdserveError:

@@ -17,6 +17,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from pdserve.serving import auth
 from pdserve.serving.auth import TLS, Security
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_CREDENTIAL_ENV = frozenset({auth.CLUSTER_SECRET_ENV, auth.API_KEY_ENV})
 
 
 def _die_with(parent: int):
@@ -55,6 +57,14 @@ class TLSFiles:
 
     def flags(self) -> list[str]:
         return ["--tls-cert", self.cert, "--tls-key", self.key, "--tls-ca", self.ca]
+
+
+def _forward(stream) -> None:
+    try:
+        for line in stream:
+            sys.stderr.write(line)
+    except (OSError, ValueError):  # closed by close() while reading
+        pass
 
 
 class Cluster:
@@ -104,8 +114,10 @@ class Cluster:
             raise
 
     def _spawn(self, argv: list[str]) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in _CREDENTIAL_ENV}
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", *argv],
+            env=env,  # this cluster's secret comes on stdin; a user's exported one stays here
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -120,7 +132,11 @@ class Cluster:
             pass  # it died at once: the READY wait below says so
         line = proc.stdout.readline()
         while line and not line.startswith("READY "):  # libraries may log to stdout first
+            sys.stderr.write(line)
             line = proc.stdout.readline()
+        # the rest of its stdout (library logs) goes to our stderr: unread, a full pipe
+        # would block the child; on our stdout it would mix into benchmark tables
+        threading.Thread(target=_forward, args=(proc.stdout,), daemon=True).start()
         if not line.startswith("READY "):
             raise RuntimeError(
                 f"`pdserve {' '.join(argv[:2])}` failed to start (exit {proc.poll()})"

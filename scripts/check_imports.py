@@ -70,8 +70,11 @@ ALLOWED: Mapping[str, frozenset[str]] = MappingProxyType(
         "pdserve.router": _EDGE | {"pdserve.weights", "pdserve.tokenizer"},
         # front doors and clients talk to the router over gRPC only
         "pdserve.client": frozenset({"pdserve.serving", "pdserve.rpc"}),  # serving.convert only
-        "pdserve.openai": frozenset({"pdserve.client", "pdserve.rpc", "pdserve.tokenizer"}),
-        "pdserve.launch": frozenset({"pdserve.rpc"}),
+        # the front door validates text prompts with the edges' one validator
+        "pdserve.openai": frozenset(
+            {"pdserve.client", "pdserve.rpc", "pdserve.tokenizer", "pdserve.validation"}
+        ),
+        "pdserve.launch": frozenset({"pdserve.rpc", "pdserve.serving"}),  # serving.auth only
         # the top: benchmarks, the command line and the wiring that starts roles
         "pdserve.bench": _CORE
         | _EDGE

@@ -158,20 +158,13 @@ def test_router_assigned_ids_are_random(cluster):
 
 def test_another_callers_abort_is_refused_and_the_stream_completes(cluster):
     owner, stranger = Client(cluster, api_key=KEY_A), Client(cluster, api_key=KEY_B)
-    results = []
-    run = threading.Thread(
-        target=lambda: results.append(owner.generate([1], max_tokens=2, request_id="mine"))
-    )
-    run.start()
-    deadline = time.monotonic() + 5
-    refused = False
-    while time.monotonic() < deadline and run.is_alive():
-        refused = refused or stranger.abort("mine") is False
-        time.sleep(TICK_S / 2)
-    run.join(timeout=10)
-    assert refused
-    assert results[0].finish_reason == "length"
-    assert results[0].token_ids == list(range(1, TOKENS + 1))
+    stream = owner.stream([1], max_tokens=2, request_id="mine")
+    tokens = [next(stream)]  # the request is running now
+    assert stranger.abort("mine") is False
+    with Client(cluster, security=Security()) as anonymous, pytest.raises(Unauthorized):
+        anonymous.abort("mine")
+    tokens += list(stream)
+    assert tokens == list(range(1, TOKENS + 1))  # nothing cut the stream short
     assert not owner.abort("mine")  # over: nothing to abort
     owner.close()
     stranger.close()
@@ -198,21 +191,17 @@ def test_the_owner_and_a_member_can_abort(cluster, aborter):
 
 def test_a_duplicate_id_is_refused_the_same_way_whoever_owns_the_first(cluster):
     owner = Client(cluster, api_key=KEY_A)
-    run = threading.Thread(target=lambda: owner.generate([1], max_tokens=2, request_id="dup"))
-    run.start()
+    stream = owner.stream([1], max_tokens=2, request_id="dup")
+    next(stream)  # the first request holds the id now
     messages = []
-    deadline = time.monotonic() + 5
     for key in (KEY_A, KEY_B):
-        with Client(cluster, api_key=key) as c:
-            while True:
-                assert time.monotonic() < deadline, "the first request never showed up"
-                try:
-                    c.generate([1], max_tokens=2, request_id="dup")
-                except InvalidRequest as e:
-                    messages.append(str(e))
-                    break
-    run.join(timeout=10)
+        with Client(cluster, api_key=key) as c, pytest.raises(InvalidRequest) as e:
+            c.generate([1], max_tokens=2, request_id="dup")
+        messages.append(str(e.value))
     assert messages == ["ALREADY_EXISTS: request_id: already in use"] * 2
+    assert len(list(stream)) == TOKENS - 1  # the first one is untouched
+    with Client(cluster, api_key=KEY_B) as c:  # and the id is free again once it ended
+        assert c.generate([1], max_tokens=2, request_id="dup").finish_reason == "length"
     owner.close()
 
 
@@ -353,3 +342,33 @@ def test_a_body_that_is_not_the_message_is_invalid_argument_not_internal(cluster
             assert e.value.code() == code, (method, e.value.details())
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 assert e.value.details().startswith("request: not a valid message"), method
+
+
+def test_credentials_load_from_a_file_stdin_or_the_environment(tmp_path, monkeypatch):
+    import io
+
+    from pdserve.serving.auth import load_api_keys, load_secret
+
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET + "\n")
+    assert load_secret(str(secret_file), environ={}) == SECRET
+    monkeypatch.setattr("sys.stdin", io.StringIO(SECRET + "\nnot this\n"))
+    assert load_secret("-", environ={}) == SECRET
+    environ = {"PDSERVE_CLUSTER_SECRET": SECRET, "OTHER": "x"}
+    assert load_secret(None, environ) == SECRET
+    assert environ == {"OTHER": "x"}  # gone: no child inherits it
+    assert load_secret(None, environ={}) is None
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="cluster secret: .*empty"):
+        load_secret(str(tmp_path / "empty"), environ={})
+    with pytest.raises(ValueError, match="cannot read"):
+        load_secret(str(tmp_path / "missing"), environ={})
+    keys = tmp_path / "keys"
+    keys.write_text("# comment\nk-one\n\nk-two\nk-one\n")
+    environ = {"PDSERVE_API_KEY": "k-env"}
+    assert load_api_keys(["k-flag"], str(keys), environ) == ("k-flag", "k-one", "k-two", "k-env")
+    assert environ == {}
+    with pytest.raises(ValueError, match="printable ASCII"):
+        Security(api_keys=("ключ",))
+    with pytest.raises(ValueError, match="at least 16"):
+        Security(cluster_secret="short")

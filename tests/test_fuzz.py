@@ -66,6 +66,15 @@ def test_verdicts(target, creds, code, failure):
     assert Fuzzer._verdict(Case(target, creds, pb.Empty()), code) == failure
 
 
+def test_the_doors_the_fuzzer_expects_are_the_doors_the_servers_keep():
+    """The fuzzer writes out the doors docs/security.md promises; the servers' table must
+    be the same (a method filed under the wrong door fails here and in the fuzz pass)."""
+    from pdserve.bench.fuzz import DOORS
+    from pdserve.serving import auth
+
+    assert {f"/pdserve.v1.{m}": door for m, door in DOORS.items()} == dict(auth.DOORS)
+
+
 @pytest.mark.slow
 def test_a_short_fuzz_pass_against_a_launched_cluster():
     report = bench_fuzz("tiny-llama", inputs=400, seed=11, batch=200, threads=4)

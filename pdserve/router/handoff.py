@@ -14,6 +14,7 @@ if it is gone, its lease returns them.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +28,23 @@ from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.serving.convert import spans_from_proto, spans_to_proto
 from pdserve.tokenizer import Tokenizer
 from pdserve.trace import Span, hops, now
+
+# a worker that refuses the router's own credentials is a deployment fault (a secret or
+# certificate that differs between members), not the client's: the client sees UNAVAILABLE
+_INTERNAL_REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def _to_client(code: grpc.StatusCode) -> grpc.StatusCode:
+    return grpc.StatusCode.UNAVAILABLE if code in _INTERNAL_REFUSALS else code
+
+
+@dataclass(eq=False)
+class Inflight:
+    """One request's entry in the in-flight table. Compared by identity: a request that
+    ended and a later one that reuses its id are different entries, so the first one's
+    late release cannot touch the second."""
+
+    worker: Worker
 
 
 @dataclass(frozen=True)
@@ -45,11 +63,12 @@ class Handoff:
         registry: WorkerRegistry,
         metrics: RouterMetrics,
         tokenizer: Tokenizer | None,
-        inflight: dict[str, Worker],
+        inflight: dict[str, Inflight],
     ) -> None:
         self.config, self.registry, self.metrics = config, registry, metrics
         self.tokenizer = tokenizer
-        self.inflight = inflight  # request id -> its decode worker (shared with Abort)
+        self.inflight = inflight  # request id -> its entry (shared with Abort)
+        self._lock = threading.Lock()  # every check-and-change of `inflight`
 
     def serve(self, arrival: Arrival, context) -> Iterator[pb.GenerateResponse]:
         rid, prompt = arrival.request_id, arrival.prompt
@@ -57,12 +76,14 @@ class Handoff:
         deadline = arrival.at + self.config.queue_timeout_s
         self._await_workers(deadline, context)
         decode, reserved = self._reserve(arrival, deadline, context, spans)
-        self.inflight[rid] = decode
-        context.add_callback(lambda: self.release(rid))
+        entry = Inflight(decode)
+        with self._lock:
+            self.inflight[rid] = entry
+        context.add_callback(lambda: self.release(rid, entry))
         queued = time.monotonic()
         prefill = self.registry.pick_prefill(len(prompt))
         if prefill is None:
-            self.release(rid)
+            self.release(rid, entry)
             context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill worker is registered")
         prefill_sent = now()
         try:
@@ -80,8 +101,8 @@ class Handoff:
                 timeout=self.config.prefill_timeout_s,
             )
         except grpc.RpcError as e:
-            self.release(rid)
-            context.abort(e.code(), f"prefill failed: {e.details()}")
+            self.release(rid, entry)
+            context.abort(_to_client(e.code()), f"prefill failed: {e.details()}")
         prefill_back = start_sent = now()
         stream = decode.stub.Start(
             pb.StartRequest(request_id=rid, first_token=done.first_token),
@@ -131,9 +152,9 @@ class Handoff:
                     return
         except grpc.RpcError as e:
             if context.is_active():
-                context.abort(e.code(), f"decode failed: {e.details()}")
+                context.abort(_to_client(e.code()), f"decode failed: {e.details()}")
         finally:
-            self.inflight.pop(rid, None)
+            self._forget(rid, entry)
 
     def _pause(self, pause: float) -> float:
         """Back off between tries: many waiting requests polling every 10 ms kept the
@@ -175,6 +196,12 @@ class Handoff:
                     self.registry.not_reserved(worker)
                     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.details())
+                    if e.code() in _INTERNAL_REFUSALS:
+                        context.abort(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"decode worker {worker.worker_id} refused the router's "
+                            f"credentials ({e.code().name}): is the cluster secret the same?",
+                        )
                     if e.code() not in (
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
                         grpc.StatusCode.UNAVAILABLE,
@@ -206,12 +233,23 @@ class Handoff:
             m.tpot.observe(timings.tpot_s)
         m.requests.labels(chunk.finish_reason).inc()
 
-    def release(self, request_id: str) -> None:
-        worker = self.inflight.pop(request_id, None)
-        if worker is not None:
+    def _forget(self, request_id: str, entry: Inflight) -> Inflight | None:
+        """Removes `entry` (or, given None, whatever the id maps to) -> what was removed."""
+        with self._lock:
+            current = self.inflight.get(request_id)
+            if current is None or (entry is not None and current is not entry):
+                return None
+            del self.inflight[request_id]
+            return current
+
+    def release(self, request_id: str, entry: Inflight | None = None) -> bool:
+        """Ends the request on its decode worker -> whether it was in flight."""
+        removed = self._forget(request_id, entry)
+        if removed is not None:
             # if the worker is gone, its lease returns the blocks
             with contextlib.suppress(grpc.RpcError):
-                worker.stub.Release(
+                removed.worker.stub.Release(
                     pb.AbortRequest(request_id=request_id),
                     timeout=self.config.release_rpc_timeout_s,
                 )
+        return removed is not None

@@ -18,9 +18,9 @@ import time
 import grpc
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.handoff import Arrival, Handoff
+from pdserve.router.handoff import Arrival, Handoff, Inflight
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.registry import Worker, WorkerRecord, WorkerRegistry, grpc_connect
+from pdserve.router.registry import WorkerRecord, WorkerRegistry, grpc_connect
 from pdserve.rpc import PROTOCOL_VERSION
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
@@ -112,7 +112,7 @@ class RouterService(rpc.RouterServicer):
         )
         self.metrics = RouterMetrics()
         self.admission = threading.BoundedSemaphore(config.max_queue)
-        self.inflight: dict[str, Worker] = {}  # request id -> its decode worker
+        self.inflight: dict[str, Inflight] = {}  # request id -> its decode worker
         self._owners: dict[str, str] = {}  # request id -> who created it (Security.caller)
         self._owners_lock = threading.Lock()
         self.handoff = Handoff(config, self.registry, self.metrics, tokenizer, self.inflight)
@@ -152,7 +152,12 @@ class RouterService(rpc.RouterServicer):
         kind = request.WhichOneof("prompt")
         if kind == "text":
             return self.validator.prompt(request.text)
-        return self.validator.prompt(list(request.token_ids.ids) if kind == "token_ids" else [])
+        ids = request.token_ids.ids if kind == "token_ids" else ()
+        if len(ids) > self.config.max_model_len:  # before copying 10M ids out of the message
+            raise ValueError(
+                f"prompt: {len(ids)} tokens exceed max_model_len {self.config.max_model_len}"
+            )
+        return self.validator.prompt(list(ids))
 
     def _validate(self, request: pb.GenerateRequest) -> list[int]:
         if request.protocol_version not in (0, PROTOCOL_VERSION):
@@ -198,10 +203,9 @@ class RouterService(rpc.RouterServicer):
 
     def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         rid, caller = request.request_id, self.security.caller(context)
-        with self._owners_lock:
+        with self._owners_lock:  # the owner and the entry looked up together
             owner = self._owners.get(rid)
-        if owner is None or caller not in (owner, MEMBER):
+            entry = self.inflight.get(rid)
+        if owner is None or caller not in (owner, MEMBER) or entry is None:
             return pb.AbortResponse(found=False)
-        found = rid in self.inflight
-        self.handoff.release(rid)
-        return pb.AbortResponse(found=found)
+        return pb.AbortResponse(found=self.handoff.release(rid, entry))

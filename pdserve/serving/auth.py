@@ -29,7 +29,8 @@ import hmac
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import grpc
 
@@ -40,19 +41,21 @@ API_KEY_ENV = "PDSERVE_API_KEY"
 
 OPEN, CLIENT, CLUSTER = "open", "client", "cluster"
 _SERVICE = "/pdserve.v1."
-DOORS: Mapping[str, str] = {
-    f"{_SERVICE}Router/Generate": CLIENT,
-    f"{_SERVICE}Router/Abort": CLIENT,
-    f"{_SERVICE}Router/ListWorkers": CLIENT,
-    f"{_SERVICE}Router/Health": OPEN,
-    f"{_SERVICE}Router/Register": CLUSTER,
-    f"{_SERVICE}Decode/Reserve": CLUSTER,
-    f"{_SERVICE}Decode/Start": CLUSTER,
-    f"{_SERVICE}Decode/Release": CLUSTER,
-    f"{_SERVICE}Decode/Health": OPEN,
-    f"{_SERVICE}Prefill/Prefill": CLUSTER,
-    f"{_SERVICE}Prefill/Health": OPEN,
-}
+DOORS: Mapping[str, str] = MappingProxyType(
+    {
+        f"{_SERVICE}Router/Generate": CLIENT,
+        f"{_SERVICE}Router/Abort": CLIENT,
+        f"{_SERVICE}Router/ListWorkers": CLIENT,
+        f"{_SERVICE}Router/Health": OPEN,
+        f"{_SERVICE}Router/Register": CLUSTER,
+        f"{_SERVICE}Decode/Reserve": CLUSTER,
+        f"{_SERVICE}Decode/Start": CLUSTER,
+        f"{_SERVICE}Decode/Release": CLUSTER,
+        f"{_SERVICE}Decode/Health": OPEN,
+        f"{_SERVICE}Prefill/Prefill": CLUSTER,
+        f"{_SERVICE}Prefill/Health": OPEN,
+    }
+)
 MEMBER = "cluster"  # the identity of a caller that presented the cluster secret
 
 
@@ -64,7 +67,7 @@ class TLS:
     address it is reached at)."""
 
     cert: bytes | None = None
-    key: bytes | None = None
+    key: bytes | None = field(default=None, repr=False)  # a private key prints nowhere
     ca: bytes | None = None
 
     def __post_init__(self) -> None:
@@ -176,9 +179,12 @@ def bearer(value: str | None) -> str | None:
 
 
 def _same(presented: str | None, expected: str) -> bool:
+    """Constant-time, and over digests: compare_digest returns at once on different
+    lengths, which would tell a prober a key's length."""
     if presented is None:
         return False
-    return hmac.compare_digest(presented.encode(errors="replace"), expected.encode())
+    digest = hashlib.sha256(presented.encode(errors="replace")).digest()
+    return hmac.compare_digest(digest, hashlib.sha256(expected.encode()).digest())
 
 
 def _read(path: str, what: str) -> bytes:
@@ -197,12 +203,13 @@ def load_secret(path: str | None, environ: dict | None = None) -> str | None:
     hands it over) or else from $PDSERVE_CLUSTER_SECRET, which is then removed from the
     environment so that no child inherits it. None when neither is given."""
     environ = os.environ if environ is None else environ
+    from_env = environ.pop(CLUSTER_SECRET_ENV, "").strip()  # gone either way
     if path == "-":
         secret = sys.stdin.readline().strip()
     elif path:
         secret = _read(path, "cluster secret").decode().strip()
     else:
-        secret = environ.pop(CLUSTER_SECRET_ENV, "").strip()
+        secret = from_env
     if (path or secret) and not secret:
         raise ValueError(f"cluster secret: {path or CLUSTER_SECRET_ENV} is empty")
     return secret or None
@@ -213,10 +220,11 @@ def load_api_keys(keys: list[str] | None, path: str | None, environ: dict | None
     environ = os.environ if environ is None else environ
     found = list(keys or ())
     if path:
-        lines = _read(path, "api keys").decode().splitlines()
-        found += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    if environ.get(API_KEY_ENV, "").strip():
-        found.append(environ.pop(API_KEY_ENV).strip())
+        lines = [line.strip() for line in _read(path, "api keys").decode().splitlines()]
+        found += [line for line in lines if line and not line.startswith("#")]
+    from_env = environ.pop(API_KEY_ENV, "").strip()
+    if from_env:
+        found.append(from_env)
     return tuple(dict.fromkeys(found))
 
 

@@ -4,6 +4,7 @@ mutual TLS (both server and client use), for nodes without an existing PKI.
     DIR/ca.pem       the CA certificate: every member's --tls-ca, and an SDK client's `tls`
     DIR/ca-key.pem   the CA's key: keep it off the serving nodes once certificates are made
     DIR/member.pem   the member certificate, SANs = every --host (IP addresses and names)
+                     and 127.0.0.1
     DIR/member-key.pem
 
 Keys are EC P-256, written 0600. Needs the `cryptography` package (`pip install
@@ -44,8 +45,9 @@ def _san(host: str):
 def make_certs(out: str | Path, hosts: list[str], days: int = 365) -> dict[str, Path]:
     """Writes FILES under `out` -> {name: path}. Refuses to overwrite an existing CA."""
     x509, hashes, serialization, ec, eku, name_oid = _crypto()
-    if not hosts:
-        raise ValueError("certs: name at least one --host the members are reached at")
+    # the router's OpenAI front door reaches its own gRPC port on 127.0.0.1 whatever --host
+    # says, so every member certificate names it too
+    hosts = list(dict.fromkeys([*hosts, "127.0.0.1"]))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in FILES}
