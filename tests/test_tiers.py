@@ -253,7 +253,7 @@ def test_a_failing_pack_stores_nothing(kind, tmp_path):
         assert "x" not in tier and tier.used_blocks == 0
         tier.check_integrity()
         if kind == "disk":
-            assert os.listdir(tier.directory) == []
+            assert os.listdir(tier.directory) == [disk_mod.OWNER]  # no entry file
         tier.put("x", staging(5))  # the key and the room are free again
         assert torch.equal(tier.get("x"), staging(5))
     finally:
@@ -285,3 +285,49 @@ def test_disk_tier_writes_and_verifies_in_pieces(tmp_path, monkeypatch):
         assert seen == [(0, 2)]  # nothing from the bad piece reached the sink
     finally:
         tier.close()
+
+
+def test_a_sigkilled_workers_spill_directory_is_gone_after_the_next_start(tmp_path):
+    """SIGKILL runs no close(): the next disk tier under the same root removes the dead
+    process's directory, and only that one (a live process's, and a directory without a
+    valid OWNER file, stay)."""
+    import signal
+    import subprocess
+    import sys
+
+    from transfer.tiers.disk import DiskTier
+
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from transfer.tiers.disk import DiskTier\n"
+            f"tier = DiskTier(8, 1024, root={str(tmp_path)!r})\n"
+            "print(tier.directory, flush=True)\n"
+            "time.sleep(120)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    dead_dir = child.stdout.readline().strip()
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    child.stdout.close()
+    assert os.path.isdir(dead_dir)
+    live = DiskTier(8, 1024, root=str(tmp_path))  # this process: alive
+    foreign = tmp_path / "pdserve-spill-foreign"
+    foreign.mkdir()
+    (foreign / "OWNER").write_text("not a pid\n")
+    reused = tmp_path / "pdserve-spill-reused"  # our pid, another start time: pid reuse
+    reused.mkdir()
+    (reused / "OWNER").write_text(f"{os.getpid()} 1\n")
+    try:
+        assert live.removed_stale == [dead_dir]
+        assert not os.path.exists(dead_dir)
+        again = DiskTier(8, 1024, root=str(tmp_path))
+        assert again.removed_stale == [str(reused)]
+        assert os.path.isdir(live.directory) and foreign.is_dir()
+        again.close()
+    finally:
+        live.close()

@@ -15,11 +15,17 @@
 - Capacity is in blocks; `put` also refuses (TierFull) when the file system has less free
   space than the entry plus a margin, and raises TierError when the directory is not
   writable, so callers fall back (recompute) with a clear warning instead of crashing.
+- A process killed with SIGKILL runs no close(): its directory stays. Each directory holds
+  an OWNER file (the creating process's pid and its start time, from /proc); a new disk
+  tier first removes the directories under its root that are this user's, carry a valid
+  OWNER file, and whose process is gone (no such pid, or a pid reused by a process that
+  started at another time). Anything else there is left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import shutil
@@ -33,7 +39,10 @@ import xxhash
 
 from transfer.tiers.base import BlockSource, CorruptBlock, Tier, TierError, TierFull, as_source
 
+log = logging.getLogger(__name__)
 FREE_SPACE_MARGIN = 64 << 20  # leave this much on the file system
+PREFIX = "pdserve-spill-"
+OWNER = "OWNER"  # "<pid> <start time in clock ticks since boot>"
 CHUNK_BYTES = 8 << 20  # pack / write / read pieces of about this size
 KEEP_BUFFERS = 4  # write buffers kept for reuse (fresh memory costs page faults)
 
@@ -74,8 +83,12 @@ class DiskTier(Tier):
 
     def __init__(self, capacity_blocks: int, block_bytes: int, root: str | None = None) -> None:
         super().__init__(capacity_blocks, block_bytes)
+        self.removed_stale = remove_stale(root)
+        for path in self.removed_stale:
+            log.warning("removed the spill directory of a dead process: %s", path)
         try:
-            self.directory = tempfile.mkdtemp(prefix="pdserve-spill-", dir=root)  # 0700
+            self.directory = tempfile.mkdtemp(prefix=PREFIX, dir=root)  # 0700
+            _write_owner(self.directory)
         except OSError as e:
             raise TierError(f"disk tier: cannot create a spill directory in {root}: {e}") from None
         self._entries: dict[Hashable, _Entry] = {}
@@ -249,3 +262,53 @@ class DiskTier(Tier):
             self._writer.join(timeout=30)
         self._entries.clear()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- dead predecessors
+
+
+def _started(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (None: no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _write_owner(directory: str) -> None:
+    fd = os.open(os.path.join(directory, OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{os.getpid()} {_started(os.getpid())}\n")
+
+
+def _stale(directory: str) -> bool:
+    """Ours (this user's, with a well-formed OWNER) and its process gone."""
+    try:
+        if os.stat(directory).st_uid != os.getuid():
+            return False
+        with open(os.path.join(directory, OWNER)) as f:
+            pid_text, started_text = f.read().split()
+        pid, started = int(pid_text), int(started_text)
+    except (OSError, ValueError):
+        return False  # no OWNER, unreadable or malformed: not provably ours
+    return _started(pid) != started
+
+
+def remove_stale(root: str | None) -> list[str]:
+    """Removes the spill directories of dead pdserve processes under `root` (default: the
+    system temp directory) -> the ones removed. Linux (/proc); elsewhere nothing."""
+    root = root or tempfile.gettempdir()
+    if not os.path.isdir("/proc/self"):
+        return []
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        path = os.path.join(root, name)
+        if os.path.isdir(path) and not os.path.islink(path) and _stale(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
