@@ -1,6 +1,7 @@
 """`pdserve launch`: a local cluster of separate processes (router, prefill and decode workers)
 on 127.0.0.1, each on a port the OS picks. Waits until every worker is registered, prints the
 router address, and stops everything on SIGINT/SIGTERM (or on `close()`), leaving no orphans.
+While it runs, `Supervisor` restarts any process that exits (with backoff).
 
 Every cluster gets a fresh cluster secret (pdserve/serving/auth.py), handed to each child on
 its stdin (`--cluster-secret-file -`): never on a command line, never in an environment.
@@ -90,6 +91,7 @@ class Cluster:
         self._secret_line = f"{secret}\n"
         member = ["--cluster-secret-file", "-", *(tls.flags() if tls else [])]
         self.procs: list[subprocess.Popen] = []
+        self.argvs: list[list[str]] = []  # how each was started, parallel to procs (restart)
         self.names: list[str] = []  # role-index of each process, parallel to procs
         self.metrics: dict[str, str] = {}  # role-index -> host:port of /metrics
         self.http_address: str | None = None  # host:port of the OpenAI API, when asked for
@@ -100,6 +102,11 @@ class Cluster:
             if api_key_file is not None:
                 router += ["--api-key-file", api_key_file]
             self.address = self._spawn([*router, *(router_args or [])])
+            # a restarted router must come back where the workers look for it
+            self.argvs[0][self.argvs[0].index("--port") + 1] = self.address.rsplit(":", 1)[1]
+            if self.http_address is not None:
+                at = self.argvs[0].index("--http-port") + 1
+                self.argvs[0][at] = self.http_address.rsplit(":", 1)[1]
             common = ["--model", model, "--router", self.address, "--transfer", transfer, *member]
             # workers sharing one machine's CPUs split them instead of oversubscribing
             threads = max(1, (os.cpu_count() or 1) // max(1, prefill + decode))
@@ -113,7 +120,16 @@ class Cluster:
             self.close()
             raise
 
-    def _spawn(self, argv: list[str]) -> str:
+    def restart(self, index: int) -> None:
+        """Starts process `index` again, as it was first started (the router on its port)."""
+        old = self.procs[index]
+        if old.poll() is None:
+            raise RuntimeError(f"{self.names[index]} is still running")
+        if old.stdout:
+            old.stdout.close()
+        self._spawn(self.argvs[index], index)
+
+    def _spawn(self, argv: list[str], index: int | None = None) -> str:
         env = {k: v for k, v in os.environ.items() if k not in _CREDENTIAL_ENV}
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", *argv],
@@ -124,7 +140,11 @@ class Cluster:
             start_new_session=True,  # its own process group: close() reaches its children
             preexec_fn=_die_with(os.getpid()),  # and a killed parent takes them along
         )
-        self.procs.append(proc)
+        if index is None:
+            self.procs.append(proc)
+            self.argvs.append(list(argv))
+        else:
+            self.procs[index] = proc
         try:  # the secret, on a pipe only this child reads
             proc.stdin.write(self._secret_line)
             proc.stdin.close()
@@ -144,9 +164,9 @@ class Cluster:
         _, role, address, metrics, *http = line.split()
         if http:
             self.http_address = http[0]
-        index = sum(key.startswith(role) for key in self.metrics)
-        self.metrics[f"{role}-{index}"] = metrics
-        self.names.append(f"{role}-{index}")
+        if index is None:
+            self.names.append(f"{role}-{sum(n.startswith(role) for n in self.names)}")
+        self.metrics[self.names[index if index is not None else -1]] = metrics
         return address
 
     def _await_registered(self, prefill: int, decode: int, timeout_s: float) -> None:
@@ -196,6 +216,54 @@ class Cluster:
         self.close()
 
 
+class Supervisor:
+    """Restarts the processes of a cluster that exit, with backoff: the first restart at
+    once, then after 1, 2, 4 ... up to `max_backoff_s` seconds while it keeps failing; one
+    that stayed up `healthy_s` starts over at once. `step()` looks once (call it often)."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        max_backoff_s: float = 30.0,
+        healthy_s: float = 60.0,
+        clock=time.monotonic,
+        log=print,
+    ) -> None:
+        self.cluster, self.max_backoff_s, self.healthy_s = cluster, max_backoff_s, healthy_s
+        self.clock, self.log = clock, log
+        now = clock()
+        self.started = [now] * len(cluster.procs)  # when each was last started
+        self.failures = [0] * len(cluster.procs)  # exits in a row, each soon after its start
+        self.due: list[float | None] = [None] * len(cluster.procs)  # when to restart it
+        self.restarts = 0
+
+    def step(self) -> None:
+        now = self.clock()
+        for i, proc in enumerate(self.cluster.procs):
+            code = proc.poll()
+            if code is None:
+                continue
+            name = self.cluster.names[i]
+            if self.due[i] is None:  # seen for the first time
+                if now - self.started[i] >= self.healthy_s:
+                    self.failures[i] = 0
+                wait = 0.0 if self.failures[i] == 0 else 2.0 ** (self.failures[i] - 1)
+                wait = min(self.max_backoff_s, wait)
+                self.failures[i] += 1
+                self.due[i] = now + wait
+                self.log(f"{name} exited ({code}); restarting it in {wait:.0f} s")
+            if now >= self.due[i]:
+                self.due[i] = None
+                self.started[i] = now
+                try:
+                    self.cluster.restart(i)
+                except RuntimeError as e:  # it failed to start: the next step tries again
+                    self.log(f"{name} did not restart: {e}")
+                    continue
+                self.restarts += 1
+                self.log(f"{name} restarted")
+
+
 def run_launch(args) -> int:
     stop = {"now": False}
 
@@ -229,7 +297,9 @@ def run_launch(args) -> int:
         print(f"cluster ready: router at {c.address}  (Ctrl-C stops everything)", flush=True)
         if c.http_address:
             print(f"OpenAI API at http://{c.http_address}/v1", flush=True)
-        while not stop["now"] and all(p.poll() is None for p in c.procs):
+        supervisor = Supervisor(c, log=lambda line: print(line, flush=True))
+        while not stop["now"]:  # a process that exits is restarted, not the end of it all
+            supervisor.step()
             time.sleep(0.2)
     print("cluster stopped", flush=True)
     return 0
