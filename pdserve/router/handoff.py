@@ -231,7 +231,6 @@ class Handoff:
         m.transfer_bytes.inc(done.transfer_bytes)
         if generated > 1:
             m.tpot.observe(timings.tpot_s)
-        m.requests.labels(chunk.finish_reason).inc()
 
     def _forget(self, request_id: str, entry: Inflight) -> Inflight | None:
         """Removes `entry` (or, given None, whatever the id maps to) -> what was removed."""

@@ -2,11 +2,15 @@
 
 pdserve_router_ttft_seconds, pdserve_router_queue_seconds, pdserve_router_e2e_seconds,
 pdserve_router_tpot_seconds, pdserve_router_transfer_seconds (push tail per request),
-pdserve_router_transfer_bytes_total, pdserve_router_requests_total{outcome},
-pdserve_router_kv_usage_ratio{worker} (each decode worker, from its heartbeats)
+pdserve_router_transfer_bytes_total, pdserve_router_requests_total{outcome} (stop,
+length, abort; cancelled: the client went away; failed_<status>: the router gave up;
+invalid, rejected), pdserve_router_kv_usage_ratio{worker} (each decode worker, from its
+heartbeats; the series goes when the registry forgets the worker)
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -41,3 +45,8 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+
+    def forget_worker(self, worker_id: str) -> None:
+        """A worker left the registry: its series leave /metrics too."""
+        with contextlib.suppress(KeyError):
+            self.kv_usage.remove(worker_id)

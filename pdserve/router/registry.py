@@ -73,6 +73,7 @@ class WorkerRegistry:
     # channels (pdserve/sim)
     clock: Callable[[], float] = time.monotonic
     connect: Callable[[WorkerRecord], tuple] = grpc_connect
+    on_forget: Callable[[str], None] | None = None  # a worker id that left the registry
     _workers: dict[str, Worker] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -105,6 +106,8 @@ class WorkerRegistry:
             ]
             for wid in silent:
                 self._close(self._workers.pop(wid))
+                if self.on_forget is not None:
+                    self.on_forget(wid)
             cutoff = now - self.config.alive_window_s
             return [
                 w for w in self._workers.values() if w.record.role == role and w.last_seen >= cutoff

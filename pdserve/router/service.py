@@ -107,10 +107,12 @@ class RouterService(rpc.RouterServicer):
         self.validator = RequestValidator(
             vocab_size=vocab_size, max_model_len=config.max_model_len, tokenizer=tokenizer
         )
-        self.registry = WorkerRegistry(
-            config, connect=lambda record: grpc_connect(record, self.security)
-        )
         self.metrics = RouterMetrics()
+        self.registry = WorkerRegistry(
+            config,
+            connect=lambda record: grpc_connect(record, self.security),
+            on_forget=self.metrics.forget_worker,
+        )
         self.admission = threading.BoundedSemaphore(config.max_queue)
         self.inflight: dict[str, Inflight] = {}  # request id -> its decode worker
         self._owners: dict[str, str] = {}  # request id -> who created it (Security.caller)
@@ -187,12 +189,33 @@ class RouterService(rpc.RouterServicer):
                 )
             try:
                 arrival = Arrival(request_id, prompt, request.sampling, arrived, arrived_wall)
-                yield from self.handoff.serve(arrival, context)
+                yield from self._served(arrival, context)
             finally:
                 self.admission.release()
         finally:
             with self._owners_lock:
                 del self._owners[request_id]
+
+    def _served(self, arrival: Arrival, context):
+        """The handoff's messages, and the request's outcome counted once: its finish reason
+        (stop, length, abort), `cancelled` (the client went away, whatever the workers
+        answered after) or `failed_<status>` (the router gave up with that status)."""
+        outcome = None
+        try:
+            for msg in self.handoff.serve(arrival, context):
+                if msg.finished:
+                    outcome = msg.finish_reason if context.is_active() else "cancelled"
+                yield msg
+        except GeneratorExit:  # gRPC closes the generator of a cancelled call
+            outcome = outcome or "cancelled"
+            raise
+        finally:
+            if outcome is None and not context.is_active() and context.code() is None:
+                outcome = "cancelled"  # the handoff saw the cancel first and just stopped
+            if outcome is None:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                outcome = f"failed_{code.name.lower()}"
+            self.metrics.requests.labels(outcome).inc()
 
     def _claim(self, request_id: str, owner: str) -> bool:
         with self._owners_lock:
