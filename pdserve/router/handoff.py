@@ -202,12 +202,15 @@ class Handoff:
                             f"decode worker {worker.worker_id} refused the router's "
                             f"credentials ({e.code().name}): is the cluster secret the same?",
                         )
-                    if e.code() not in (
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    if e.code() in (
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
                         grpc.StatusCode.UNAVAILABLE,
                     ):
-                        raise
-                    continue
+                        # no answer in time, or none at all: the next worker, and this one
+                        # gets nothing new until it heartbeats again (a frozen worker got
+                        # request after request, each failing after the timeout)
+                        self.registry.suspect(worker)
+                    continue  # any other refusal: the next worker (never an untyped error)
                 self.registry.reserved(worker, reply.headroom_cost_blocks)
                 spans.append(Span("router.queue", arrival.at_wall, asked, "router"))
                 spans.append(Span("decode.reserve", asked, now(), worker.worker_id))

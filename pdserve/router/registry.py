@@ -3,7 +3,8 @@
 Workers register and repeat the registration as their heartbeat, with fresh stats. A worker
 that misses `missed_heartbeats` heartbeats (dead, or just slow under load) gets no new
 requests, but its channel stays open for the streams it is serving; only a long silence
-removes it.
+removes it. A worker that fails to answer a call in time (frozen by SIGSTOP, or gone) is
+suspect at once: no new requests until its next heartbeat.
 
 Choice: decode workers by projected headroom (the worker's own projection of free blocks
 after expected growth: its admission policy's unit), prefill workers by queued prompt
@@ -58,6 +59,9 @@ class Worker:
     channel: grpc.Channel | None
     stub: rpc.DecodeStub | rpc.PrefillStub | None
     pending_blocks: int = 0  # headroom this router's reservations took since the heartbeat
+    # it did not answer a call in time (frozen, or its process gone): no new requests until
+    # its next heartbeat says it is back
+    suspect: bool = False
     pending_tokens: int = 0  # prompt tokens this router sent since the heartbeat
     reserving: int = 0  # Reserve calls of this router on their way to it now
 
@@ -88,6 +92,7 @@ class WorkerRegistry:
                 self._workers[record.worker_id] = Worker(record, self.clock(), channel, stub)
             else:
                 known.record, known.last_seen = record, self.clock()
+                known.suspect = False
                 known.pending_blocks = known.pending_tokens = 0
 
     @staticmethod
@@ -113,6 +118,10 @@ class WorkerRegistry:
                 w for w in self._workers.values() if w.record.role == role and w.last_seen >= cutoff
             ]
 
+    def _routable(self, role: str) -> list[Worker]:
+        """Alive and not suspect: the ones new requests may go to."""
+        return [w for w in self.alive(role) if not w.suspect]
+
     def not_ready(self) -> str:
         """Why the cluster cannot serve a request now ("" when it can)."""
         missing = [role for role in ("prefill", "decode") if not self.alive(role)]
@@ -122,7 +131,7 @@ class WorkerRegistry:
 
     def decode_order(self) -> list[Worker]:
         """Live decode workers, the most projected headroom first."""
-        workers = self.alive("decode")
+        workers = self._routable("decode")
         with self._lock:
             return sorted(workers, key=self._room, reverse=True)
 
@@ -133,13 +142,18 @@ class WorkerRegistry:
     def pick_decode(self, tried: set[str]) -> Worker | None:
         """The live decode worker with the most room not in `tried`; its Reserve counts as
         on its way until reserved() or not_reserved()."""
-        workers = [w for w in self.alive("decode") if w.worker_id not in tried]
+        workers = [w for w in self._routable("decode") if w.worker_id not in tried]
         if not workers:
             return None
         with self._lock:
             best = max(workers, key=self._room)
             best.reserving += 1
         return best
+
+    def suspect(self, worker: Worker) -> None:
+        """`worker` did not answer in time: skip it until its next heartbeat."""
+        with self._lock:
+            worker.suspect = True
 
     def reserved(self, worker: Worker, headroom_cost_blocks: int) -> None:
         with self._lock:
@@ -153,7 +167,7 @@ class WorkerRegistry:
     def pick_prefill(self, prompt_tokens: int) -> Worker | None:
         """The live prefill worker with the fewest queued tokens (its last heartbeat plus
         what this router sent since); the prompt counts against it from now on."""
-        workers = self.alive("prefill")
+        workers = self._routable("prefill")
         if not workers:
             return None
         with self._lock:

@@ -1,5 +1,6 @@
-"""Every request's outcome counted by the router (pdserve_router_requests_total), and a
-forgotten worker's series gone from /metrics. Real gRPC servers in this process, a slow fake
+"""The router when workers misbehave: every request's outcome counted
+(pdserve_router_requests_total), a forgotten worker's series gone from /metrics, a frozen
+worker skipped at once. Real gRPC servers in this process, a slow fake
 decode worker (tests/test_auth.py) so that a stream can be cut mid-way."""
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ def router():
         servers.append(server)
         return f"127.0.0.1:{port}"
 
-    config = RouterConfig(max_model_len=64, queue_timeout_s=0.5)
+    config = RouterConfig(max_model_len=64, queue_timeout_s=0.5, reserve_rpc_timeout_s=0.3)
     service = RouterService(config, 100, None)
     address = serve(lambda s: rpc.add_RouterServicer_to_server(service, s))
 
-    def register(wid: str, role: str, free: int = 8) -> None:
-        servicer = SlowDecode() if role == "decode" else FakePrefill()
+    def register(wid: str, role: str, free: int = 8, headroom: int = 8, servicer=None) -> None:
+        if servicer is None:
+            servicer = SlowDecode() if role == "decode" else FakePrefill()
         add = (
             rpc.add_DecodeServicer_to_server
             if role == "decode"
@@ -55,7 +57,7 @@ def router():
             address=at,
             total_blocks=8,
             free_blocks=free,
-            headroom_blocks=8,
+            headroom_blocks=headroom,
         )
         rpc.RouterStub(channel).Register(
             pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, worker=info), timeout=5
@@ -112,3 +114,37 @@ def test_a_forgotten_workers_kv_series_leaves_metrics():
         assert time.monotonic() < deadline, "the series of a forgotten worker stayed"
         service.registry.alive("decode")  # the registry forgets on its reads
         time.sleep(0.05)
+
+
+class FrozenDecode(SlowDecode):
+    """Accepts the connection, never answers Reserve in time (a SIGSTOPped worker)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    def Reserve(self, request, context):
+        self.asked += 1
+        time.sleep(1.0)
+        return super().Reserve(request, context)
+
+
+def test_a_frozen_decode_worker_is_skipped_after_its_first_timeout(router):
+    """It has the most headroom, so the first request tries it; that request is served by
+    the other worker after the Reserve timeout, and no later request tries it again until
+    it heartbeats (9 requests in a row used to go to an idle frozen worker)."""
+    service, address, register = router
+    frozen = FrozenDecode()
+    register("d-frozen", "decode", headroom=100, servicer=frozen)
+    register("d-ok", "decode", headroom=10)
+    register("p", "prefill")
+    with Client(address) as client:
+        for _ in range(4):
+            result = client.generate([1], max_tokens=2)
+            assert result.finish_reason == "length"
+            assert result.timings["decode_worker"] == "slow-decode"
+    assert frozen.asked == 1
+    assert "d-frozen" not in [w.worker_id for w in service.registry.decode_order()]
+    records = {r.worker_id: r for r, _ in service.registry.listing()}  # still listed
+    service.registry.upsert(records["d-frozen"])  # its next heartbeat, same address
+    assert [w.worker_id for w in service.registry.decode_order()][0] == "d-frozen"
