@@ -270,8 +270,13 @@ def test_heartbeats_with_a_wrong_secret_never_register(cluster, caplog):
         return pb.WorkerInfo(worker_id=worker_id, role="decode", address="127.0.0.1:9")
 
     stats = lambda: WorkerStats(free_blocks=8, total_blocks=8, headroom_blocks=8)  # noqa: E731
+    # the router asks a new worker for its Health first: "ok" needs a server that answers
+    server, port = start_server(
+        lambda srv: rpc.add_DecodeServicer_to_server(SlowDecode(), srv), "127.0.0.1", 0
+    )
+    ok_info = pb.WorkerInfo(worker_id="ok", role="decode", address=f"127.0.0.1:{port}")
     wrong = Registration(cluster, info("intruder"), stats, Security(cluster_secret="y" * 20))
-    right = Registration(cluster, info("ok"), stats, MEMBER)
+    right = Registration(cluster, ok_info, stats, MEMBER)
     deadline = time.monotonic() + 10
     while "ok" not in {wid for wid, _ in _listing(cluster)} or "UNAUTHENTICATED" not in caplog.text:
         assert time.monotonic() < deadline, caplog.text
@@ -280,6 +285,7 @@ def test_heartbeats_with_a_wrong_secret_never_register(cluster, caplog):
     assert "y" * 20 not in caplog.text
     wrong.close()
     right.close()
+    server.stop(grace=0)
 
 
 @pytest.fixture(scope="module")
@@ -372,3 +378,33 @@ def test_credentials_load_from_a_file_stdin_or_the_environment(tmp_path, monkeyp
         Security(api_keys=("ключ",))
     with pytest.raises(ValueError, match="at least 16"):
         Security(cluster_secret="short")
+
+
+def test_a_worker_that_never_answers_is_not_registered(cluster):
+    """Even with the secret: the router asks a new worker for its Health before routing to
+    it. One that accepts TCP and never speaks (it made 4/4 following requests fail after
+    10 s), and an address no one listens at, are refused, naming the address."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts connections (the kernel does), never answers
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, not listening: connection refused
+    before = _listing(cluster)
+    with auth.channel(cluster, MEMBER) as channel:
+        stub = rpc.RouterStub(channel)
+        for sock in (silent, closed):
+            at = f"127.0.0.1:{sock.getsockname()[1]}"
+            info = pb.WorkerInfo(worker_id="mute", role="prefill", address=at, total_blocks=8)
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Register(
+                    pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, worker=info), timeout=10
+                )
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert e.value.details().startswith(f"worker.address: the router cannot reach {at}")
+            assert time.monotonic() - started < 5
+    assert _listing(cluster) == before
+    silent.close()
+    closed.close()

@@ -103,10 +103,18 @@ def test_a_forgotten_workers_kv_series_leaves_metrics():
     from prometheus_client import generate_latest
 
     service = RouterService(RouterConfig(max_model_len=64, forget_after_s=0.2), 100, None)
+    server, port = start_server(
+        lambda srv: rpc.add_DecodeServicer_to_server(SlowDecode(), srv), "127.0.0.1", 0
+    )
     info = pb.WorkerInfo(
-        worker_id="d-gone", role="decode", address="127.0.0.1:9", total_blocks=8, free_blocks=2
+        worker_id="d-gone",
+        role="decode",
+        address=f"127.0.0.1:{port}",
+        total_blocks=8,
+        free_blocks=2,
     )
     service.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, worker=info), None)
+    server.stop(grace=0)
     text = generate_latest(service.metrics.registry).decode()
     assert 'pdserve_router_kv_usage_ratio{worker="d-gone"} 0.75' in text
     deadline = time.monotonic() + 5

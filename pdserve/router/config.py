@@ -17,6 +17,7 @@ class RouterConfig:
     reserve_retry_s: tuple[float, float] = (0.01, 0.2)  # first and longest pause between tries
     reserve_rpc_timeout_s: float = 10.0
     release_rpc_timeout_s: float = 5.0
+    probe_timeout_s: float = 2.0  # a new worker's Health must answer within this
     prefill_timeout_s: float = 180.0  # the prefill RPC's deadline (the worker honours it)
     stream_timeout_s: float = 3600.0  # a decode stream's deadline
     heartbeat_s: float = HEARTBEAT_S  # told to every worker that registers
@@ -31,6 +32,7 @@ class RouterConfig:
             "queue_timeout_s",
             "reserve_rpc_timeout_s",
             "release_rpc_timeout_s",
+            "probe_timeout_s",
             "prefill_timeout_s",
             "stream_timeout_s",
             "heartbeat_s",

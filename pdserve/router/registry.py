@@ -81,6 +81,12 @@ class WorkerRegistry:
     _workers: dict[str, Worker] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def knows(self, record: WorkerRecord) -> bool:
+        """Whether this worker is registered at this address already (a heartbeat)."""
+        with self._lock:
+            known = self._workers.get(record.worker_id)
+            return known is not None and known.record.address == record.address
+
     def upsert(self, record: WorkerRecord) -> None:
         """A registration or heartbeat: fresh stats replace what this router counted."""
         with self._lock:

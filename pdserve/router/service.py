@@ -24,6 +24,7 @@ from pdserve.router.registry import WorkerRecord, WorkerRegistry, grpc_connect
 from pdserve.rpc import PROTOCOL_VERSION
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
+from pdserve.serving import auth
 from pdserve.serving.auth import MEMBER, Security
 from pdserve.serving.convert import sampling_from_proto
 from pdserve.serving.registration import WorkerStats
@@ -135,11 +136,29 @@ class RouterService(rpc.RouterServicer):
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         record = record_from_proto(request.worker)
+        if not self.registry.knows(record) and (why := self._unreachable(record)):
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"worker.address: the router cannot reach {record.address} ({why})",
+            )
         self.registry.upsert(record)
         s = record.stats
         if record.role == "decode" and s.total_blocks > 0:
             self.metrics.kv_usage.labels(record.worker_id).set(1 - s.free_blocks / s.total_blocks)
         return pb.RegisterResponse(accepted=True, heartbeat_interval_s=self.config.heartbeat_s)
+
+    def _unreachable(self, record: WorkerRecord) -> str:
+        """A new worker (or one at a new address) is asked for its Health before it gets
+        any traffic: one that accepts connections and never answers, or that advertises an
+        address the router cannot reach, is refused ("" when it answered, whatever it said)."""
+        with auth.channel(record.address, self.security) as channel:
+            stub = rpc.DecodeStub(channel) if record.role == "decode" else rpc.PrefillStub(channel)
+            try:
+                stub.Health(pb.Empty(), timeout=self.config.probe_timeout_s)
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    return f"{e.code().name}: {(e.details() or '')[:120]}"
+        return ""
 
     def ListWorkers(self, request, context) -> pb.ListWorkersResponse:
         return pb.ListWorkersResponse(
