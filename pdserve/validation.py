@@ -39,7 +39,8 @@ class RequestValidator:
         """A prompt's token ids (text is tokenized)."""
         if isinstance(prompt, str):
             return self._text(prompt, field)
-        if not isinstance(prompt, (list, tuple)):
+        # any sequence (a protobuf repeated field too: its length is checked before a copy)
+        if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
             raise ValueError(f"{field}: expected a string or a list of token ids")
         if not prompt:
             raise ValueError(f"{field}: empty prompt")

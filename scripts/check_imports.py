@@ -69,7 +69,7 @@ ALLOWED: Mapping[str, frozenset[str]] = MappingProxyType(
         "decode": _EDGE | {"pdserve.engine", "pdserve.kv", "transfer"},
         "pdserve.router": _EDGE | {"pdserve.weights", "pdserve.tokenizer"},
         # front doors and clients talk to the router over gRPC only
-        "pdserve.client": frozenset({"pdserve.serving", "pdserve.rpc"}),  # serving.convert only
+        "pdserve.client": frozenset({"pdserve.serving", "pdserve.rpc"}),  # convert, auth, limits
         # the front door validates text prompts with the edges' one validator
         "pdserve.openai": frozenset(
             {"pdserve.client", "pdserve.rpc", "pdserve.tokenizer", "pdserve.validation"}

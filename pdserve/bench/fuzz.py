@@ -28,7 +28,10 @@ from types import MappingProxyType
 import grpc
 
 from pdserve.bench.fuzz_inputs import Case, Inputs
+from pdserve.client import Client
 from pdserve.progress import progress
+from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving import auth
 from pdserve.serving.auth import Security
 
@@ -76,8 +79,6 @@ def _creds(name: str, secret: str) -> Security:
 
 class Fuzzer:
     def __init__(self, cluster, vocab: int, max_model_len: int) -> None:
-        from pdserve.client import Client
-
         self.cluster = cluster
         self.member = Client(cluster.address, security=cluster.security)
         addresses = {"Router": cluster.address}
@@ -120,8 +121,6 @@ class Fuzzer:
         if code == grpc.StatusCode.OK and case.target == "Decode/Reserve":
             reserve = message
             if isinstance(message, bytes):  # bent, and it still parsed: the server read this
-                from pdserve.rpc import pdserve_pb2 as pb
-
                 reserve = pb.ReserveRequest.FromString(message)
             self.reserved.add(reserve.request_id)
         return code.name, self._verdict(case, code)
@@ -172,9 +171,6 @@ class Fuzzer:
     def release_and_count_held(self, timeout_s: float = 30.0) -> int:
         """Releases every reservation the fuzzer made, then waits for every pool to be
         whole again -> blocks still held at the deadline (0: none leaked)."""
-        from pdserve.rpc import pdserve_pb2 as pb
-        from pdserve.rpc import pdserve_pb2_grpc as rpc
-
         stub = rpc.DecodeStub(self.channels[("Decode", "member")])
         for rid in sorted(self.reserved):
             stub.Release(pb.AbortRequest(request_id=rid), timeout=10)
@@ -205,7 +201,6 @@ def bench_fuzz(
     threads: int = 8,
     num_kv_blocks: int = 64,
 ) -> dict:
-    from pdserve.client import Client
     from pdserve.launch import Cluster
     from pdserve.weights import resolve
 

@@ -173,12 +173,7 @@ class RouterService(rpc.RouterServicer):
         kind = request.WhichOneof("prompt")
         if kind == "text":
             return self.validator.prompt(request.text)
-        ids = request.token_ids.ids if kind == "token_ids" else ()
-        if len(ids) > self.config.max_model_len:  # before copying 10M ids out of the message
-            raise ValueError(
-                f"prompt: {len(ids)} tokens exceed max_model_len {self.config.max_model_len}"
-            )
-        return self.validator.prompt(list(ids))
+        return self.validator.prompt(request.token_ids.ids if kind == "token_ids" else [])
 
     def _validate(self, request: pb.GenerateRequest) -> list[int]:
         if request.protocol_version not in (0, PROTOCOL_VERSION):
