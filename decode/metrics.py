@@ -5,7 +5,11 @@ pdserve_decode_kv_usage_ratio, pdserve_transfer_bytes_total{direction="received"
 pdserve_transfer_seconds{direction="received"} (reserve -> KV arrived),
 pdserve_decode_preemptions_total, pdserve_decode_recomputed_tokens_total,
 pdserve_decode_admission_refused_total, pdserve_decode_spilled_bytes_total{tier},
-pdserve_decode_reloaded_bytes_total{tier}, pdserve_decode_spill_used_blocks{tier}
+pdserve_decode_reloaded_bytes_total{tier}, pdserve_decode_spill_used_blocks{tier},
+pdserve_decode_reservations{state="held"|"fenced"} (reservations waiting for their push, and
+ended ones whose blocks wait until their push can no longer land: decode/reservations.py)
+
+Every gauge is set after each change of the books (reserve, release, a step, an expiry).
 
 The cost-aware admission policy's inputs at its last look (decode/admission.py; -1 while
 not measured yet): pdserve_decode_policy_step_seconds,
@@ -21,6 +25,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from decode.admission import PolicyInputs
+from decode.reservations import Reservations
 from pdserve.engine.output import EngineStats
 from pdserve.serving.metrics import Advancing, latency, transfer_metrics
 
@@ -36,6 +41,12 @@ class DecodeMetrics:
         )
         self.running = Gauge("pdserve_decode_running", "requests in the running batch", registry=r)
         self.kv_usage = Gauge("pdserve_decode_kv_usage_ratio", "used / total KV blocks", registry=r)
+        self.reservations = Gauge(
+            "pdserve_decode_reservations",
+            "reservations held (push not arrived) and fenced (ended, push may still land)",
+            ["state"],
+            registry=r,
+        )
         self.transfer_bytes, self.transfer_seconds = transfer_metrics(r)
         self.preemptions = Counter(
             "pdserve_decode_preemptions", "running requests preempted", registry=r
@@ -63,9 +74,11 @@ class DecodeMetrics:
         self._totals = Advancing()
         self.policy: dict[str, Gauge] = {}  # made on first use: a cost-aware worker only
 
-    def account(self, stats: EngineStats) -> None:
-        """Gauges and counters from the engine core's state after a step."""
+    def account(self, stats: EngineStats, reservations: Reservations) -> None:
+        """Gauges and counters from the engine core's state and the reservations."""
         pool = stats.pool
+        self.reservations.labels("held").set(len(reservations))
+        self.reservations.labels("fenced").set(reservations.fenced)
         self.running.set(stats.running)
         self.kv_usage.set(pool.used_blocks / pool.num_blocks)
         self._totals.advance(self.preemptions, stats.preemptions)

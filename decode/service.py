@@ -1,4 +1,4 @@
-"""The decode worker's gRPC face: Reserve, Start (token stream), Release, Health."""
+"""The decode worker's gRPC face: Reserve, Renew, Start (token stream), Release, Health."""
 
 from __future__ import annotations
 
@@ -24,7 +24,11 @@ class DecodeService(rpc.DecodeServicer):
         try:
             params = sampling_from_proto(request.sampling)
             reserved = self.worker.reserve(
-                request.request_id, list(request.prompt_token_ids), params, request.lease_s
+                request.request_id,
+                list(request.prompt_token_ids),
+                params,
+                request.lease_s,
+                request.push_window_s,
             )
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -38,7 +42,15 @@ class DecodeService(rpc.DecodeServicer):
             layout=layout_to_proto(endpoint.layout),
             agent_metadata=endpoint.agent.metadata(),
             worker_id=self.worker.worker_id,
+            fence=reserved.fence,
         )
+
+    def Renew(self, request: pb.RenewRequest, context) -> pb.RenewResponse:
+        try:
+            found = self.worker.renew(request.request_id, request.fence, request.lease_s)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.RenewResponse(found=found)
 
     def Start(self, request: pb.StartRequest, context):
         worker, rid = self.worker, request.request_id
@@ -76,7 +88,7 @@ class DecodeService(rpc.DecodeServicer):
             yield pb.TokenChunk(token_ids=[event.token])
 
     def Release(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        return pb.AbortResponse(found=self.worker.release(request.request_id))
+        return pb.AbortResponse(found=self.worker.release(request.request_id, request.unpushed))
 
     def Health(self, request, context) -> pb.HealthResponse:
         return health("decode", self.worker.worker_id)

@@ -1,10 +1,13 @@
 """A decode worker's books, with no threads and no sockets: its engine core, admission
 policy, output-length estimator and reservations.
 
-    reserve(id, prompt, params, lease_s) -> Reserved     blocks for a prompt, if admitted
+    reserve(id, prompt, params, lease_s, push_window_s) -> Reserved   blocks, if admitted
+    renew(id, fence, lease_s) -> bool                    the router keeps a lease alive
+    note_arrivals(notes)                                 push notifications (fenced)
     start(id, first_token) -> (Reservation, output|None) the KV is in: decode from here
     release(id) -> (found, output|None)                  abort, whatever state it is in
-    expire()                                             leases that ran out give back blocks
+    expire()                                             leases that ran out, fences whose
+                                                         push is over: blocks come back
     stats() -> WorkerStats                               what a heartbeat carries
 
 DecodeWorker (decode/worker.py) wraps it with a lock, the step loop, the transfer agent and
@@ -46,6 +49,16 @@ class Reserved:
     block_ids: list[int]
     cached_blocks: int = 0
     headroom_cost: int = 0
+    fence: int = 0  # the reservation's fencing token (decode/reservations.py)
+
+
+# a lease or push window beyond this is a mistake, not a plan (a NaN one never ran out)
+MAX_LEASE_S = 3600.0
+
+
+def check_window(name: str, seconds: float) -> None:
+    if not 0 <= seconds <= MAX_LEASE_S:  # False for NaN too
+        raise ValueError(f"{name}: must be in [0, {MAX_LEASE_S:g}] seconds, got {seconds}")
 
 
 class DecodeState:
@@ -66,9 +79,18 @@ class DecodeState:
         self.reservations = Reservations()
 
     def reserve(
-        self, request_id: str, prompt: list[int], params: SamplingParams, lease_s: float = 0.0
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        lease_s: float = 0.0,
+        push_window_s: float = 0.0,
     ) -> Reserved:
-        """Raises ValueError (bad input: never servable) or ReservationError (no room now)."""
+        """Raises ValueError (bad input: never servable) or ReservationError (no room now).
+        `lease_s` and `push_window_s` of 0 mean the configured lease (and a push window as
+        long as the lease: a caller that names none never renews either)."""
+        check_window("lease_s", lease_s)
+        check_window("push_window_s", push_window_s)
         req = self.core.make_request(prompt, params, request_id=request_id)
         if request_id in self.reservations or self.core.holds(request_id):
             raise ValueError(f"request_id: {request_id!r} is already known here")
@@ -78,10 +100,25 @@ class DecodeState:
         cost = self.admission.cost(req.token_ids, params.max_tokens)
         cached_blocks = self.core.reserve(req) // self.core.block_size
         lease = lease_s or self.config.default_lease_s
-        self.reservations.add(
-            Reservation(req, self.clock() + lease, cached_blocks, reserved_at=self.clock())
+        t = self.clock()
+        fence = self.reservations.add(
+            Reservation(
+                req,
+                t + lease,
+                cached_blocks,
+                reserved_at=t,
+                push_deadline=t + (push_window_s or lease),
+            )
         )
-        return Reserved(list(req.block_ids), cached_blocks, cost)
+        return Reserved(list(req.block_ids), cached_blocks, cost, fence)
+
+    def renew(self, request_id: str, fence: int, lease_s: float) -> bool:
+        """Extend a held reservation's lease -> False when it is not held (any more)."""
+        check_window("lease_s", lease_s)
+        return self.reservations.renew(request_id, fence, lease_s, self.clock())
+
+    def note_arrivals(self, notes) -> None:
+        self.reservations.note_arrivals(notes)
 
     def start(
         self, request_id: str, first_token: int
@@ -93,12 +130,16 @@ class DecodeState:
             raise UnknownRequest(f"no reservation for {request_id!r} (expired or released)")
         return res, self.core.admit_prefilled(res.request, first_token)
 
-    def release(self, request_id: str) -> tuple[bool, FinishedRequest | None]:
+    def release(
+        self, request_id: str, unpushed: bool = False
+    ) -> tuple[bool, FinishedRequest | None]:
         """Abort -> (whether it was known here, its output when it ended now; an abort during
-        a step ends with that step's end_step)."""
-        res = self.reservations.pop(request_id)
+        a step ends with that step's end_step). `unpushed`: the caller knows no push for its
+        reservation was posted (no fence needed)."""
+        res, free = self.reservations.end(request_id, self.clock(), unpushed)
         if res is not None:
-            self.core.release(res.request)
+            if free:
+                self.core.release(res.request)
             return True, None
         done = self.core.abort(request_id)
         if done is not None:
@@ -106,7 +147,12 @@ class DecodeState:
         return self.core.is_aborting(request_id), None
 
     def expire(self) -> None:
-        for res in self.reservations.expired(self.clock()):
+        t = self.clock()
+        for rid in self.reservations.expired(t):
+            res, free = self.reservations.end(rid, t)
+            if free:
+                self.core.release(res.request)
+        for res in self.reservations.unfenced(t):
             self.core.release(res.request)
 
     def observe(self, done: FinishedRequest) -> None:
@@ -134,4 +180,4 @@ class DecodeState:
 
     def check_integrity(self) -> None:
         self.core.check_integrity(reserved=self.reservations.requests())
-        assert self.reservations.pending_arrivals <= len(self.reservations)
+        self.reservations.check_integrity()

@@ -77,17 +77,29 @@ class DecodeWorker:
 
     # -- control plane ----------------------------------------------------------------------
     def reserve(
-        self, request_id: str, prompt: list[int], params: SamplingParams, lease_s: float = 0.0
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        lease_s: float = 0.0,
+        push_window_s: float = 0.0,
     ) -> Reserved:
         """-> blocks for the prompt's KV. Raises ValueError (bad input) or ReservationError."""
         with self.lock:
             if request_id in self.streams:
                 raise ValueError(f"request_id: {request_id!r} is already known here")
             try:
-                return self.state.reserve(request_id, prompt, params, lease_s)
+                reserved = self.state.reserve(request_id, prompt, params, lease_s, push_window_s)
             except ReservationError:
                 self.metrics.refused.inc()
                 raise
+            self._account()
+            return reserved
+
+    def renew(self, request_id: str, fence: int, lease_s: float) -> bool:
+        """The router keeps a reservation alive while its prefill runs."""
+        with self.lock:
+            return self.state.renew(request_id, fence, lease_s)
 
     def start(self, request_id: str, first_token: int) -> Stream:
         """The prompt's KV has been pushed: decode from `first_token` on."""
@@ -110,12 +122,14 @@ class DecodeWorker:
         self._wake.set()
         return stream
 
-    def release(self, request_id: str) -> bool:
-        """Abort: the request's blocks go back to the pool whatever state it is in."""
+    def release(self, request_id: str, unpushed: bool = False) -> bool:
+        """Abort: the request's blocks go back to the pool whatever state it is in (a
+        reservation whose push may still land: once it cannot, decode/reservations.py)."""
         with self.lock:
-            found, done = self.state.release(request_id)
+            found, done = self.state.release(request_id, unpushed)
             if done is not None:
                 self._close(done)
+            self._account()
             return found
 
     def is_pending(self, request_id: str) -> bool:
@@ -139,8 +153,7 @@ class DecodeWorker:
         deadline = time.monotonic() + self.config.kv_arrival_timeout_s
         while True:
             with self.lock:
-                for notes in self.endpoint.agent.notifications().values():
-                    self.reservations.note_arrivals(notes)
+                self._collect_notifications()
                 if self.reservations.take_arrival(request_id):
                     return
                 if request_id not in self.reservations:
@@ -150,6 +163,11 @@ class DecodeWorker:
                     f"KV of {request_id!r} did not arrive in {self.config.kv_arrival_timeout_s}s"
                 )
             time.sleep(self.config.kv_arrival_poll_s)
+
+    def _collect_notifications(self) -> None:
+        """Push notifications, for Start and for fenced blocks (under the lock)."""
+        for notes in self.endpoint.agent.notifications().values():
+            self.state.note_arrivals(notes)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -162,9 +180,11 @@ class DecodeWorker:
         is plain data by then), so Reserve/Start/Release and heartbeats are not starved."""
         core = self.core
         with self.lock:
+            self._collect_notifications()
             self.state.expire()
             plan = core.begin_step()
             if plan is None:
+                self._account()
                 return False
         step_start = now()
         result = core.run(plan)
@@ -187,8 +207,14 @@ class DecodeWorker:
                 self.metrics.itl.observe(stream.token(new.token))
         for done in out.finished:
             self._close(done)
-        self.metrics.account(self.core.stats())
+        self._account()
         self.metrics.account_policy(self.state.admission.inputs)
+
+    def _account(self) -> None:
+        """The gauges, after every change of the books (reserve, release, step, expiry):
+        they used to move only when a step ran, so an idle worker reported the usage of its
+        last step while hundreds of blocks were reserved or freed since."""
+        self.metrics.account(self.core.stats(), self.state.reservations)
 
     def _close(self, done: FinishedRequest) -> None:
         self.state.observe(done)

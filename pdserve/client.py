@@ -158,6 +158,7 @@ def timings_of(t: pb.Timings) -> dict:
         **{k: getattr(t, k) for k in TIMING_KEYS},
         "prefill_worker": t.prefill_worker,
         "decode_worker": t.decode_worker,
+        "resumes": t.resumes,  # times the router moved it to another worker after a fault
     }
 
 

@@ -24,6 +24,9 @@ class PrefillJob:
     request: Request
     dest: Destination
     done: Future = field(default_factory=Future)  # -> PrefillResult
+    # time.monotonic() past which nothing is computed or pushed for it (the caller's
+    # deadline: the decode side may reuse the blocks once the router's push window is over)
+    deadline: float = float("inf")
     enqueued: float = field(default_factory=time.monotonic)
     enqueued_wall: float = field(default_factory=now)
 

@@ -39,6 +39,7 @@ class Destination:
     pool: PoolLayout  # of the decode worker
     block_ids: list[int]
     cached_blocks: int = 0  # leading blocks the decode worker already holds: not pushed
+    fence: int = 0  # the reservation's fencing token: the notification carries it
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class PushTarget:
     src: np.ndarray  # our blocks, after the destination's cached ones
     dst: np.ndarray  # its blocks, the same count
     notif: bytes  # sent with the last layer's WRITE
+    # time.monotonic() after which no WRITE is posted for it: the decode worker may hand
+    # its blocks to someone else once the router's push window is over
+    deadline: float = float("inf")
 
     @property
     def runs(self) -> np.ndarray:
@@ -122,13 +126,19 @@ class BatchPush:
         self._posted: list[tuple[int, float, list[Transfer]]] = []  # (layer or -1 for all, ...)
         self._done_at: dict[int, float] = {}
         self.nbytes = 0
+        self.abandoned: set[int] = set()  # targets past their deadline: nothing more posted
 
     def layers(self, layers: range) -> None:
-        """Post one WRITE per request for `layers`."""
+        """Post one WRITE per request for `layers` (none for a request past its deadline,
+        then or before: it is abandoned)."""
         last = layers.stop == self.num_layers
         g = self.local.geometry
         posted = []
-        for target, runs in zip(self.targets, self._runs):
+        t = time.monotonic()
+        for i, (target, runs) in enumerate(zip(self.targets, self._runs)):
+            if i in self.abandoned or target.deadline <= t:
+                self.abandoned.add(i)
+                continue
             posted.append(
                 write_layers(
                     self.agent,

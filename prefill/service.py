@@ -1,6 +1,14 @@
-"""The prefill worker's gRPC face: Prefill (returns after the KV push), Health."""
+"""The prefill worker's gRPC face: Prefill (returns after the KV push), Health.
+
+Prefill's failures, typed for the router: INVALID_ARGUMENT (never servable),
+FAILED_PRECONDITION (the pair's KV layouts differ), DEADLINE_EXCEEDED (the caller's deadline
+passed: nothing is pushed after it), ABORTED (the push into the decode worker failed: retry
+with a new reservation, perhaps elsewhere), UNAVAILABLE (this worker failed: another may
+succeed)."""
 
 from __future__ import annotations
+
+import time
 
 import grpc
 
@@ -10,7 +18,7 @@ from pdserve.serving.convert import sampling_from_proto, spans_to_proto
 from pdserve.serving.kv_pool import layout_from_proto
 from pdserve.serving.server import health
 from prefill.push import Destination
-from prefill.worker import PrefillWorker
+from prefill.worker import PrefillDeadline, PrefillWorker
 from transfer import HandshakeRefused, TransferFailed
 
 
@@ -26,24 +34,31 @@ class PrefillService(rpc.PrefillServicer):
                 pool=layout_from_proto(request.dest_layout),
                 block_ids=list(request.dest_block_ids),
                 cached_blocks=request.dest_cached_blocks,
+                fence=request.dest_fence,
             )
             params = sampling_from_proto(request.sampling)
+            # the caller's deadline is the one that counts (the router's, inside the push
+            # window the decode worker fences for): nothing is pushed after it
+            remaining = context.time_remaining()
+            timeout = self.worker.config.default_timeout_s if remaining is None else remaining
             future = self.worker.submit(
-                request.request_id, list(request.prompt_token_ids), params, dest
+                request.request_id,
+                list(request.prompt_token_ids),
+                params,
+                dest,
+                deadline=time.monotonic() + timeout,
             )
         except HandshakeRefused as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        # the caller's deadline is the one that counts (the router's prefill timeout)
-        remaining = context.time_remaining()
-        timeout = self.worker.config.default_timeout_s if remaining is None else remaining
         try:
-            result = future.result(timeout=max(0.0, timeout))
+            # a little past the deadline: the job itself fails at its deadline, typed
+            result = future.result(timeout=max(0.0, timeout) + 1.0)
         except TransferFailed as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {e}")
-        except TimeoutError:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
+            context.abort(grpc.StatusCode.ABORTED, f"KV push failed: {e}")
+        except (PrefillDeadline, TimeoutError) as e:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill did not finish in time: {e}")
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Exception as e:  # the worker's own failure: another worker may succeed

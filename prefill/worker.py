@@ -30,7 +30,7 @@ from prefill.batcher import Batcher, PrefillJob, reserve_batch
 from prefill.config import PrefillConfig
 from prefill.metrics import PrefillMetrics
 from prefill.push import BatchPush, Destination, PoolSide, PushTarget
-from transfer import Tiles, TransferAgent, TransferFailed
+from transfer import Tiles, TransferAgent, TransferFailed, notification
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,11 @@ class PrefillResult:
     transfer_s: float  # push tail: last layer computed -> every layer's write done
     transfer_bytes: int
     spans: tuple[Span, ...] = ()
+
+
+class PrefillDeadline(TimeoutError):
+    """The caller's deadline passed before the prompt's KV was pushed: nothing more is
+    posted for it (DEADLINE_EXCEEDED at the edge)."""
 
 
 class PrefillWorker:
@@ -76,9 +81,15 @@ class PrefillWorker:
         return cls(core, open_endpoint(core, model, agent), config)
 
     def submit(
-        self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        dest: Destination,
+        deadline: float = float("inf"),
     ) -> Future:
-        """Validate and queue a prompt; the future resolves to a PrefillResult."""
+        """Validate and queue a prompt; the future resolves to a PrefillResult, or to
+        PrefillDeadline when `deadline` (time.monotonic()) passed before its push was done."""
         self.endpoint.check_peer(dest.pool)
         req = self.core.make_request(prompt, params, request_id=request_id)
         if len(dest.block_ids) != self.core.blocks_needed(len(prompt)):
@@ -90,7 +101,7 @@ class PrefillWorker:
                 f"dest_cached_blocks: {dest.cached_blocks} of {len(dest.block_ids)} blocks "
                 "(the last block is always pushed)"
             )
-        job = PrefillJob(req, dest)
+        job = PrefillJob(req, dest, deadline=deadline)
         with self.lock:
             self.queued_tokens += len(prompt)
             self.metrics.queued_tokens.set(self.queued_tokens)
@@ -118,13 +129,27 @@ class PrefillWorker:
         while (batch := self.batcher.next_batch()) is not None:
             self._prefill(batch)
 
+    def _late(self, batch: list[PrefillJob]) -> list[PrefillJob]:
+        """Fail the jobs whose deadline passed while they queued -> the others."""
+        t, kept = time.monotonic(), []
+        for job in batch:
+            if job.deadline > t:
+                kept.append(job)
+                continue
+            self._dequeued([job])
+            job.done.set_exception(PrefillDeadline("the caller's deadline passed in the queue"))
+        return kept
+
+    def _dequeued(self, jobs: list[PrefillJob]) -> None:
+        with self.lock:
+            self.queued_tokens -= sum(j.tokens for j in jobs)
+            self.metrics.queued_tokens.set(self.queued_tokens)
+
     def _prefill(self, batch: list[PrefillJob]) -> None:
-        runnable = reserve_batch(self.core, batch, self.batcher)
+        runnable = reserve_batch(self.core, self._late(batch), self.batcher)
         if not runnable:
             return
-        with self.lock:
-            self.queued_tokens -= sum(j.tokens for j in runnable)
-            self.metrics.queued_tokens.set(self.queued_tokens)
+        self._dequeued(runnable)
         self.metrics.batch_tokens.observe(sum(j.tokens for j in runnable))
         started, started_wall = time.monotonic(), now()
         num_layers = self.core.model_config.num_layers
@@ -152,7 +177,12 @@ class PrefillWorker:
             self.metrics.prefill.observe(computed - started)
             self.metrics.transfer_seconds.labels("sent").observe(pushed - computed)
             self.metrics.transfer_bytes.labels("sent").inc(push.nbytes)
-            for job, token in zip(runnable, tokens):
+            for i, (job, token) in enumerate(zip(runnable, tokens)):
+                if i in push.abandoned:
+                    job.done.set_exception(
+                        PrefillDeadline("the caller's deadline passed before the push was done")
+                    )
+                    continue
                 job.done.set_result(
                     PrefillResult(
                         first_token=token,
@@ -187,7 +217,8 @@ class PrefillWorker:
             remote=PoolSide(dest.pool.geometry, dest.pool.region, tiles),
             src=np.asarray(job.request.block_ids[skip : len(dest.block_ids)]),
             dst=np.asarray(dest.block_ids[skip:]),
-            notif=job.request.request_id.encode(),
+            notif=notification(job.request.request_id, dest.fence),
+            deadline=job.deadline,
         )
 
     def _peer(self, dest: Destination) -> tuple[str, Tiles]:

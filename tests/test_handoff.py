@@ -12,7 +12,7 @@ from decode.worker import ReservationError, UnknownRequest
 from pdserve import LLM
 from pdserve.engine.args import EngineArgs
 from pdserve.sampling_params import SamplingParams
-from transfer import HandshakeRefused
+from transfer import HandshakeRefused, notification
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -41,7 +41,8 @@ def test_kv_bytes_arrive_block_for_block_and_decoding_matches(pair, layerwise):
     prefill, decode, model = pair
     prefill.layerwise = layerwise
     prompt = list(range(3, 60))  # 57 tokens: 4 blocks, the last one partial
-    blocks = decode.reserve("r1", prompt, GREEDY, lease_s=30).block_ids
+    reserved = decode.reserve("r1", prompt, GREEDY, lease_s=30)
+    blocks = reserved.block_ids
     assert len(blocks) == 4
     # snapshot the prefill side's blocks at the moment it releases them (push done)
     src, dst = prefill.core.kv_pool, decode.core.kv_pool
@@ -56,7 +57,7 @@ def test_kv_bytes_arrive_block_for_block_and_decoding_matches(pair, layerwise):
 
     order: list[int] = []
     prefill.core.release = snapshot_then_release
-    result = prefill.submit("r1", prompt, GREEDY, destination(decode, blocks)).result(60)
+    result = prefill.submit("r1", prompt, GREEDY, destination(decode, reserved)).result(60)
     assert result.transfer_bytes == 4 * decode.endpoint.bytes_per_block
     deadline = time.monotonic() + 10
     while len(order) < 4 and time.monotonic() < deadline:  # freed right after the reply
@@ -81,10 +82,10 @@ def test_layout_mismatch_is_refused_before_prefill():
         "tiny-llama", "d-bs32", "nixl", EngineArgs(block_size=32, num_kv_blocks=8)
     )
     try:
-        blocks = decode.reserve("r", [1, 2, 3], GREEDY, lease_s=30).block_ids
+        reserved = decode.reserve("r", [1, 2, 3], GREEDY, lease_s=30)
         with pytest.raises(HandshakeRefused, match="layout hash"):
-            prefill.submit("r", [1, 2, 3], GREEDY, destination(decode, blocks))
-        assert decode.release("r")
+            prefill.submit("r", [1, 2, 3], GREEDY, destination(decode, reserved))
+        assert decode.release("r", unpushed=True)  # refused before any push: no fence
         decode.check_integrity()
         assert decode.stats().free_blocks == 8
     finally:
@@ -103,7 +104,8 @@ def test_lease_expiry_returns_reserved_blocks():
             time.sleep(0.05)
         assert decode.stats().free_blocks == 8
         decode.check_integrity()
-        decode.reservations.note_arrivals([b"slow"])  # a push completing after the lease ran out
+        # a push completing after the lease ran out (and so after its push window)
+        decode.reservations.note_arrivals([notification("slow", 1)])
         with pytest.raises(UnknownRequest, match="expired or released"):
             decode.start("slow", 5)
     finally:
@@ -132,15 +134,15 @@ def test_prefill_prompts_that_do_not_fit_together_wait_for_the_next_batch():
         a, b = list(range(10, 58)), list(range(60, 100))  # 3 + 3 blocks > 4 in one batch
         futures = []
         for rid, prompt in (("a", a), ("b", b)):
-            blocks = decode.reserve(rid, prompt, GREEDY, lease_s=30).block_ids
-            futures.append(prefill.submit(rid, prompt, GREEDY, destination(decode, blocks)))
+            reserved = decode.reserve(rid, prompt, GREEDY, lease_s=30)
+            futures.append(prefill.submit(rid, prompt, GREEDY, destination(decode, reserved)))
         first = [f.result(60).first_token for f in futures]
         expected = LLM("tiny-llama").generate([a, b], GREEDY)
         assert first == [o.token_ids[0] for o in expected]  # the carried one too
         too_big = list(range(5, 5 + 16 * 5))  # 5 blocks: never fits a 4-block pool
-        blocks = decode.reserve("c", too_big, GREEDY, lease_s=30).block_ids
+        reserved = decode.reserve("c", too_big, GREEDY, lease_s=30)
         with pytest.raises(ValueError, match="needs 6 KV blocks but the pool has 4"):
-            prefill.submit("c", too_big, GREEDY, destination(decode, blocks))
+            prefill.submit("c", too_big, GREEDY, destination(decode, reserved))
         for rid in ("a", "b", "c"):
             decode.release(rid)
         decode.check_integrity()
@@ -164,18 +166,49 @@ def test_push_notifications_never_outlive_their_reservation():
         futures = []
         for rid in ("a", "b"):
             prompt = [5, 6, 7, 8] if rid == "a" else [9, 10, 11]
-            blocks = decode.reserve(rid, prompt, GREEDY, lease_s=30).block_ids
-            futures.append(prefill.submit(rid, prompt, GREEDY, destination(decode, blocks)))
+            reserved = decode.reserve(rid, prompt, GREEDY, lease_s=30)
+            futures.append(prefill.submit(rid, prompt, GREEDY, destination(decode, reserved)))
         first = [f.result(60).first_token for f in futures]  # both pushes done and notified
         tokens, _ = drain(decode.start("a", first[0]))  # collects a's and b's notifications
         assert len(tokens) == GREEDY.max_tokens
         assert decode.reservations.pending_arrivals == 1  # b's, while b is still reserved
         assert decode.release("b")
         assert decode.reservations.pending_arrivals == 0
-        decode.reservations.note_arrivals([b"ghost"])  # of no reservation: dropped at once
+        decode.reservations.note_arrivals([notification("ghost", 99)])  # of none: dropped
         assert decode.reservations.pending_arrivals == 0
         decode.check_integrity()
         assert decode.stats().free_blocks == 16
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_prefill_past_its_deadline_pushes_nothing_and_the_blocks_stay_fenced():
+    """The router's deadline bounds the push: a prompt whose deadline passed in the queue is
+    neither computed nor pushed (PrefillDeadline), and the decode worker, told only that the
+    reservation ended, keeps its blocks out of the pool until the push window is over."""
+    from prefill.worker import PrefillDeadline
+
+    prefill = prefill_worker("tiny-llama", "p-late", "nixl", EngineArgs(num_kv_blocks=16))
+    decode = decode_worker("tiny-llama", "d-late", "nixl", EngineArgs(num_kv_blocks=16))
+    try:
+        prompt = list(range(3, 40))  # 3 blocks
+        reserved = decode.reserve("late", prompt, GREEDY, lease_s=30, push_window_s=1.0)
+        future = prefill.submit(
+            "late", prompt, GREEDY, destination(decode, reserved), deadline=time.monotonic() - 1
+        )
+        with pytest.raises(PrefillDeadline, match="deadline passed"):
+            future.result(30)
+        assert prefill.stats().queued_tokens == 0
+        assert decode.release("late")
+        assert decode.stats().free_blocks == 13 and decode.reservations.fenced == 1
+        deadline = time.monotonic() + 10
+        while decode.stats().free_blocks != 16:  # the step loop frees it after the window
+            assert time.monotonic() < deadline, "the fence never ended"
+            time.sleep(0.05)
+        assert decode.reservations.pending_arrivals == 0 and decode.reservations.fenced == 0
+        decode.check_integrity()
+        prefill.check_integrity()
     finally:
         prefill.close()
         decode.close()

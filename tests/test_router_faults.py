@@ -150,7 +150,7 @@ def test_a_frozen_decode_worker_is_skipped_after_its_first_timeout(router):
         for _ in range(4):
             result = client.generate([1], max_tokens=2)
             assert result.finish_reason == "length"
-            assert result.timings["decode_worker"] == "slow-decode"
+            assert result.timings["decode_worker"] == "d-ok"
     assert frozen.asked == 1
     assert "d-frozen" not in [w.worker_id for w in service.registry.decode_order()]
     records = {r.worker_id: r for r, _ in service.registry.listing()}  # still listed

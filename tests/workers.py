@@ -26,9 +26,8 @@ def decode_worker(model: str, worker_id: str, backend: str, args: EngineArgs, **
     return DecodeWorker.build(model, args, DecodeConfig(worker_id, **config), agent)
 
 
-def destination(decode: DecodeWorker, reserved: Reserved | list[int]) -> Destination:
-    if isinstance(reserved, list):
-        reserved = Reserved(reserved)
+def destination(decode: DecodeWorker, reserved: Reserved) -> Destination:
+    """Where `reserved`'s push goes (its fencing token included)."""
     endpoint = decode.endpoint
     return Destination(
         decode.worker_id,
@@ -36,6 +35,7 @@ def destination(decode: DecodeWorker, reserved: Reserved | list[int]) -> Destina
         endpoint.layout,
         reserved.block_ids,
         reserved.cached_blocks,
+        reserved.fence,
     )
 
 

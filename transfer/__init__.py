@@ -30,6 +30,8 @@ from transfer.wire import (
     PoolGeometry,
     PoolLayout,
     check_handshake,
+    notification,
+    parse_notification,
 )
 
 __all__ = [
@@ -48,4 +50,6 @@ __all__ = [
     "XferState",
     "check_handshake",
     "make_agent",
+    "notification",
+    "parse_notification",
 ]

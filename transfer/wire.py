@@ -20,7 +20,22 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-KV_WIRE_VERSION = 2  # 2: PoolLayout carries planes per layer
+KV_WIRE_VERSION = 3  # 2: PoolLayout carries planes per layer; 3: fenced notifications
+_FENCE_SEP = b"#"
+
+
+def notification(request_id: str, fence: int) -> bytes:
+    """What a push's last WRITE carries: the KV of this reservation (`fence`, its fencing
+    token from Reserve) is in."""
+    return request_id.encode() + _FENCE_SEP + str(fence).encode()
+
+
+def parse_notification(note: bytes) -> tuple[str, int] | None:
+    """-> (request id, fence), or None for anything else."""
+    rid, sep, fence = note.rpartition(_FENCE_SEP)
+    if not sep or not fence.isdigit():
+        return None
+    return rid.decode(errors="replace"), int(fence)
 
 
 class HandshakeRefused(RuntimeError):

@@ -28,6 +28,7 @@ GRPC_TARGETS = (
     "Decode/Reserve",
     "Decode/Start",
     "Decode/Release",
+    "Decode/Renew",
     "Decode/Health",
     "Prefill/Prefill",
     "Prefill/Health",
@@ -135,7 +136,11 @@ class Inputs:
                 msg.text = rng.choice(("", "Hello", "é" * 50, "x " * (4 * self.max_len), "\x00"))
             return msg
         if target in ("Router/Abort", "Decode/Release"):
-            return pb.AbortRequest(request_id=self._id())
+            return pb.AbortRequest(request_id=self._id(), unpushed=rng.random() < 0.5)
+        if target == "Decode/Renew":
+            return pb.RenewRequest(
+                request_id=self._id(), fence=self._int() % 2**64, lease_s=self._lease()
+            )
         if target == "Router/Register":
             return self._register(impossible=rng.random() < 0.5)
         if target == "Decode/Reserve":
@@ -143,7 +148,8 @@ class Inputs:
                 request_id=self._id(),
                 prompt_token_ids=[t % 2**31 for t in self._tokens()],
                 sampling=self._sampling(),
-                lease_s=rng.choice((0.0, -1.0, 5.0, 30.0, 1e12, float("nan"), float("inf"))),
+                lease_s=self._lease(),
+                push_window_s=self._lease(),
             )
         if target == "Decode/Start":
             return pb.StartRequest(request_id=self._id(), first_token=self._int() % 2**31)
@@ -164,6 +170,9 @@ class Inputs:
                 dest_cached_blocks=self._int() % 2**31,
             )
         return pb.Empty()
+
+    def _lease(self) -> float:
+        return self.rng.choice((0.0, -1.0, 5.0, 30.0, 1e12, float("nan"), float("inf")))
 
     def _good_generate(self) -> pb.GenerateRequest:
         """A request a real client would send: real work (KV reserved, pushed, decoded,

@@ -200,12 +200,13 @@ def ttft_layerwise(model: str, prompt_lens: list[int], backend: str, reps: int) 
             for i in range(2 * reps + 2):  # alternate modes; the first pair warms up
                 layerwise = i % 2 == 0
                 rid = f"b{n}-{i}"
-                blocks = decode.reserve(rid, prompt, params, lease_s=60).block_ids
+                reserved = decode.reserve(rid, prompt, params, lease_s=60)
                 dest = Destination(
                     decode.worker_id,
                     decode.endpoint.agent.metadata(),
                     decode.endpoint.layout,
-                    blocks,
+                    reserved.block_ids,
+                    fence=reserved.fence,
                 )
                 prefill.layerwise = layerwise
                 start = time.perf_counter()

@@ -101,6 +101,15 @@ def run_router(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len or source.config.max_position,
         max_queue=args.max_queue,
         queue_timeout_s=args.queue_timeout,
+        **{
+            field: value
+            for field, value in (
+                ("prefill_timeout_s", args.prefill_timeout),
+                ("lease_s", args.lease),
+                ("max_resumes", args.max_resumes),
+            )
+            if value is not None
+        },
     )
     service = RouterService(config, source.config.vocab_size, source.tokenizer, security)
     server, port = start_server(
@@ -135,6 +144,7 @@ def run_router(args: argparse.Namespace) -> int:
     if http is not None:
         http.close()
     server.stop(grace=2).wait()
+    service.close()
     return 0
 
 
@@ -256,6 +266,25 @@ def add_serve_parser(sub) -> None:
             )
             p.add_argument("--max-queue", type=int, default=256)
             p.add_argument("--queue-timeout", type=float, default=30.0)
+            p.add_argument(
+                "--prefill-timeout",
+                type=float,
+                default=None,
+                help="a prefill's deadline, seconds (default 180); a reservation ended before "
+                "its push arrived keeps its blocks fenced this long at most",
+            )
+            p.add_argument(
+                "--lease",
+                type=float,
+                default=None,
+                help="reservation lease, seconds (default 10; renewed while the prefill runs)",
+            )
+            p.add_argument(
+                "--max-resumes",
+                type=int,
+                default=None,
+                help="times a request is resumed elsewhere after a worker fault (default 3)",
+            )
         else:
             p.add_argument("--router", default=None, help="router address to register with")
             p.add_argument("--worker-id", default=None)

@@ -2,7 +2,11 @@
 
 config.py    every timeout, lease, retry and queue bound, one default each
 registry.py  the workers it knows (registration + heartbeats) and the choice among them
-handoff.py   one request's way through: reserve -> prefill -> start -> stream
+handoff.py   one request's way through: reserve -> prefill -> start -> stream, resumed
+             on another worker when one fails (docs/faults.md)
+request.py   one request as its client sees it across attempts; its final message
+leases.py    renewing the reservations whose prefill is running (short leases)
+watch.py     cancelling the streams of workers that stopped heartbeating
 service.py   the gRPC service (Generate, Abort, Register, ListWorkers, Health)
 metrics.py   its Prometheus metrics
 """

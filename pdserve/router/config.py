@@ -19,6 +19,14 @@ class RouterConfig:
     release_rpc_timeout_s: float = 5.0
     probe_timeout_s: float = 2.0  # a new worker's Health must answer within this
     prefill_timeout_s: float = 180.0  # the prefill RPC's deadline (the worker honours it)
+    # a reservation's lease, renewed every third of it while its prefill runs
+    # (pdserve/router/leases.py): a dead router's reservations come back within it
+    lease_s: float = 10.0
+    # a push may land up to this long after its deadline (a WRITE posted just before it)
+    push_margin_s: float = 2.0
+    # times a request is resumed on another worker after the one serving it died or went
+    # silent (or its prefill failed); then it fails with the last failure's status
+    max_resumes: int = 3
     stream_timeout_s: float = 3600.0  # a decode stream's deadline
     heartbeat_s: float = HEARTBEAT_S  # told to every worker that registers
     missed_heartbeats: int = 5  # then a worker gets no new requests (its streams go on)
@@ -27,6 +35,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.max_queue < 1:
             raise ValueError(f"max_queue: must be >= 1, got {self.max_queue}")
+        if self.max_resumes < 0:
+            raise ValueError(f"max_resumes: must be >= 0, got {self.max_resumes}")
         for name in (
             "max_model_len",
             "queue_timeout_s",
@@ -34,6 +44,8 @@ class RouterConfig:
             "release_rpc_timeout_s",
             "probe_timeout_s",
             "prefill_timeout_s",
+            "lease_s",
+            "push_margin_s",
             "stream_timeout_s",
             "heartbeat_s",
             "forget_after_s",
@@ -47,11 +59,11 @@ class RouterConfig:
             )
 
     @property
-    def lease_s(self) -> float:
-        """A reservation's lease must outlive the prefill that fills its blocks: blocks
-        returned while a push is still running could be handed to another request and
-        overwritten by the late push."""
-        return self.prefill_timeout_s + 60.0
+    def push_window_s(self) -> float:
+        """Told to the decode worker at Reserve: no push for the reservation lands later
+        (the prefill call's deadline lies inside it). A reservation that ends before its
+        push arrived keeps its blocks fenced until then (decode/reservations.py)."""
+        return self.prefill_timeout_s + self.push_margin_s
 
     @property
     def alive_window_s(self) -> float:

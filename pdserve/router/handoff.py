@@ -2,13 +2,25 @@
 
     wait for workers -> decode.Reserve (most projected headroom; retried with backoff while
     none has room) -> prefill.Prefill (fewest queued tokens; KV pushed into the reserved
-    blocks) -> decode.Start -> tokens streamed to the client -> final message with timings,
-    text and every process's spans
+    blocks, the lease renewed meanwhile) -> decode.Start -> tokens streamed to the client ->
+    final message with timings, text and every process's spans
 
 A request that arrives before both roles are registered waits in the queue like one that
 waits for room, up to the queue timeout, then fails UNAVAILABLE. Whatever ends the request
 early (the client cancels, a call fails), the decode worker is told to release its blocks;
 if it is gone, its lease returns them.
+
+Survival: when the decode worker streaming a request dies (its stream fails), goes silent
+(pdserve/router/watch.py cancels the stream) or loses the reservation, or when the prefill
+fails for any reason a retry can fix, the request is resumed: a new reservation on the
+worker with the most room (the failed one is suspect: skipped until it heartbeats again),
+whose prompt is the original prompt plus every token already sent to the client, and whose
+max_tokens is what is left. Its prefill recomputes that context; the first token it
+samples is the next token of the client's stream, so no token is lost or repeated. Greedy
+requests continue exactly as they would have; a seeded sampled request continues with a
+valid sample that is not the one an unbroken run would have drawn. Each resumed attempt uses
+its own id on the workers (`ID~rN`), so a frozen worker that wakes up cannot confuse them.
+After RouterConfig.max_resumes resumes the request fails with the last failure's status.
 """
 
 from __future__ import annotations
@@ -17,43 +29,45 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
 
 from pdserve.router.config import RouterConfig
+from pdserve.router.leases import LeaseKeeper
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Worker, WorkerRegistry
+from pdserve.router.request import Arrival, Failure, Finished, Run, final_message
+from pdserve.router.watch import StreamWatch
 from pdserve.rpc import pdserve_pb2 as pb
-from pdserve.serving.convert import spans_from_proto, spans_to_proto
 from pdserve.tokenizer import Tokenizer
-from pdserve.trace import Span, hops, now
+from pdserve.trace import Span, now
 
+_Code = grpc.StatusCode
 # a worker that refuses the router's own credentials is a deployment fault (a secret or
 # certificate that differs between members), not the client's: the client sees UNAVAILABLE
-_INTERNAL_REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+_INTERNAL_REFUSALS = (_Code.UNAUTHENTICATED, _Code.PERMISSION_DENIED)
+# failures a retry elsewhere cannot fix: the request itself, or the deployment
+_FINAL = (_Code.INVALID_ARGUMENT, _Code.FAILED_PRECONDITION, *_INTERNAL_REFUSALS)
+# the worker did not answer (in time, or at all): suspect until it heartbeats again
+_SILENT = (_Code.DEADLINE_EXCEEDED, _Code.UNAVAILABLE)
 
 
 def _to_client(code: grpc.StatusCode) -> grpc.StatusCode:
-    return grpc.StatusCode.UNAVAILABLE if code in _INTERNAL_REFUSALS else code
+    return _Code.UNAVAILABLE if code in _INTERNAL_REFUSALS else code
 
 
 @dataclass(eq=False)
 class Inflight:
-    """One request's entry in the in-flight table. Compared by identity: a request that
-    ended and a later one that reuses its id are different entries, so the first one's
-    late release cannot touch the second."""
+    """One request's entry in the in-flight table: the decode worker serving it now and
+    that worker's id for it (both change when it is resumed). Compared by identity: a
+    request that ended and a later one that reuses its id are different entries, so the
+    first one's late release cannot touch the second."""
 
-    worker: Worker
-
-
-@dataclass(frozen=True)
-class Arrival:
-    request_id: str
-    prompt: list[int]
-    sampling: pb.SamplingParams
-    at: float  # time.monotonic()
-    at_wall: float  # time.time()
+    worker: Worker | None = None
+    worker_request_id: str = ""
+    released: bool = False  # aborted or cancelled: never resumed
 
 
 class Handoff:
@@ -68,94 +82,171 @@ class Handoff:
         self.config, self.registry, self.metrics = config, registry, metrics
         self.tokenizer = tokenizer
         self.inflight = inflight  # request id -> its entry (shared with Abort)
-        self._lock = threading.Lock()  # every check-and-change of `inflight`
+        self._lock = threading.Lock()  # every check-and-change of `inflight` and entries
+        self.leases = LeaseKeeper(config.lease_s)
+        self.watch = StreamWatch(registry, config.heartbeat_s)
+        # releases of failed attempts: a frozen worker must not delay the resume
+        self._releases = ThreadPoolExecutor(max_workers=2, thread_name_prefix="router-release")
 
+    def close(self) -> None:
+        self.leases.close()
+        self.watch.close()
+        self._releases.shutdown(wait=False)
+
+    # -- one request ----------------------------------------------------------------------
     def serve(self, arrival: Arrival, context) -> Iterator[pb.GenerateResponse]:
-        rid, prompt = arrival.request_id, arrival.prompt
-        spans: list[Span] = []
-        deadline = arrival.at + self.config.queue_timeout_s
-        self._await_workers(deadline, context)
-        decode, reserved = self._reserve(arrival, deadline, context, spans)
-        entry = Inflight(decode)
+        rid = arrival.request_id
+        run = Run(arrival)
+        entry = Inflight()
+        self._await_workers(arrival.at + self.config.queue_timeout_s, context)
         with self._lock:
             self.inflight[rid] = entry
         context.add_callback(lambda: self.release(rid, entry))
-        queued = time.monotonic()
+        try:
+            while True:
+                if entry.released:  # aborted between attempts
+                    if context.is_active():
+                        yield self._final(run, "abort", None)
+                    return
+                if reason := run.done():  # the stream broke after its last token
+                    yield self._final(run, reason, None)
+                    return
+                failure = yield from self._attempt(run, entry, context)
+                if failure is None or not context.is_active():
+                    return
+                if entry.released:
+                    continue
+                self.metrics.resumes.labels(failure.stage).inc()
+                if run.resumes >= self.config.max_resumes:
+                    context.abort(
+                        _to_client(failure.code),
+                        f"{failure.stage} failed: {failure.details} (after {run.resumes} resumes)",
+                    )
+                run.resumes += 1
+                run.failed_at = now()
+        finally:
+            self._forget(rid, entry)
+
+    def _attempt(self, run: Run, entry: Inflight, context):
+        """Reserve, prefill, start and stream once -> None when the request ended (its
+        final message sent, or the client gone), else the Failure to resume from."""
+        rid = run.worker_request_id
+        prompt = run.context
+        sampling = run.remaining()
+        deadline = time.monotonic() + self.config.queue_timeout_s
+        decode, reserved, asked = self._reserve(rid, prompt, sampling, deadline, context, run)
+        with self._lock:
+            if entry.released:  # aborted while we reserved
+                self._release_later(decode, rid, unpushed=True)
+                return Failure(_Code.CANCELLED, "aborted", "router")
+            entry.worker, entry.worker_request_id = decode, rid
         prefill = self.registry.pick_prefill(len(prompt))
         if prefill is None:
-            self.release(rid, entry)
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill worker is registered")
+            self._release_attempt(entry, unpushed=True)
+            context.abort(_Code.UNAVAILABLE, "no prefill worker is registered")
+        lease = self.leases.hold(decode, rid, reserved.fence)
         prefill_sent = now()
+        # inside the push window the decode worker fences for, less what the Reserve took
+        budget = self.config.prefill_timeout_s - (time.monotonic() - asked)
+        watched = None
         try:
-            done = prefill.stub.Prefill(
+            call = prefill.stub.Prefill.future(
                 pb.PrefillRequest(
                     request_id=rid,
                     prompt_token_ids=prompt,
-                    sampling=arrival.sampling,
+                    sampling=sampling,
                     dest_worker_id=reserved.worker_id,
                     dest_block_ids=reserved.block_ids,
                     dest_cached_blocks=reserved.cached_blocks,
                     dest_layout=reserved.layout,
                     dest_agent_metadata=reserved.agent_metadata,
+                    dest_fence=reserved.fence,
                 ),
-                timeout=self.config.prefill_timeout_s,
+                timeout=max(0.001, budget),
             )
+            # a decode worker that goes silent meanwhile ends the wait (the watch cancels)
+            watched = self.watch.add(decode, call)
+            try:
+                done = call.result()
+            finally:
+                self.watch.remove(watched)
         except grpc.RpcError as e:
-            self.release(rid, entry)
-            context.abort(_to_client(e.code()), f"prefill failed: {e.details()}")
+            if watched is not None and watched.lost:
+                self._release_attempt(entry)
+                return Failure(
+                    _Code.UNAVAILABLE,
+                    f"decode worker {decode.worker_id} stopped heartbeating",
+                    "prefill",
+                )
+            code = e.code()
+            # refused before anything was queued: no push can land, no fence needed
+            self._release_attempt(entry, unpushed=code in _FINAL)
+            if code in _FINAL or not context.is_active():
+                context.abort(_to_client(code), f"prefill failed: {e.details()}")
+            if code in _SILENT:
+                self.registry.suspect(prefill)
+            return Failure(code, e.details() or "", "prefill")
+        finally:
+            self.leases.drop(lease)
+        return (yield from self._stream(run, entry, context, decode, done, prefill_sent))
+
+    def _stream(self, run: Run, entry: Inflight, context, decode: Worker, done, prefill_sent):
+        rid = run.arrival.request_id
         prefill_back = start_sent = now()
         stream = decode.stub.Start(
-            pb.StartRequest(request_id=rid, first_token=done.first_token),
+            pb.StartRequest(request_id=entry.worker_request_id, first_token=done.first_token),
             timeout=self.config.stream_timeout_s,
         )
         context.add_callback(stream.cancel)
-        tokens: list[int] = []
-        first_at = None
+        watched = self.watch.add(decode, stream)
         try:
             for chunk in stream:
                 if chunk.token_ids:
-                    tokens.extend(chunk.token_ids)
-                    if first_at is None:
-                        first_at = time.monotonic()
+                    run.sent(chunk.token_ids)
                     yield pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids)
                 if chunk.finished:
-                    end, end_wall = time.monotonic(), now()
-                    timings = pb.Timings(
-                        queue_s=queued - arrival.at,
-                        prefill_s=done.prefill_s,
-                        transfer_s=done.transfer_s,
-                        ttft_s=(first_at or end) - arrival.at,
-                        tpot_s=chunk.tpot_s,
-                        e2e_s=end - arrival.at,
-                        prefill_worker=done.worker_id,
-                        decode_worker=reserved.worker_id,
-                        arrival_unix=arrival.at_wall,
-                        end_unix=end_wall,
-                    )
-                    self._observe(timings, done, chunk, len(tokens))
-                    marks = (prefill_sent, prefill_back, start_sent, end_wall)
-                    trace = hops(marks, spans_from_proto(done.spans), spans_from_proto(chunk.spans))
-                    yield pb.GenerateResponse(
-                        request_id=rid,
-                        finished=True,
-                        finish_reason=chunk.finish_reason,
-                        timings=timings,
-                        text=self.tokenizer.decode(tokens) if self.tokenizer is not None else "",
-                        trace=[
-                            *spans_to_proto(spans),
-                            *done.spans,
-                            *chunk.spans,
-                            *spans_to_proto(trace),
-                        ],
-                        prompt_tokens=len(prompt),
-                    )
-                    return
+                    marks = (prefill_sent, prefill_back, start_sent, now())
+                    finished = Finished(done, chunk, marks, decode.worker_id)
+                    yield self._final(run, chunk.finish_reason, finished)
+                    return None
+            failure = Failure(_Code.UNKNOWN, "the stream ended without its final message", "decode")
         except grpc.RpcError as e:
-            if context.is_active():
-                context.abort(_to_client(e.code()), f"decode failed: {e.details()}")
+            if not context.is_active():
+                return None
+            if entry.released:
+                return Failure(_Code.CANCELLED, "aborted", "decode")
+            if watched.lost:
+                failure = Failure(
+                    _Code.UNAVAILABLE,
+                    f"decode worker {decode.worker_id} stopped heartbeating",
+                    "decode",
+                )
+            else:
+                failure = Failure(e.code(), e.details() or "", "decode")
         finally:
-            self._forget(rid, entry)
+            self.watch.remove(watched)
+        if failure.code in _FINAL:
+            self._release_attempt(entry)
+            context.abort(_to_client(failure.code), f"decode failed: {failure.details}")
+        if failure.code in _SILENT:
+            self.registry.suspect(decode)
+        self._release_attempt(entry)
+        return failure
 
+    def _final(self, run: Run, reason: str, finished: Finished | None) -> pb.GenerateResponse:
+        msg = final_message(run, reason, finished, self.tokenizer)
+        m, t = self.metrics, msg.timings
+        m.ttft.observe(t.ttft_s)
+        m.e2e.observe(t.e2e_s)
+        if finished is not None:
+            m.queue.observe(t.queue_s)
+            m.transfer.observe(t.transfer_s)
+            m.transfer_bytes.inc(finished.prefill.transfer_bytes)
+            if len(run.tokens) > 1:
+                m.tpot.observe(t.tpot_s)
+        return msg
+
+    # -- waiting and reserving -----------------------------------------------------------
     def _pause(self, pause: float) -> float:
         """Back off between tries: many waiting requests polling every 10 ms kept the
         workers' CPUs busy answering Reserve (seen in the capacity sweep on 2 cores)."""
@@ -168,90 +259,114 @@ class Handoff:
         while reason := self.registry.not_ready():
             if time.monotonic() > deadline or not context.is_active():
                 context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
+                    _Code.UNAVAILABLE,
                     f"{reason} (waited {self.config.queue_timeout_s}s)",
                 )
             pause = self._pause(pause)
 
-    def _reserve(self, arrival: Arrival, deadline: float, context, spans: list[Span]):
-        """Reserve blocks on the decode worker with the most headroom; records router.queue
-        (arrival -> the call that succeeded) and decode.reserve (that call)."""
+    def _reserve(self, rid: str, prompt: list[int], sampling, deadline: float, context, run: Run):
+        """Reserve blocks on the decode worker with the most headroom -> (worker, answer,
+        time.monotonic() when the successful call was sent). The first attempt records
+        router.queue (arrival -> that call) and decode.reserve (the call)."""
         pause = self.config.reserve_retry_s[0]
         while True:
             tried: set[str] = set()
             while (worker := self.registry.pick_decode(tried)) is not None:
                 tried.add(worker.worker_id)
-                asked = now()
+                asked, asked_wall = time.monotonic(), now()
                 try:
                     reply = worker.stub.Reserve(
                         pb.ReserveRequest(
-                            request_id=arrival.request_id,
-                            prompt_token_ids=arrival.prompt,
-                            sampling=arrival.sampling,
+                            request_id=rid,
+                            prompt_token_ids=prompt,
+                            sampling=sampling,
                             lease_s=self.config.lease_s,
+                            push_window_s=self.config.push_window_s,
                         ),
                         timeout=self.config.reserve_rpc_timeout_s,
                     )
                 except grpc.RpcError as e:
                     self.registry.not_reserved(worker)
-                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.details())
+                    if e.code() == _Code.INVALID_ARGUMENT:
+                        context.abort(_Code.INVALID_ARGUMENT, e.details())
                     if e.code() in _INTERNAL_REFUSALS:
                         context.abort(
-                            grpc.StatusCode.UNAVAILABLE,
+                            _Code.UNAVAILABLE,
                             f"decode worker {worker.worker_id} refused the router's "
                             f"credentials ({e.code().name}): is the cluster secret the same?",
                         )
-                    if e.code() in (
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        grpc.StatusCode.UNAVAILABLE,
-                    ):
+                    if e.code() in _SILENT:
                         # no answer in time, or none at all: the next worker, and this one
                         # gets nothing new until it heartbeats again (a frozen worker got
                         # request after request, each failing after the timeout)
                         self.registry.suspect(worker)
                     continue  # any other refusal: the next worker (never an untyped error)
                 self.registry.reserved(worker, reply.headroom_cost_blocks)
-                spans.append(Span("router.queue", arrival.at_wall, asked, "router"))
-                spans.append(Span("decode.reserve", asked, now(), worker.worker_id))
-                return worker, reply
+                if run.resumes == 0:
+                    run.queued_s = time.monotonic() - run.arrival.at
+                    run.spans.append(
+                        Span("router.queue", run.arrival.at_wall, asked_wall, "router")
+                    )
+                    run.spans.append(Span("decode.reserve", asked_wall, now(), worker.worker_id))
+                return worker, reply, asked
             if time.monotonic() > deadline or not context.is_active():
                 if not self.registry.alive("decode"):
-                    context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is registered")
+                    context.abort(_Code.UNAVAILABLE, "no decode worker is registered")
                 context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"no decode worker had room for {len(arrival.prompt)} prompt tokens within "
+                    _Code.RESOURCE_EXHAUSTED,
+                    f"no decode worker had room for {len(prompt)} prompt tokens within "
                     f"{self.config.queue_timeout_s}s",
                 )
             pause = self._pause(pause)
 
-    def _observe(self, timings: pb.Timings, done, chunk, generated: int) -> None:
-        m = self.metrics
-        m.queue.observe(timings.queue_s)
-        m.ttft.observe(timings.ttft_s)
-        m.e2e.observe(timings.e2e_s)
-        m.transfer.observe(timings.transfer_s)
-        m.transfer_bytes.inc(done.transfer_bytes)
-        if generated > 1:
-            m.tpot.observe(timings.tpot_s)
+    # -- releasing --------------------------------------------------------------------------
+    def _release_later(self, worker: Worker, worker_request_id: str, unpushed: bool = False):
+        """Tell `worker` to release, from another thread: a frozen worker must not hold up
+        the request (if it is gone, its lease returns the blocks)."""
+
+        def release() -> None:
+            try:
+                worker.stub.Release(
+                    pb.AbortRequest(request_id=worker_request_id, unpushed=unpushed),
+                    timeout=self.config.release_rpc_timeout_s,
+                )
+            except grpc.RpcError as e:
+                if e.code() in _SILENT:
+                    self.registry.suspect(worker)
+
+        self._releases.submit(release)
+
+    def _release_attempt(self, entry: Inflight, unpushed: bool = False) -> None:
+        """The attempt in `entry` ended early: release it on its worker."""
+        with self._lock:
+            worker, wrid = entry.worker, entry.worker_request_id
+            entry.worker, entry.worker_request_id = None, ""
+        if worker is not None:
+            self._release_later(worker, wrid, unpushed)
 
     def _forget(self, request_id: str, entry: Inflight) -> Inflight | None:
-        """Removes `entry` (or, given None, whatever the id maps to) -> what was removed."""
+        """Removes `entry` from the in-flight table -> it, when it was there."""
         with self._lock:
             current = self.inflight.get(request_id)
-            if current is None or (entry is not None and current is not entry):
+            if current is None or current is not entry:
                 return None
             del self.inflight[request_id]
             return current
 
-    def release(self, request_id: str, entry: Inflight | None = None) -> bool:
-        """Ends the request on its decode worker -> whether it was in flight."""
+    def release(self, request_id: str, entry: Inflight) -> bool:
+        """Ends the request (an abort, or the client went away) -> whether it was in
+        flight. Its current attempt is released on its decode worker, and it is never
+        resumed."""
         removed = self._forget(request_id, entry)
-        if removed is not None:
+        if removed is None:
+            return False
+        with self._lock:
+            removed.released = True
+            worker, wrid = removed.worker, removed.worker_request_id
+        if worker is not None:
             # if the worker is gone, its lease returns the blocks
             with contextlib.suppress(grpc.RpcError):
-                removed.worker.stub.Release(
-                    pb.AbortRequest(request_id=request_id),
-                    timeout=self.config.release_rpc_timeout_s,
+                worker.stub.Release(
+                    pb.AbortRequest(request_id=wrid), timeout=self.config.release_rpc_timeout_s
                 )
-        return removed is not None
+        return True

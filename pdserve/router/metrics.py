@@ -5,7 +5,8 @@ pdserve_router_tpot_seconds, pdserve_router_transfer_seconds (push tail per requ
 pdserve_router_transfer_bytes_total, pdserve_router_requests_total{outcome} (stop,
 length, abort; cancelled: the client went away; failed_<status>: the router gave up;
 invalid, rejected), pdserve_router_kv_usage_ratio{worker} (each decode worker, from its
-heartbeats; the series goes when the registry forgets the worker)
+heartbeats; the series goes when the registry forgets the worker),
+pdserve_router_resumes_total{stage} (requests resumed after their prefill or decode failed)
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ class RouterMetrics:
         self.transfer_bytes = Counter(
             "pdserve_router_transfer_bytes",
             "KV bytes pushed for this router's requests",
+            registry=r,
+        )
+        self.resumes = Counter(
+            "pdserve_router_resumes",
+            "requests resumed on another worker, by the stage that failed",
+            ["stage"],
             registry=r,
         )
         self.kv_usage = Gauge(

@@ -124,6 +124,15 @@ class WorkerRegistry:
                 w for w in self._workers.values() if w.record.role == role and w.last_seen >= cutoff
             ]
 
+    def silent(self, worker: Worker) -> bool:
+        """Whether `worker` has missed its heartbeats (the window after which it gets no
+        new requests), or left the registry."""
+        with self._lock:
+            known = self._workers.get(worker.worker_id)
+        if known is not worker:
+            return True
+        return self.clock() - worker.last_seen > self.config.alive_window_s
+
     def _routable(self, role: str) -> list[Worker]:
         """Alive and not suspect: the ones new requests may go to."""
         return [w for w in self.alive(role) if not w.suspect]

@@ -18,9 +18,10 @@ import time
 import grpc
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.handoff import Arrival, Handoff, Inflight
+from pdserve.router.handoff import Handoff, Inflight
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import WorkerRecord, WorkerRegistry, grpc_connect
+from pdserve.router.request import Arrival
 from pdserve.rpc import PROTOCOL_VERSION
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
@@ -119,6 +120,10 @@ class RouterService(rpc.RouterServicer):
         self._owners: dict[str, str] = {}  # request id -> who created it (Security.caller)
         self._owners_lock = threading.Lock()
         self.handoff = Handoff(config, self.registry, self.metrics, tokenizer, self.inflight)
+
+    def close(self) -> None:
+        """Stops the handoff's lease and stream-watch threads."""
+        self.handoff.close()
 
     @property
     def max_model_len(self) -> int:

@@ -65,10 +65,12 @@ class HealthResponse(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., role: _Optional[str] = ..., worker_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "unpushed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    UNPUSHED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    unpushed: bool
+    def __init__(self, request_id: _Optional[str] = ..., unpushed: _Optional[bool] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
@@ -91,7 +93,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "transfer_s", "ttft_s", "tpot_s", "e2e_s", "prefill_worker", "decode_worker", "arrival_unix", "end_unix")
+    __slots__ = ("queue_s", "prefill_s", "transfer_s", "ttft_s", "tpot_s", "e2e_s", "prefill_worker", "decode_worker", "arrival_unix", "end_unix", "resumes")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,7 @@ class Timings(_message.Message):
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_UNIX_FIELD_NUMBER: _ClassVar[int]
     END_UNIX_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     transfer_s: float
@@ -112,7 +115,8 @@ class Timings(_message.Message):
     decode_worker: str
     arrival_unix: float
     end_unix: float
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., arrival_unix: _Optional[float] = ..., end_unix: _Optional[float] = ...) -> None: ...
+    resumes: int
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., arrival_unix: _Optional[float] = ..., end_unix: _Optional[float] = ..., resumes: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "finished", "finish_reason", "timings", "text", "trace", "prompt_tokens")
@@ -197,32 +201,52 @@ class KVLayout(_message.Message):
     def __init__(self, wire_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., planes_per_layer: _Optional[int] = ..., region: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_s", "push_window_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    PUSH_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     lease_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    push_window_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., lease_s: _Optional[float] = ..., push_window_s: _Optional[float] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("block_ids", "layout", "agent_metadata", "worker_id", "cached_blocks", "headroom_cost_blocks")
+    __slots__ = ("block_ids", "layout", "agent_metadata", "worker_id", "cached_blocks", "headroom_cost_blocks", "fence")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HEADROOM_COST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     layout: KVLayout
     agent_metadata: bytes
     worker_id: str
     cached_blocks: int
     headroom_cost_blocks: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., headroom_cost_blocks: _Optional[int] = ...) -> None: ...
+    fence: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., headroom_cost_blocks: _Optional[int] = ..., fence: _Optional[int] = ...) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("request_id", "fence", "lease_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    fence: int
+    lease_s: float
+    def __init__(self, request_id: _Optional[str] = ..., fence: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class RenewResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class StartRequest(_message.Message):
     __slots__ = ("request_id", "first_token")
@@ -247,7 +271,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., tpot_s: _Optional[float] = ..., spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "dest_worker_id", "dest_block_ids", "dest_layout", "dest_agent_metadata", "dest_cached_blocks")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "dest_worker_id", "dest_block_ids", "dest_layout", "dest_agent_metadata", "dest_cached_blocks", "dest_fence")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +280,7 @@ class PrefillRequest(_message.Message):
     DEST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DEST_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     DEST_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEST_FENCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -264,7 +289,8 @@ class PrefillRequest(_message.Message):
     dest_layout: KVLayout
     dest_agent_metadata: bytes
     dest_cached_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., dest_worker_id: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., dest_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dest_agent_metadata: _Optional[bytes] = ..., dest_cached_blocks: _Optional[int] = ...) -> None: ...
+    dest_fence: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., dest_worker_id: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., dest_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dest_agent_metadata: _Optional[bytes] = ..., dest_cached_blocks: _Optional[int] = ..., dest_fence: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "queue_s", "prefill_s", "transfer_s", "transfer_bytes", "worker_id", "spans")

@@ -294,6 +294,11 @@ class DecodeStub:
                 request_serializer=pdserve__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pdserve__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/pdserve.v1.Decode/Renew',
+                request_serializer=pdserve__pb2.RenewRequest.SerializeToString,
+                response_deserializer=pdserve__pb2.RenewResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pdserve.v1.Decode/Health',
                 request_serializer=pdserve__pb2.Empty.SerializeToString,
@@ -322,6 +327,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """The router keeps a reservation alive while its prefill runs, so leases can be short.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -345,6 +357,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=pdserve__pb2.AbortRequest.FromString,
                     response_serializer=pdserve__pb2.AbortResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=pdserve__pb2.RenewRequest.FromString,
+                    response_serializer=pdserve__pb2.RenewResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -433,6 +450,33 @@ class Decode:
             '/pdserve.v1.Decode/Release',
             pdserve__pb2.AbortRequest.SerializeToString,
             pdserve__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/Renew',
+            pdserve__pb2.RenewRequest.SerializeToString,
+            pdserve__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,7 +5,7 @@ Each RPC has one of three doors, kept by one server interceptor (`AuthIntercepto
     OPEN     Health                                  anyone (probes, load balancers)
     CLIENT   Router.Generate, .Abort, .ListWorkers   an API key, when the router has keys
     CLUSTER  Router.Register, Decode.Reserve/.Start/ the cluster secret
-             .Release, Prefill.Prefill
+             .Release/.Renew, Prefill.Prefill
 
 The cluster secret opens every door (an operator, or a member). A door that is shut answers
 UNAUTHENTICATED when no credential or a wrong one was presented, PERMISSION_DENIED when a
@@ -51,6 +51,7 @@ DOORS: Mapping[str, str] = MappingProxyType(
         f"{_SERVICE}Decode/Reserve": CLUSTER,
         f"{_SERVICE}Decode/Start": CLUSTER,
         f"{_SERVICE}Decode/Release": CLUSTER,
+        f"{_SERVICE}Decode/Renew": CLUSTER,
         f"{_SERVICE}Decode/Health": OPEN,
         f"{_SERVICE}Prefill/Prefill": CLUSTER,
         f"{_SERVICE}Prefill/Health": OPEN,

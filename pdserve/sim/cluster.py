@@ -190,7 +190,10 @@ class ClusterSim:
             d = next(x for x in self.decodes if x.name == worker.worker_id)
             d.engine.clock.now = max(d.engine.clock.now, now)
             try:
-                reserved = d.state.reserve(rid, flight.prompt, flight.params, self.router.lease_s)
+                # the simulated router renews the lease until the push is done
+                reserved = d.state.reserve(
+                    rid, flight.prompt, flight.params, self.router.push_window_s
+                )
             except ReservationError:
                 self.registry.not_reserved(worker)
                 continue

@@ -1,0 +1,133 @@
+"""Reservations with fencing tokens and short, renewed leases (decode/reservations.py), on a
+real engine core's 8-block pool: exact block counts and check_integrity() after each step."""
+
+from __future__ import annotations
+
+import pytest
+
+from decode.config import DecodeConfig
+from decode.state import DecodeState
+from pdserve.engine.args import EngineArgs
+from pdserve.engine.build import build_engine
+from pdserve.sampling_params import SamplingParams
+from transfer import notification, parse_notification
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+PROMPT = list(range(1, 41))  # 40 tokens: 3 blocks of 16
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def books():
+    core, _ = build_engine("tiny-llama", EngineArgs(block_size=16, num_kv_blocks=8))
+    clock = Clock()
+    state = DecodeState(core, DecodeConfig("d", admission="greedy"), clock)
+    yield state, clock
+    core.close()
+
+
+def free(state: DecodeState) -> int:
+    state.check_integrity()
+    return state.stats().free_blocks
+
+
+def test_notifications_name_their_reservation_and_token():
+    assert parse_notification(notification("req-1", 7)) == ("req-1", 7)
+    assert parse_notification(notification("a#b", 12)) == ("a#b", 12)  # the last '#' counts
+    for bad in (b"req-1", b"req-1#", b"req-1#x", b"#", b""):
+        assert parse_notification(bad) is None
+
+
+def test_only_the_reservations_own_token_counts_as_its_arrival(books):
+    state, _ = books
+    a = state.reserve("a", PROMPT, GREEDY, lease_s=5, push_window_s=20)
+    b = state.reserve("b", PROMPT, GREEDY, lease_s=5, push_window_s=20)
+    assert (a.fence, b.fence) == (1, 2) and free(state) == 2
+    state.note_arrivals([notification("a", b.fence), notification("b", 99), b"a"])
+    assert state.reservations.pending_arrivals == 0
+    state.note_arrivals([notification("a", a.fence)])
+    assert state.reservations.take_arrival("a") and not state.reservations.take_arrival("b")
+    state.check_integrity()
+
+
+def test_a_reservation_released_before_its_push_is_fenced_until_the_push_is_over(books):
+    state, clock = books
+    r = state.reserve("r", PROMPT, GREEDY, lease_s=5, push_window_s=20)
+    assert free(state) == 5
+    assert state.release("r") == (True, None)
+    assert free(state) == 5 and state.reservations.fenced == 1  # the push may still land
+    state.expire()
+    assert free(state) == 5
+    # a new reservation of the same id gets a new token; the old push's note frees the fence
+    again = state.reserve("r", PROMPT, GREEDY, lease_s=5, push_window_s=20)
+    assert again.fence == r.fence + 1 and free(state) == 2
+    state.note_arrivals([notification("r", r.fence)])
+    assert state.reservations.pending_arrivals == 0  # not the new one's arrival
+    state.expire()
+    assert free(state) == 5 and state.reservations.fenced == 0
+    # with no note at all: fenced until the push window is over, then free
+    assert state.release("r") == (True, None)
+    assert free(state) == 5
+    clock.t += 19.9
+    state.expire()
+    assert free(state) == 5
+    clock.t += 0.2
+    state.expire()
+    assert free(state) == 8 and state.reservations.fenced == 0
+
+
+def test_an_arrived_or_unpushed_reservation_frees_at_once(books):
+    state, _ = books
+    r = state.reserve("r", PROMPT, GREEDY, lease_s=5, push_window_s=20)
+    state.note_arrivals([notification("r", r.fence)])
+    state.release("r")
+    assert free(state) == 8
+    state.reserve("s", PROMPT, GREEDY, lease_s=5, push_window_s=20)
+    state.release("s", unpushed=True)  # the prefill worker refused it before any WRITE
+    assert free(state) == 8 and state.reservations.fenced == 0
+    state.reserve("t", PROMPT, GREEDY, lease_s=5, push_window_s=20)
+    state.release("t")
+    assert free(state) == 5 and state.reservations.fenced == 1
+    assert state.release("t", unpushed=True) == (True, None)  # learnt later: no push came
+    assert free(state) == 8 and state.reservations.fenced == 0
+
+
+def test_renewed_leases_live_and_an_abandoned_one_expires_into_its_fence(books):
+    state, clock = books
+    r = state.reserve("r", PROMPT, GREEDY, lease_s=3, push_window_s=10)
+    for _ in range(4):  # renewed every second for 4 s: alive past its first 3 s
+        clock.t += 1
+        assert state.renew("r", r.fence, 3)
+        state.expire()
+        assert "r" in state.reservations
+    assert not state.renew("r", r.fence + 1, 3)  # another reservation's token
+    assert not state.renew("nope", r.fence, 3)
+    assert state.renew("r", r.fence, 0.5)  # never shortens
+    assert state.reservations.get("r").deadline == clock.t + 3  # from the last renewal
+    clock.t += 3.1  # the router stopped renewing (it died)
+    state.expire()
+    assert "r" not in state.reservations and state.reservations.fenced == 1
+    assert free(state) == 5
+    clock.t = 100 + 10.01  # the push window from Reserve is over
+    state.expire()
+    assert free(state) == 8
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), 1e12])
+def test_leases_and_windows_that_never_end_are_refused(books, bad):
+    state, _ = books
+    with pytest.raises(ValueError, match="lease_s"):
+        state.reserve("r", PROMPT, GREEDY, lease_s=bad)
+    with pytest.raises(ValueError, match="push_window_s"):
+        state.reserve("r", PROMPT, GREEDY, lease_s=5, push_window_s=bad)
+    r = state.reserve("r", PROMPT, GREEDY, lease_s=5)
+    with pytest.raises(ValueError, match="lease_s"):
+        state.renew("r", r.fence, bad)
+    assert free(state) == 5
