@@ -212,3 +212,42 @@ def test_a_prefill_past_its_deadline_pushes_nothing_and_the_blocks_stay_fenced()
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_peer_that_disconnects_mid_push_fails_that_batch_only():
+    """Issue 14's critical wedge: NIXL raises its own exception classes (not RuntimeError)
+    when a decode worker disconnects after its metadata was loaded ("postXferReq: remote
+    agent ... was disconnected after transfer request creation"); the prefill loop caught
+    only RuntimeError and friends, so the exception ended its thread: the worker stayed up,
+    heartbeated, and never completed another prompt. Now the post fails as TransferFailed
+    (ABORTED at the edge: retry with a new reservation) and the next prompt is served."""
+    from nixl_cu12._bindings import nixlRemoteDisconnectError
+
+    from transfer import TransferFailed
+
+    prefill = prefill_worker("tiny-llama", "p-disc", "nixl", EngineArgs(num_kv_blocks=16))
+    decode = decode_worker("tiny-llama", "d-disc", "nixl", EngineArgs(num_kv_blocks=16))
+    nixl = prefill.endpoint.agent._agent
+    post = nixl.transfer
+    try:
+
+        def disconnected(handle, *args, **kwargs):
+            raise nixlRemoteDisconnectError("remote agent 'd-disc' was disconnected")
+
+        nixl.transfer = disconnected
+        prompt = [5, 6, 7, 8, 9]
+        reserved = decode.reserve("gone", prompt, GREEDY, lease_s=30)
+        with pytest.raises(TransferFailed, match="disconnected"):
+            prefill.submit("gone", prompt, GREEDY, destination(decode, reserved)).result(30)
+        nixl.transfer = post  # the peer is back (or another one asks)
+        reserved = decode.reserve("next", prompt, GREEDY, lease_s=30)
+        result = prefill.submit("next", prompt, GREEDY, destination(decode, reserved)).result(30)
+        tokens, _ = drain(decode.start("next", result.first_token))
+        assert len(tokens) == GREEDY.max_tokens
+        assert decode.release("gone", unpushed=True)
+        decode.check_integrity()
+        prefill.check_integrity()
+    finally:
+        nixl.transfer = post
+        prefill.close()
+        decode.close()

@@ -18,6 +18,7 @@ and is used from several threads.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -44,6 +45,20 @@ BUSY_WINDOW_S = 1.0
 _STATES = MappingProxyType(
     {"DONE": XferState.DONE, "PROC": XferState.PENDING, "ERR": XferState.FAILED}
 )
+
+
+@contextlib.contextmanager
+def _refused(op: str):
+    """NIXL's own errors while posting (a peer that disconnected after its metadata was
+    loaded: `postXferReq: remote agent ... was disconnected`) are a failed transfer, which
+    the caller types (a prefill worker answers ABORTED: retry with a new reservation), not a
+    failure of this process."""
+    try:
+        yield
+    except TransferFailed:
+        raise
+    except Exception as e:  # noqa: BLE001 - nixl raises its own exception classes
+        raise TransferFailed(f"NIXL could not post the {op}: {e}") from e
 
 
 class NixlTransfer(Transfer):
@@ -168,17 +183,21 @@ class NixlAgent(TransferAgent):
             raise ValueError("empty descriptor list")
         local_descs = self._descs(self._regions, local, "local")
         remote_descs = self._descs(self._peers[peer], remote, "remote")
-        with self._lock:
+        with self._lock, _refused(op):
             handle = self._agent.initialize_xfer(op, local_descs, remote_descs, peer, notif)
         return self._start(handle, op)
 
     def _start(self, handle, op: str) -> Transfer:
         self._busy()
         with self._lock:
-            state = self._agent.transfer(handle)
-            if state == "ERR":
+            try:
+                with _refused(op):
+                    state = self._agent.transfer(handle)
+                if state == "ERR":
+                    raise TransferFailed(f"NIXL refused to post the {op}")
+            except TransferFailed:
                 self._agent.release_xfer_handle(handle)
-                raise TransferFailed(f"NIXL refused to post the {op}")
+                raise
         return NixlTransfer(self._agent, self._lock, handle, state)
 
     def write(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
@@ -203,7 +222,7 @@ class NixlAgent(TransferAgent):
 
     def write_tiles(self, peer, local: Tiles, local_idx, remote: Tiles, remote_idx, notif):
         check_tiles(local, local_idx, remote, remote_idx)
-        with self._lock:
+        with self._lock, _refused("WRITE"):
             handle = self._agent.make_prepped_xfer(
                 "WRITE",
                 local.handle,

@@ -140,11 +140,15 @@ class Handoff:
                 self._release_later(decode, rid, unpushed=True)
                 return Failure(_Code.CANCELLED, "aborted", "router")
             entry.worker, entry.worker_request_id = decode, rid
-        prefill = self.registry.pick_prefill(len(prompt))
-        if prefill is None:
-            self._release_attempt(entry, unpushed=True)
-            context.abort(_Code.UNAVAILABLE, "no prefill worker is registered")
         lease = self.leases.hold(decode, rid, reserved.fence)
+        prefill = self._pick_prefill(len(prompt), deadline, context)
+        if prefill is None:
+            self.leases.drop(lease)
+            self._release_attempt(entry, unpushed=True)
+            if not context.is_active():
+                return None
+            why = "is registered" if not self.registry.alive("prefill") else "answers"
+            context.abort(_Code.UNAVAILABLE, f"no prefill worker {why}")
         prefill_sent = now()
         # inside the push window the decode worker fences for, less what the Reserve took
         budget = self.config.prefill_timeout_s - (time.monotonic() - asked)
@@ -263,6 +267,16 @@ class Handoff:
                     f"{reason} (waited {self.config.queue_timeout_s}s)",
                 )
             pause = self._pause(pause)
+
+    def _pick_prefill(self, prompt_tokens: int, deadline: float, context) -> Worker | None:
+        """The prefill worker to use, waiting while every one is suspect (it did not answer
+        a call: until its next heartbeat) -> None at the deadline or when the client left."""
+        pause = self.config.reserve_retry_s[0]
+        while (worker := self.registry.pick_prefill(prompt_tokens)) is None:
+            if time.monotonic() > deadline or not context.is_active():
+                return None
+            pause = self._pause(pause)
+        return worker
 
     def _reserve(self, rid: str, prompt: list[int], sampling, deadline: float, context, run: Run):
         """Reserve blocks on the decode worker with the most headroom -> (worker, answer,
