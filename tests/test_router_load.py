@@ -1,0 +1,54 @@
+"""The router under many concurrent streams (launched 1P2D, real processes): streams must
+not starve heartbeats (the router used to drop every worker after 5 s at ~64 streams and
+answer "no decode worker is registered"), and past the queue bound the answer is
+RESOURCE_EXHAUSTED, nothing else."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from pdserve.client import Client, Overloaded, PdserveError
+from pdserve.launch import Cluster
+
+QUEUE = 200
+
+
+def burst(client: Client, n: int, max_tokens: int) -> tuple[list, list]:
+    """n requests released at once -> (results, errors)."""
+    gate = threading.Barrier(n)
+
+    def one(i: int):
+        gate.wait(timeout=60)
+        try:
+            return client.generate([3 + i % 97, 5, 7, 11], max_tokens=max_tokens, ignore_eos=True)
+        except PdserveError as e:
+            return e
+
+    with ThreadPoolExecutor(n) as pool:
+        out = list(pool.map(one, range(n)))
+    return [r for r in out if not isinstance(r, Exception)], [
+        e for e in out if isinstance(e, Exception)
+    ]
+
+
+def test_200_streams_are_served_and_more_are_refused_resource_exhausted_only():
+    with (
+        Cluster(
+            "tiny-llama",
+            1,
+            2,
+            worker_args=["--num-kv-blocks", "4096"],
+            router_args=["--max-queue", str(QUEUE)],
+        ) as c,
+        Client(c.address, security=c.security) as client,
+    ):
+        results, errors = burst(client, QUEUE, max_tokens=32)
+        assert not errors, f"{len(errors)} refused, e.g. {errors[:3]}"
+        assert all(len(r.token_ids) == 32 for r in results)
+        served_by = {r.timings["decode_worker"] for r in results}
+        assert len(served_by) == 2, served_by  # spread over both workers
+        results, errors = burst(client, QUEUE + 60, max_tokens=128)
+        assert all(isinstance(e, Overloaded) for e in errors), {type(e) for e in errors}
+        assert len(errors) == 60 and len(results) == QUEUE  # exactly those past the bound
+        assert all(len(r.token_ids) == 128 for r in results)
