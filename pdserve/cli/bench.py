@@ -76,6 +76,35 @@ def cmd_bench_fuzz(args: argparse.Namespace) -> int:
     return 0 if ok(report) else 1
 
 
+def cmd_bench_chaos(args: argparse.Namespace) -> int:
+    from pdserve.bench.chaos import bench_chaos, format_table, ok
+
+    report = bench_chaos(
+        args.model,
+        faults=tuple(args.faults),
+        requests=args.requests,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    print_report(report, format_table, args.json)
+    return 0 if ok(report) else 1
+
+
+def cmd_bench_soak(args: argparse.Namespace) -> int:
+    from pdserve.bench.chaos import bench_soak, format_table, ok
+
+    report = bench_soak(
+        args.model,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        kill_every=args.kill_every,
+        seed=args.seed,
+    )
+    print_report(report, format_table, args.json)
+    return 0 if ok(report) else 1
+
+
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
     from pdserve.bench.tiers import bench_tiers, format_table
 
@@ -216,6 +245,39 @@ def add_bench_parser(sub) -> None:
     fz.add_argument("--threads", type=int, default=8, help="calls in flight at once")
     fz.add_argument("--json", default=None)
     fz.set_defaults(func=cmd_bench_fuzz)
+
+    from pdserve.bench.faults import FAULT_HELP, FAULTS
+
+    ch = bench_sub.add_parser(
+        "chaos",
+        help="one fault at a time (kill, freeze, restart, cancel) under load on a launched "
+        "2P2D cluster: lost, hung, duplicated, leaked, equal to the fault-free run",
+    )
+    ch.add_argument("--model", default="tiny-llama")
+    ch.add_argument(
+        "--faults",
+        nargs="+",
+        choices=FAULTS,
+        default=list(FAULTS),
+        help="; ".join(f"{k}: {v}" for k, v in FAULT_HELP.items()),
+    )
+    ch.add_argument("--requests", type=int, default=24, help="per fault")
+    ch.add_argument("--concurrency", type=int, default=8)
+    ch.add_argument("--max-tokens", type=int, default=48)
+    ch.add_argument("--seed", type=int, default=0)
+    ch.add_argument("--json", default=None)
+    ch.set_defaults(func=cmd_bench_chaos)
+
+    so = bench_sub.add_parser(
+        "soak", help="many requests while workers are killed and restarted; RSS sampled"
+    )
+    so.add_argument("--model", default="tiny-llama")
+    so.add_argument("--requests", type=int, default=2000)
+    so.add_argument("--concurrency", type=int, default=16)
+    so.add_argument("--kill-every", type=int, default=200, help="requests between kills")
+    so.add_argument("--seed", type=int, default=0)
+    so.add_argument("--json", default=None)
+    so.set_defaults(func=cmd_bench_soak)
 
     ti = bench_sub.add_parser("tiers", help="spill/reload throughput per tier vs raw moves")
     ti.add_argument("--model", default=DEMO_MODEL)

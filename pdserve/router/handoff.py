@@ -152,7 +152,7 @@ class Handoff:
         prefill_sent = now()
         # inside the push window the decode worker fences for, less what the Reserve took
         budget = self.config.prefill_timeout_s - (time.monotonic() - asked)
-        watched = None
+        watched = []
         try:
             call = prefill.stub.Prefill.future(
                 pb.PrefillRequest(
@@ -168,20 +168,25 @@ class Handoff:
                 ),
                 timeout=max(0.001, budget),
             )
-            # a decode worker that goes silent meanwhile ends the wait (the watch cancels)
-            watched = self.watch.add(decode, call)
+            # either worker going silent meanwhile ends the wait (the watch cancels the call)
+            watched = [self.watch.add(decode, call), self.watch.add(prefill, call)]
             try:
                 done = call.result()
             finally:
-                self.watch.remove(watched)
-        except grpc.RpcError as e:
-            if watched is not None and watched.lost:
+                for w in watched:
+                    self.watch.remove(w)
+        except (grpc.RpcError, grpc.FutureCancelledError) as e:
+            # the watch cancelled the call: FutureCancelledError, which is no RpcError
+            if lost := [w.worker for w in watched if w.lost]:
                 self._release_attempt(entry)
                 return Failure(
                     _Code.UNAVAILABLE,
-                    f"decode worker {decode.worker_id} stopped heartbeating",
+                    f"{lost[0].record.role} worker {lost[0].worker_id} stopped heartbeating",
                     "prefill",
                 )
+            if not isinstance(e, grpc.RpcError):  # cancelled for the client's sake
+                self._release_attempt(entry)
+                return None
             code = e.code()
             # refused before anything was queued: no push can land, no fence needed
             self._release_attempt(entry, unpushed=code in _FINAL)

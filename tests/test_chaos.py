@@ -1,0 +1,52 @@
+"""bench chaos's books (pdserve/bench/chaos.py): how each request's ending is counted, and
+when a report fails. The benchmark itself launches clusters (docs/results/chaos.json); the
+same faults run as tests in tests/test_survival.py."""
+
+from __future__ import annotations
+
+from pdserve.bench.chaos import DEADLINE_S, Outcome, _metric, _summary, ok
+from pdserve.bench.faults import FAULT_HELP, FAULTS
+
+
+def test_every_ending_is_counted_once():
+    want = [[1, 2, 3]] * 7
+    outcomes = [
+        Outcome([1, 2, 3], {"resumes": 0}),  # completed, equal
+        Outcome([1, 2, 3], {"resumes": 2}),  # completed after two resumes
+        Outcome([1, 2, 4], {"resumes": 0}),  # completed, wrong tokens
+        Outcome([1], status="UNAVAILABLE"),  # failed, typed
+        Outcome([], status="DEADLINE_EXCEEDED", seconds=DEADLINE_S),  # hung
+        Outcome([1, 2], walked_away=True),  # the client left (the cancel fault)
+        Outcome([1, 2]),  # ended with neither a final message nor a status: lost
+    ]
+    row = _summary("x", outcomes, want, 3, 1.0, True)
+    assert (row["completed"], row["equal"], row["resumed"]) == (3, 2, 1)
+    assert row["failed"] == {"UNAVAILABLE": 1}
+    assert (row["hung"], row["lost"], row["walked_away"]) == (1, 1, 1)
+    assert row["duplicated_tokens"] == 0
+    row["leaked"] = {"blocks": 0, "spill_blocks": 0}
+    assert not ok({"benchmark": "soak", **row})  # hung, lost, a wrong output
+    clean = _summary("y", outcomes[:2] + outcomes[3:4], want, 3, 1.0, True)
+    clean["leaked"] = {"blocks": 0, "spill_blocks": 0}
+    assert ok({"benchmark": "soak", **clean})  # a typed failure is allowed
+    clean["leaked"] = {"blocks": 2, "spill_blocks": 0}
+    assert not ok({"benchmark": "soak", **clean})
+
+
+def test_metrics_are_read_per_series_or_summed():
+    text = (
+        "pdserve_decode_running 3.0\n"
+        "pdserve_decode_running_total 9.0\n"
+        'pdserve_decode_reservations{state="held"} 2.0\n'
+        'pdserve_decode_reservations{state="fenced"} 1.0\n'
+        'pdserve_decode_spill_used_blocks{tier="host"} 4.0\n'
+        'pdserve_decode_spill_used_blocks{tier="disk"} 1.0\n'
+    )
+    assert _metric(text, "pdserve_decode_running") == 3.0
+    assert _metric(text, 'pdserve_decode_reservations{state="fenced"}') == 1.0
+    assert _metric(text, "pdserve_decode_spill_used_blocks") == 5.0
+
+
+def test_every_fault_is_explained():
+    assert FAULTS[0] == "none" and set(FAULTS) == set(FAULT_HELP)
+    assert all(FAULT_HELP[f] for f in FAULTS)
