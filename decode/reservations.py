@@ -135,11 +135,10 @@ class Reservations:
             elif fence in self._fenced and self._fenced[fence].request.request_id == rid:
                 self._fenced_done.add(fence)
 
-    def take_arrival(self, request_id: str) -> bool:
-        if request_id in self._arrived:
-            self._arrived.discard(request_id)
-            return True
-        return False
+    def arrived(self, request_id: str) -> bool:
+        """Whether the push of this held reservation is in (kept until it starts or
+        ends: an end after the arrival frees the blocks at once)."""
+        return request_id in self._arrived
 
     @property
     def pending_arrivals(self) -> int:

@@ -72,12 +72,15 @@ class DecodeService(rpc.DecodeServicer):
                 worker.release(rid)
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "decode produced nothing")
             if isinstance(event, EndEvent):
+                last = [] if event.last_token is None else [event.last_token]
+                produced += len(last)
                 # decode-side TPOT: first token handed over -> last token, per later token
                 elapsed = time.monotonic() - stream.started
                 tpot = elapsed / (produced - 1) if produced > 1 else 0.0
                 if produced > 1:
                     worker.metrics.tpot.observe(tpot)
                 yield pb.TokenChunk(
+                    token_ids=last,
                     finished=True,
                     finish_reason=event.finish_reason,
                     tpot_s=tpot,

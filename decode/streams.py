@@ -1,8 +1,11 @@
 """A decode request's token stream: typed events from the step loop to the gRPC stream, and
 the spans it records for the request's trace.
 
-    TokenEvent(token)    one new token
-    EndEvent(reason)     the last event: "stop" | "length" | "abort"
+    TokenEvent(token)       one new token
+    EndEvent(reason, last)  the last event: "stop" | "length" | "abort", with the request's
+                            last token when the step that made it also ended the request
+                            (one message on the wire: a stream cut between the two would
+                            leave the router unable to tell that the request was over)
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class TokenEvent:
 @dataclass(frozen=True)
 class EndEvent:
     finish_reason: str
+    last_token: int | None = None
 
 
 StreamEvent = TokenEvent | EndEvent
@@ -41,9 +45,13 @@ class Stream:
 
     def token(self, token: int) -> float:
         """Hand a token to the stream -> seconds since the previous one."""
+        gap = self.token_gap()
+        self.events.put(TokenEvent(token))
+        return gap
+
+    def token_gap(self) -> float:
         t = time.monotonic()
         gap, self.last_token = t - self.last_token, t
-        self.events.put(TokenEvent(token))
         return gap
 
     def stepped(self, start: float, end: float) -> None:
@@ -55,10 +63,12 @@ class Stream:
             self.preempted_at = None
         self.spans.append(Span("decode.step", start, end, self.worker))
 
-    def end(self, finish_reason: str) -> None:
+    def end(self, finish_reason: str, last_token: int | None = None) -> None:
         t = now()
         if self.first_step is None:  # done at its first token: never stepped
             self.spans.append(Span("decode.admission", self.received, t, self.worker))
         else:
             self.spans.append(Span("decode.run", self.first_step, t, self.worker))
-        self.events.put(EndEvent(finish_reason))
+        if last_token is not None:
+            self.token_gap()
+        self.events.put(EndEvent(finish_reason, last_token))

@@ -17,6 +17,7 @@ request's stream (decode/streams.py), which the gRPC service drains.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 
@@ -33,6 +34,8 @@ from pdserve.serving.kv_pool import KVEndpoint, open_endpoint
 from pdserve.serving.registration import WorkerStats
 from pdserve.trace import now
 from transfer import TransferAgent
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DecodeWorker", "KVNotArrived", "ReservationError", "Reserved", "UnknownRequest"]
 
@@ -116,9 +119,10 @@ class DecodeWorker:
             )
             stream = Stream(self.worker_id, received=start_wall)
             self.streams[request_id] = stream
-            stream.token(first_token)
-            if done is not None:
-                self._close(done)
+            if done is not None:  # its first token ended it: one message with the end
+                self._close(done, last_token=first_token)
+            else:
+                stream.token(first_token)
         self._wake.set()
         return stream
 
@@ -154,7 +158,9 @@ class DecodeWorker:
         while True:
             with self.lock:
                 self._collect_notifications()
-                if self.reservations.take_arrival(request_id):
+                # looked at, not taken: state.start takes it under the same lock as the
+                # start, and a release in between still sees the push as arrived (not fenced)
+                if self.reservations.arrived(request_id):
                     return
                 if request_id not in self.reservations:
                     raise UnknownRequest(f"no reservation for {request_id!r} (expired or released)")
@@ -170,8 +176,15 @@ class DecodeWorker:
             self.state.note_arrivals(notes)
 
     def _run(self) -> None:
+        """The step loop outlives any one step's failure (logged; the loop waits a moment
+        before the next, so that a failure that repeats does not spin)."""
         while not self._stop.is_set():
-            if not self._step():
+            try:
+                stepped = self._step()
+            except Exception:  # noqa: BLE001 - one bad step must not stop every stream
+                log.exception("decode step failed")
+                stepped = False
+            if not stepped:
                 self._wake.wait(timeout=self.config.idle_wait_s)
                 self._wake.clear()
 
@@ -202,11 +215,18 @@ class DecodeWorker:
         for rid in out.preempted:  # preempted when the step was scheduled
             if (stream := self.streams.get(rid)) is not None:
                 stream.preempted_at = step_start
+        ending = {done.request_id for done in out.finished}
+        last: dict[str, int] = {}
         for new in out.tokens:
-            if (stream := self.streams.get(new.request_id)) is not None:
+            if new.request_id in ending:  # goes out with the end (decode/streams.py)
+                last[new.request_id] = new.token
+            elif (stream := self.streams.get(new.request_id)) is not None:
                 self.metrics.itl.observe(stream.token(new.token))
         for done in out.finished:
-            self._close(done)
+            token = last.get(done.request_id)
+            if token is not None and (stream := self.streams.get(done.request_id)) is not None:
+                self.metrics.itl.observe(time.monotonic() - stream.last_token)
+            self._close(done, token)
         self._account()
         self.metrics.account_policy(self.state.admission.inputs)
 
@@ -216,11 +236,11 @@ class DecodeWorker:
         last step while hundreds of blocks were reserved or freed since."""
         self.metrics.account(self.core.stats(), self.state.reservations)
 
-    def _close(self, done: FinishedRequest) -> None:
+    def _close(self, done: FinishedRequest, last_token: int | None = None) -> None:
         self.state.observe(done)
         stream = self.streams.pop(done.request_id, None)
         if stream is not None:
-            stream.end(done.finish_reason)
+            stream.end(done.finish_reason, last_token)
 
     def close(self) -> None:
         self._stop.set()

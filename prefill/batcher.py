@@ -24,9 +24,10 @@ class PrefillJob:
     request: Request
     dest: Destination
     done: Future = field(default_factory=Future)  # -> PrefillResult
-    # time.monotonic() past which nothing is computed or pushed for it (the caller's
-    # deadline: the decode side may reuse the blocks once the router's push window is over)
+    # time.monotonic(): the caller's deadline, by which every WRITE posted for it is complete
+    # or given up, and the last moment a WRITE may be posted (earlier: room for it to land)
     deadline: float = float("inf")
+    post_by: float = float("inf")
     enqueued: float = field(default_factory=time.monotonic)
     enqueued_wall: float = field(default_factory=now)
 

@@ -61,9 +61,11 @@ class PushTarget:
     src: np.ndarray  # our blocks, after the destination's cached ones
     dst: np.ndarray  # its blocks, the same count
     notif: bytes  # sent with the last layer's WRITE
-    # time.monotonic() after which no WRITE is posted for it: the decode worker may hand
-    # its blocks to someone else once the router's push window is over
-    deadline: float = float("inf")
+    # time.monotonic() after which no WRITE is posted for it, and by which every posted one
+    # is complete or given up: the decode worker may hand its blocks to someone else once
+    # the router's push window (which contains the caller's deadline) is over
+    post_by: float = float("inf")
+    done_by: float = float("inf")
 
     @property
     def runs(self) -> np.ndarray:
@@ -136,7 +138,7 @@ class BatchPush:
         posted = []
         t = time.monotonic()
         for i, (target, runs) in enumerate(zip(self.targets, self._runs)):
-            if i in self.abandoned or target.deadline <= t:
+            if i in self.abandoned or target.post_by <= t:
                 self.abandoned.add(i)
                 continue
             posted.append(
@@ -167,10 +169,13 @@ class BatchPush:
         return len(self._done_at) == len(self._posted)
 
     def wait(self, timeout_s: float, poll_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
+        """Until every posted WRITE is complete: at most `timeout_s`, and never past the
+        `done_by` of a request that has WRITEs in flight (raises TransferFailed)."""
+        posted = [t.done_by for i, t in enumerate(self.targets) if i not in self.abandoned]
+        deadline = min([time.monotonic() + timeout_s, *posted])
         while not self.poll():
             if time.monotonic() > deadline:
-                raise TransferFailed(f"KV push not complete after {timeout_s}s")
+                raise TransferFailed("KV push not complete by its deadline")
             time.sleep(poll_s)
 
     def spans(self) -> list[Span]:

@@ -1,6 +1,7 @@
 """The prefill worker's gRPC face: Prefill (returns after the KV push), Health.
 
-Prefill's failures, typed for the router: INVALID_ARGUMENT (never servable),
+Prefill's failures, typed for the router: INVALID_ARGUMENT (never servable: refused before
+it was queued, so nothing was pushed),
 FAILED_PRECONDITION (the pair's KV layouts differ), DEADLINE_EXCEEDED (the caller's deadline
 passed: nothing is pushed after it), ABORTED (the push into the decode worker failed: retry
 with a new reservation, perhaps elsewhere), UNAVAILABLE (this worker failed: another may
@@ -59,8 +60,8 @@ class PrefillService(rpc.PrefillServicer):
             context.abort(grpc.StatusCode.ABORTED, f"KV push failed: {e}")
         except (PrefillDeadline, TimeoutError) as e:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill did not finish in time: {e}")
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ValueError as e:  # raised by the batch, after it was queued: not the input's
+            context.abort(grpc.StatusCode.ABORTED, f"prefill failed: {e}")
         except Exception as e:  # the worker's own failure: another worker may succeed
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill failed: {e}")
         return pb.PrefillResponse(

@@ -101,7 +101,10 @@ class PrefillWorker:
                 f"dest_cached_blocks: {dest.cached_blocks} of {len(dest.block_ids)} blocks "
                 "(the last block is always pushed)"
             )
-        job = PrefillJob(req, dest, deadline=deadline)
+        # a WRITE posted at post_by has until the deadline to land (a quarter of the time
+        # given, at most push_timeout_s)
+        drain = min(self.config.push_timeout_s, 0.25 * max(0.0, deadline - time.monotonic()))
+        job = PrefillJob(req, dest, deadline=deadline, post_by=deadline - drain)
         with self.lock:
             self.queued_tokens += len(prompt)
             self.metrics.queued_tokens.set(self.queued_tokens)
@@ -126,14 +129,23 @@ class PrefillWorker:
 
     # -- the loop -------------------------------------------------------------------------
     def _run(self) -> None:
+        """The loop outlives any one batch: a loop that died with one (the first wave's
+        did, on an exception class it did not expect) left a worker that heartbeated and
+        never completed another prompt."""
         while (batch := self.batcher.next_batch()) is not None:
-            self._prefill(batch)
+            try:
+                self._prefill(batch)
+            except Exception as e:  # noqa: BLE001 - fail the batch, keep the worker
+                log.exception("the prefill loop caught a failure of a batch of %d", len(batch))
+                for job in batch:
+                    if not job.done.done():
+                        job.done.set_exception(e)
 
     def _late(self, batch: list[PrefillJob]) -> list[PrefillJob]:
         """Fail the jobs whose deadline passed while they queued -> the others."""
         t, kept = time.monotonic(), []
         for job in batch:
-            if job.deadline > t:
+            if job.post_by > t:
                 kept.append(job)
                 continue
             self._dequeued([job])
@@ -204,7 +216,7 @@ class PrefillWorker:
                     job.done.set_exception(e)
         finally:
             if push is not None:
-                push.release()
+                push.release()  # never raises (transfer/nixl_backend.py)
             for job in runnable:  # COMPUTED -> FREE (computed blocks stay in the prefix cache)
                 self.core.release(job.request)
 
@@ -218,7 +230,8 @@ class PrefillWorker:
             src=np.asarray(job.request.block_ids[skip : len(dest.block_ids)]),
             dst=np.asarray(dest.block_ids[skip:]),
             notif=notification(job.request.request_id, dest.fence),
-            deadline=job.deadline,
+            post_by=job.post_by,
+            done_by=job.deadline,
         )
 
     def _peer(self, dest: Destination) -> tuple[str, Tiles]:

@@ -53,7 +53,7 @@ def test_only_the_reservations_own_token_counts_as_its_arrival(books):
     state.note_arrivals([notification("a", b.fence), notification("b", 99), b"a"])
     assert state.reservations.pending_arrivals == 0
     state.note_arrivals([notification("a", a.fence)])
-    assert state.reservations.take_arrival("a") and not state.reservations.take_arrival("b")
+    assert state.reservations.arrived("a") and not state.reservations.arrived("b")
     state.check_integrity()
 
 

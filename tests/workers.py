@@ -44,4 +44,6 @@ def drain(stream: Stream, timeout_s: float = 30.0) -> tuple[list[int], str]:
     tokens = []
     while not isinstance(event := stream.events.get(timeout=timeout_s), EndEvent):
         tokens.append(event.token)
+    if event.last_token is not None:  # the token that ended it comes with the end
+        tokens.append(event.last_token)
     return tokens, event.finish_reason

@@ -72,12 +72,15 @@ class NixlTransfer(Transfer):
     def state(self) -> XferState:
         if self._state is XferState.PENDING:
             with self._lock:
-                self._state = _STATES[self._agent.check_xfer_state(self._handle)]
+                try:
+                    self._state = _STATES[self._agent.check_xfer_state(self._handle)]
+                except Exception:  # noqa: BLE001 - nixl's own classes: the peer went away
+                    self._state = XferState.FAILED
         return self._state
 
     def release(self) -> None:
         if not self._released:
-            with self._lock:
+            with self._lock, contextlib.suppress(Exception):  # a gone peer's, too
                 self._agent.release_xfer_handle(self._handle)
             self._released = True
 

@@ -7,6 +7,7 @@ handoff.py   one request's way through: reserve -> prefill -> start -> stream, r
 request.py   one request as its client sees it across attempts; its final message
 leases.py    renewing the reservations whose prefill is running (short leases)
 watch.py     cancelling the streams of workers that stopped heartbeating
+periodic.py  the thread both of them tick on
 service.py   the gRPC service (Generate, Abort, Register, ListWorkers, Health)
 metrics.py   its Prometheus metrics
 """

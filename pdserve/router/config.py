@@ -52,6 +52,11 @@ class RouterConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        # a decode worker refuses leases and push windows beyond an hour (decode/state.py):
+        # a router configured past it would have every request refused INVALID_ARGUMENT
+        for name in ("lease_s", "push_window_s"):
+            if getattr(self, name) > 3600:
+                raise ValueError(f"{name}: at most 3600 s, got {getattr(self, name)}")
         first, longest = self.reserve_retry_s
         if not 0 < first <= longest:
             raise ValueError(

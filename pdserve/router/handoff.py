@@ -13,14 +13,15 @@ if it is gone, its lease returns them.
 Survival: when the decode worker streaming a request dies (its stream fails), goes silent
 (pdserve/router/watch.py cancels the stream) or loses the reservation, or when the prefill
 fails for any reason a retry can fix, the request is resumed: a new reservation on the
-worker with the most room (the failed one is suspect: skipped until it heartbeats again),
-whose prompt is the original prompt plus every token already sent to the client, and whose
-max_tokens is what is left. Its prefill recomputes that context; the first token it
+worker with the most room (one that did not answer is suspect: skipped until it heartbeats
+again), whose prompt is the original prompt plus every token already sent to the client,
+and whose max_tokens is what is left. Its prefill recomputes that context; the first token it
 samples is the next token of the client's stream, so no token is lost or repeated. Greedy
 requests continue exactly as they would have; a seeded sampled request continues with a
 valid sample that is not the one an unbroken run would have drawn. Each resumed attempt uses
 its own id on the workers (`ID~rN`), so a frozen worker that wakes up cannot confuse them.
-After RouterConfig.max_resumes resumes the request fails with the last failure's status.
+After RouterConfig.max_resumes resumes the request fails UNAVAILABLE (RESOURCE_EXHAUSTED when
+the last failure was no room), naming the last failure.
 """
 
 from __future__ import annotations
@@ -52,6 +53,19 @@ _INTERNAL_REFUSALS = (_Code.UNAUTHENTICATED, _Code.PERMISSION_DENIED)
 _FINAL = (_Code.INVALID_ARGUMENT, _Code.FAILED_PRECONDITION, *_INTERNAL_REFUSALS)
 # the worker did not answer (in time, or at all): suspect until it heartbeats again
 _SILENT = (_Code.DEADLINE_EXCEEDED, _Code.UNAVAILABLE)
+# statuses a client is given as they are when resumes run out (the others: UNAVAILABLE)
+_CLIENT_CODES = (_Code.RESOURCE_EXHAUSTED, _Code.UNAVAILABLE)
+# a call on a channel the registry closed (the worker re-registered elsewhere, or was
+# forgotten) raises ValueError instead of an RpcError
+_CALL_ERRORS = (grpc.RpcError, ValueError)
+
+
+def _code(e: Exception) -> grpc.StatusCode:
+    return e.code() if isinstance(e, grpc.RpcError) else _Code.UNAVAILABLE
+
+
+def _details(e: Exception) -> str:
+    return (e.details() if isinstance(e, grpc.RpcError) else str(e)) or ""
 
 
 def _to_client(code: grpc.StatusCode) -> grpc.StatusCode:
@@ -68,6 +82,7 @@ class Inflight:
     worker: Worker | None = None
     worker_request_id: str = ""
     released: bool = False  # aborted or cancelled: never resumed
+    call: grpc.Future | None = None  # the Prefill call on its way, cancelled on release
 
 
 class Handoff:
@@ -83,10 +98,10 @@ class Handoff:
         self.tokenizer = tokenizer
         self.inflight = inflight  # request id -> its entry (shared with Abort)
         self._lock = threading.Lock()  # every check-and-change of `inflight` and entries
-        self.leases = LeaseKeeper(config.lease_s)
+        self.leases = LeaseKeeper(config.lease_s, skip=lambda w: w.suspect or registry.silent(w))
         self.watch = StreamWatch(registry, config.heartbeat_s)
         # releases of failed attempts: a frozen worker must not delay the resume
-        self._releases = ThreadPoolExecutor(max_workers=2, thread_name_prefix="router-release")
+        self._releases = ThreadPoolExecutor(max_workers=8, thread_name_prefix="router-release")
 
     def close(self) -> None:
         self.leases.close()
@@ -116,12 +131,15 @@ class Handoff:
                     return
                 if entry.released:
                     continue
-                self.metrics.resumes.labels(failure.stage).inc()
                 if run.resumes >= self.config.max_resumes:
+                    # what the workers said is theirs (NOT_FOUND, ABORTED, ...): the client
+                    # is told no worker could serve it now
+                    code = failure.code if failure.code in _CLIENT_CODES else _Code.UNAVAILABLE
                     context.abort(
-                        _to_client(failure.code),
+                        code,
                         f"{failure.stage} failed: {failure.details} (after {run.resumes} resumes)",
                     )
+                self.metrics.resumes.labels(failure.stage).inc()
                 run.resumes += 1
                 run.failed_at = now()
         finally:
@@ -134,19 +152,24 @@ class Handoff:
         prompt = run.context
         sampling = run.remaining()
         deadline = time.monotonic() + self.config.queue_timeout_s
-        decode, reserved, asked = self._reserve(rid, prompt, sampling, deadline, context, run)
+        got = self._reserve(rid, prompt, sampling, deadline, context, run, entry)
+        if got is None:  # aborted while waiting for room
+            return Failure(_Code.CANCELLED, "aborted", "router")
+        decode, reserved, asked = got
         with self._lock:
             if entry.released:  # aborted while we reserved
                 self._release_later(decode, rid, unpushed=True)
                 return Failure(_Code.CANCELLED, "aborted", "router")
             entry.worker, entry.worker_request_id = decode, rid
         lease = self.leases.hold(decode, rid, reserved.fence)
-        prefill = self._pick_prefill(len(prompt), deadline, context)
+        prefill = self._pick_prefill(len(prompt), deadline, context, entry)
         if prefill is None:
             self.leases.drop(lease)
             self._release_attempt(entry, unpushed=True)
             if not context.is_active():
                 return None
+            if entry.released:
+                return Failure(_Code.CANCELLED, "aborted", "router")
             why = "is registered" if not self.registry.alive("prefill") else "answers"
             context.abort(_Code.UNAVAILABLE, f"no prefill worker {why}")
         prefill_sent = now()
@@ -168,6 +191,11 @@ class Handoff:
                 ),
                 timeout=max(0.001, budget),
             )
+            with self._lock:
+                entry.call = call  # an abort or a client gone cancels it
+                cancelled = entry.released
+            if cancelled:
+                call.cancel()
             # either worker going silent meanwhile ends the wait (the watch cancels the call)
             watched = [self.watch.add(decode, call), self.watch.add(prefill, call)]
             try:
@@ -175,8 +203,8 @@ class Handoff:
             finally:
                 for w in watched:
                     self.watch.remove(w)
-        except (grpc.RpcError, grpc.FutureCancelledError) as e:
-            # the watch cancelled the call: FutureCancelledError, which is no RpcError
+        except (*_CALL_ERRORS, grpc.FutureCancelledError) as e:
+            # a cancelled call raises FutureCancelledError, which is no RpcError
             if lost := [w.worker for w in watched if w.lost]:
                 self._release_attempt(entry)
                 return Failure(
@@ -184,28 +212,36 @@ class Handoff:
                     f"{lost[0].record.role} worker {lost[0].worker_id} stopped heartbeating",
                     "prefill",
                 )
-            if not isinstance(e, grpc.RpcError):  # cancelled for the client's sake
+            if isinstance(e, grpc.FutureCancelledError):  # aborted, or the client left
                 self._release_attempt(entry)
-                return None
-            code = e.code()
+                return Failure(_Code.CANCELLED, "aborted", "router")
+            code = _code(e)
             # refused before anything was queued: no push can land, no fence needed
             self._release_attempt(entry, unpushed=code in _FINAL)
             if code in _FINAL or not context.is_active():
-                context.abort(_to_client(code), f"prefill failed: {e.details()}")
+                context.abort(_to_client(code), f"prefill failed: {_details(e)}")
             if code in _SILENT:
                 self.registry.suspect(prefill)
-            return Failure(code, e.details() or "", "prefill")
+            return Failure(code, _details(e), "prefill")
         finally:
             self.leases.drop(lease)
+            with self._lock:
+                entry.call = None
         return (yield from self._stream(run, entry, context, decode, done, prefill_sent))
 
     def _stream(self, run: Run, entry: Inflight, context, decode: Worker, done, prefill_sent):
         rid = run.arrival.request_id
         prefill_back = start_sent = now()
-        stream = decode.stub.Start(
-            pb.StartRequest(request_id=entry.worker_request_id, first_token=done.first_token),
-            timeout=self.config.stream_timeout_s,
-        )
+        if entry.released:  # aborted while its prefill ran
+            return Failure(_Code.CANCELLED, "aborted", "router")
+        try:
+            stream = decode.stub.Start(
+                pb.StartRequest(request_id=entry.worker_request_id, first_token=done.first_token),
+                timeout=self.config.stream_timeout_s,
+            )
+        except ValueError as e:  # its channel was closed: the worker is gone
+            self._release_attempt(entry)
+            return Failure(_Code.UNAVAILABLE, str(e), "decode")
         context.add_callback(stream.cancel)
         watched = self.watch.add(decode, stream)
         try:
@@ -273,22 +309,30 @@ class Handoff:
                 )
             pause = self._pause(pause)
 
-    def _pick_prefill(self, prompt_tokens: int, deadline: float, context) -> Worker | None:
+    def _pick_prefill(
+        self, prompt_tokens: int, deadline: float, context, entry: Inflight
+    ) -> Worker | None:
         """The prefill worker to use, waiting while every one is suspect (it did not answer
-        a call: until its next heartbeat) -> None at the deadline or when the client left."""
+        a call: until its next heartbeat) -> None at the deadline, or when the client left
+        or aborted."""
         pause = self.config.reserve_retry_s[0]
         while (worker := self.registry.pick_prefill(prompt_tokens)) is None:
-            if time.monotonic() > deadline or not context.is_active():
+            if time.monotonic() > deadline or not context.is_active() or entry.released:
                 return None
             pause = self._pause(pause)
         return worker
 
-    def _reserve(self, rid: str, prompt: list[int], sampling, deadline: float, context, run: Run):
+    def _reserve(
+        self, rid: str, prompt: list[int], sampling, deadline: float, context, run: Run, entry
+    ):
         """Reserve blocks on the decode worker with the most headroom -> (worker, answer,
-        time.monotonic() when the successful call was sent). The first attempt records
+        time.monotonic() when the successful call was sent), None when the request was
+        aborted meanwhile. The first attempt records
         router.queue (arrival -> that call) and decode.reserve (the call)."""
         pause = self.config.reserve_retry_s[0]
         while True:
+            if entry.released:
+                return None
             tried: set[str] = set()
             while (worker := self.registry.pick_decode(tried)) is not None:
                 tried.add(worker.worker_id)
@@ -304,17 +348,18 @@ class Handoff:
                         ),
                         timeout=self.config.reserve_rpc_timeout_s,
                     )
-                except grpc.RpcError as e:
+                except _CALL_ERRORS as e:
                     self.registry.not_reserved(worker)
-                    if e.code() == _Code.INVALID_ARGUMENT:
-                        context.abort(_Code.INVALID_ARGUMENT, e.details())
-                    if e.code() in _INTERNAL_REFUSALS:
+                    code = _code(e)
+                    if code == _Code.INVALID_ARGUMENT:
+                        context.abort(_Code.INVALID_ARGUMENT, _details(e))
+                    if code in _INTERNAL_REFUSALS:
                         context.abort(
                             _Code.UNAVAILABLE,
                             f"decode worker {worker.worker_id} refused the router's "
-                            f"credentials ({e.code().name}): is the cluster secret the same?",
+                            f"credentials ({code.name}): is the cluster secret the same?",
                         )
-                    if e.code() in _SILENT:
+                    if code in _SILENT:
                         # no answer in time, or none at all: the next worker, and this one
                         # gets nothing new until it heartbeats again (a frozen worker got
                         # request after request, each failing after the timeout)
@@ -349,8 +394,8 @@ class Handoff:
                     pb.AbortRequest(request_id=worker_request_id, unpushed=unpushed),
                     timeout=self.config.release_rpc_timeout_s,
                 )
-            except grpc.RpcError as e:
-                if e.code() in _SILENT:
+            except _CALL_ERRORS as e:
+                if _code(e) in _SILENT:
                     self.registry.suspect(worker)
 
         self._releases.submit(release)
@@ -381,10 +426,12 @@ class Handoff:
             return False
         with self._lock:
             removed.released = True
-            worker, wrid = removed.worker, removed.worker_request_id
+            worker, wrid, call = removed.worker, removed.worker_request_id, removed.call
+        if call is not None:
+            call.cancel()
         if worker is not None:
             # if the worker is gone, its lease returns the blocks
-            with contextlib.suppress(grpc.RpcError):
+            with contextlib.suppress(*_CALL_ERRORS):
                 worker.stub.Release(
                     pb.AbortRequest(request_id=wrid), timeout=self.config.release_rpc_timeout_s
                 )

@@ -6,17 +6,21 @@ a lease, from one thread, until the request starts or ends: a router that dies s
 renewing, and its reservations give their blocks back within one lease (they used to be held
 for the whole prefill timeout plus a minute). A renewal that finds the reservation gone, or
 a worker that does not answer, changes nothing here: the Start that follows fails and the
-request is tried again (pdserve/router/handoff.py).
+request is tried again (pdserve/router/handoff.py). The renewals of one round go out at
+once and are waited for together, and workers that have stopped answering are skipped, so
+one frozen worker cannot make the round outlast the leases of the others.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
+from pdserve.router.periodic import Periodic
 from pdserve.router.registry import Worker
 from pdserve.rpc import pdserve_pb2 as pb
 
@@ -29,14 +33,15 @@ class Lease:
 
 
 class LeaseKeeper:
-    def __init__(self, lease_s: float) -> None:
+    def __init__(
+        self, lease_s: float, skip: Callable[[Worker], bool] = lambda worker: False
+    ) -> None:
         self.lease_s = lease_s
+        self.skip = skip  # workers not worth asking (suspect or silent)
         self.period_s = lease_s / 3
         self._held: set[Lease] = set()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="router-leases", daemon=True)
-        self._thread.start()
+        self._ticker = Periodic("router-leases", self.period_s, self.renew_all)
 
     def hold(self, worker: Worker, request_id: str, fence: int) -> Lease:
         lease = Lease(worker, request_id, fence)
@@ -52,24 +57,24 @@ class LeaseKeeper:
         with self._lock:
             return len(self._held)
 
-    def renew_all(self) -> None:
+    def renew_all(self) -> int:
+        """One round -> how many renewals were sent."""
         with self._lock:
-            held = list(self._held)
+            held = [lease for lease in self._held if lease.worker.stub is not None]
+        calls = []
         for lease in held:
-            if lease.worker.stub is None:
+            if self.skip(lease.worker):
                 continue
-            with contextlib.suppress(grpc.RpcError):
-                lease.worker.stub.Renew(
-                    pb.RenewRequest(
-                        request_id=lease.request_id, fence=lease.fence, lease_s=self.lease_s
-                    ),
-                    timeout=self.period_s,
-                )
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            self.renew_all()
+            request = pb.RenewRequest(
+                request_id=lease.request_id, fence=lease.fence, lease_s=self.lease_s
+            )
+            # a channel the registry closed raises ValueError
+            with contextlib.suppress(grpc.RpcError, ValueError):
+                calls.append(lease.worker.stub.Renew.future(request, timeout=self.period_s))
+        for call in calls:  # each has its own deadline: this waits one period at most
+            with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError):
+                call.result()
+        return len(calls)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self.period_s + 1)
+        self._ticker.close()

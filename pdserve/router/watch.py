@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.router.periodic import Periodic
 from pdserve.router.registry import Worker, WorkerRegistry
 
 
 @dataclass(eq=False)
 class Watched:
     worker: Worker
-    call: grpc.Future  # the Start stream (cancel() ends it with CANCELLED)
+    call: grpc.Future  # a Start stream or a Prefill future: cancel() ends it
     lost: bool = False  # cancelled here: its worker went silent
 
 
@@ -31,9 +32,7 @@ class StreamWatch:
         self.period_s = period_s
         self._watched: set[Watched] = set()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="router-watch", daemon=True)
-        self._thread.start()
+        self._ticker = Periodic("router-watch", period_s, self.check)
 
     def add(self, worker: Worker, call) -> Watched:
         watched = Watched(worker, call)
@@ -55,10 +54,5 @@ class StreamWatch:
             w.call.cancel()
         return len(lost)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            self.check()
-
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self.period_s + 1)
+        self._ticker.close()
