@@ -14,7 +14,10 @@ at a time hits it, then the checks a user would make:
     rss_mib     every process's resident memory at the end of the phase
 
 Faults (FAULTS): none, decode-kill / decode-stop (the decode worker running the most
-requests, mid-stream; a stopped one gets SIGCONT after STOP_S), prefill-kill / prefill-stop,
+requests; a stopped one gets SIGCONT after STOP_S), prefill-kill / prefill-stop (the one
+with the most queued tokens); each of these four strikes twice, at the `handoff` moment
+(the first request is on its way: Reserve, prefill and push running) and at `streaming`
+(half of the concurrent streams have their first token),
 router-restart (SIGKILL; the supervisor starts it again on its port), cancel (clients walk
 away from half of the streams mid-way), black-hole (a fake decode worker that accepts
 connections and never answers registers with the cluster's credentials). Killed processes
@@ -48,6 +51,7 @@ from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving import auth
 
+MOMENTS = ("handoff", "streaming")  # when a worker fault strikes (_due)
 DEADLINE_S = 120.0  # a request with no answer by then is hung
 SETTLE_S = 45.0  # after a phase, the pools must be whole within this
 # the router's prefill timeout for the chaos cluster: fences of pushes that a killed
@@ -86,11 +90,14 @@ class Load:
     def __init__(self, cluster, max_tokens: int) -> None:
         self.cluster, self.max_tokens = cluster, max_tokens
         self.started = 0
+        self.sent = 0  # requests on their way (the handoff moment strikes at the first)
         self._lock = threading.Lock()
 
     def one(self, prompt: list[int], walk_away_after: int = 0) -> Outcome:
         out, t0 = Outcome(), time.monotonic()
         params = dict(max_tokens=self.max_tokens, temperature=0, ignore_eos=True)
+        with self._lock:
+            self.sent += 1
         with auth.channel(self.cluster.address, self.cluster.security) as channel:
             call = rpc.RouterStub(channel).Generate(
                 build_request(prompt, params), timeout=DEADLINE_S
@@ -255,7 +262,17 @@ def inject(fault: str, cluster, supervisor) -> tuple[Callable[[], None] | None, 
     return (lambda: os.kill(pid, signal.SIGCONT)), f"{name} SIGSTOPped for {STOP_S:g} s"
 
 
-def run_phase(fault, cluster, supervisor, prompt_set, expected, concurrency, max_tokens):
+def _due(moment: str, load: Load, concurrency: int) -> bool:
+    """handoff: as soon as the first request is on its way (its Reserve, prefill and push
+    are running); streaming: once half of the concurrent streams have their first token."""
+    if moment == "handoff":
+        return load.sent >= 1
+    return load.started >= max(1, concurrency // 2)
+
+
+def run_phase(
+    fault, cluster, supervisor, prompt_set, expected, concurrency, max_tokens, moment="streaming"
+):
     load = Load(cluster, max_tokens)
     walk = max(1, max_tokens // 3) if fault == "cancel" else 0
     started = time.monotonic()
@@ -268,7 +285,7 @@ def run_phase(fault, cluster, supervisor, prompt_set, expected, concurrency, max
         struck, note = False, ""
         while not all(f.done() for f in futures):
             supervisor.step()
-            if not struck and load.started >= max(1, concurrency // 2):
+            if not struck and _due(moment, load, concurrency):
                 (undo, note), struck = inject(fault, cluster, supervisor), True
                 undo_at = time.monotonic() + STOP_S
             if undo is not None and time.monotonic() >= undo_at:
@@ -280,7 +297,7 @@ def run_phase(fault, cluster, supervisor, prompt_set, expected, concurrency, max
         outcomes = [f.result() for f in futures]
     wall = time.monotonic() - started
     row = _summary(fault, outcomes, expected, max_tokens, wall, struck)
-    row["note"] = note
+    row.update(note=note, moment=moment)
     return row
 
 
@@ -342,11 +359,17 @@ def bench_chaos(
     started = time.monotonic()
     with _cluster(model, num_kv_blocks) as cluster:
         supervisor = Supervisor(cluster, log=lambda line: None)
-        for fault in progress(faults, desc="bench chaos", unit="fault"):
+        # a worker fault strikes once at each moment; the others once, mid-stream
+        plan = [
+            (fault, moment)
+            for fault in faults
+            for moment in (MOMENTS if fault.split("-")[0] in ("decode", "prefill") else MOMENTS[1:])
+        ]
+        for fault, moment in progress(plan, desc="bench chaos", unit="fault"):
             if not whole(cluster, supervisor, 2, 2, 180):
                 raise RuntimeError(f"the cluster did not come back whole before {fault}")
             row = run_phase(
-                fault, cluster, supervisor, prompt_set, expected, concurrency, max_tokens
+                fault, cluster, supervisor, prompt_set, expected, concurrency, max_tokens, moment
             )
             whole(cluster, supervisor, 2, 2, 180)
             row["leaked"] = leaks(cluster, supervisor, SETTLE_S)
@@ -469,14 +492,17 @@ def format_table(report: dict) -> str:
     lines = [
         f"pdserve bench {report['benchmark']}: {report['model']}, seed {report['seed']}, "
         f"{report.get('topology', '2 prefill + 2 decode, supervised')}",
-        f"{'fault':<15} {'reqs':>5} {'done':>5} {'equal':>5} {'resumed':>7} {'failed':<22} "
+        f"{'fault':<21} {'reqs':>5} {'done':>5} {'equal':>5} {'resumed':>7} {'failed':<22} "
         f"{'hung':>4} {'lost':>4} {'dup':>4} {'leaked blk/spill':>16} {'s':>6}",
     ]
     for r in rows:
         failed = ", ".join(f"{k} {v}" for k, v in r["failed"].items()) or "-"
         leaked = f"{r['leaked']['blocks']}/{r['leaked']['spill_blocks']}"
+        name = (
+            r["fault"] if r.get("moment", "streaming") == "streaming" else f"{r['fault']}@handoff"
+        )
         lines.append(
-            f"{r['fault']:<15} {r['requests']:>5} {r['completed']:>5} {r['equal']:>5} "
+            f"{name:<21} {r['requests']:>5} {r['completed']:>5} {r['equal']:>5} "
             f"{r['resumed']:>7} {failed:<22} {r['hung']:>4} {r['lost']:>4} "
             f"{r['duplicated_tokens']:>4} {leaked:>16} {r['wall_s']:>6.1f}"
         )
