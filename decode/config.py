@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from decode.admission import ADMISSION
+from pdserve.failpoints import NO_FAILPOINTS, Failpoints
 
 # What a decode worker runs when given no policy flags (`--policy default` in bench sweep):
 # cost-aware admission over the full tiers (decode/admission.py, docs/capacity-trap.md).
@@ -26,6 +27,7 @@ class DecodeConfig:
     # holds, is ended DEADLINE_EXCEEDED (one waiting for room to run is alive)
     stream_idle_s: float = 60.0
     idle_wait_s: float = 0.05  # the step loop's sleep when nothing runs (woken on Start)
+    failpoints: Failpoints = NO_FAILPOINTS  # decode.reserve, decode.stream (pdserve/failpoints.py)
 
     def __post_init__(self) -> None:
         ADMISSION.check(self.admission)

@@ -15,6 +15,8 @@ from pdserve.serving.convert import sampling_from_proto, spans_to_proto
 from pdserve.serving.kv_pool import layout_to_proto
 from pdserve.serving.server import health
 
+STREAM_FAILPOINT_AT = 4  # decode.stream strikes once a stream handed this many tokens over
+
 
 class DecodeService(rpc.DecodeServicer):
     def __init__(self, worker: DecodeWorker) -> None:
@@ -89,6 +91,8 @@ class DecodeService(rpc.DecodeServicer):
                 return
             produced += 1
             yield pb.TokenChunk(token_ids=[event.token])
+            if produced == STREAM_FAILPOINT_AT:
+                worker.config.failpoints.hit("decode.stream", rid)
 
     def Release(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.worker.release(request.request_id, request.unpushed))

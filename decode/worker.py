@@ -97,7 +97,8 @@ class DecodeWorker:
                 self.metrics.refused.inc()
                 raise
             self._account()
-            return reserved
+        self.config.failpoints.hit("decode.reserve", request_id)
+        return reserved
 
     def renew(self, request_id: str, fence: int, lease_s: float) -> bool:
         """The router keeps a reservation alive while its prefill runs."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.failpoints import NO_FAILPOINTS, Failpoints
+
 KV_PUSH = ("auto", "layerwise", "after")
 
 
@@ -21,6 +23,8 @@ class PrefillConfig:
     # how long Prefill waits for its result when the caller set no gRPC deadline (the
     # router always sets one: pdserve/router/config.py prefill_timeout_s)
     default_timeout_s: float = 120.0
+    # prefill.accept, prefill.push, prefill.posted (pdserve/failpoints.py)
+    failpoints: Failpoints = NO_FAILPOINTS
 
     def __post_init__(self) -> None:
         if self.kv_push not in KV_PUSH:

@@ -101,6 +101,7 @@ class PrefillWorker:
                 f"dest_cached_blocks: {dest.cached_blocks} of {len(dest.block_ids)} blocks "
                 "(the last block is always pushed)"
             )
+        self.config.failpoints.hit("prefill.accept", request_id)
         # a WRITE posted at post_by has until the deadline to land (a quarter of the time
         # given, at most push_timeout_s)
         drain = min(self.config.push_timeout_s, 0.25 * max(0.0, deadline - time.monotonic()))
@@ -174,11 +175,19 @@ class PrefillWorker:
                 num_layers,
                 self.worker_id,
             )
-            on_layer = (lambda i: push.layers(range(i, i + 1))) if self.layerwise else None
+
+            def post(layers: range) -> None:
+                if layers.start == 0:
+                    self._failpoint("prefill.push", runnable)
+                push.layers(layers)
+                if layers.start == 0:
+                    self._failpoint("prefill.posted", runnable)
+
+            on_layer = (lambda i: post(range(i, i + 1))) if self.layerwise else None
             tokens = self.core.prefill([j.request for j in runnable], on_layer_done=on_layer)
             computed, computed_wall = time.monotonic(), now()
             if not self.layerwise:  # every layer in one WRITE per request
-                push.layers(range(num_layers))
+                post(range(num_layers))
             push.wait(self.config.push_timeout_s, self.config.push_poll_s)
             pushed, pushed_wall = time.monotonic(), now()
             shared = [
@@ -219,6 +228,12 @@ class PrefillWorker:
                 push.release()  # never raises (transfer/nixl_backend.py)
             for job in runnable:  # COMPUTED -> FREE (computed blocks stay in the prefix cache)
                 self.core.release(job.request)
+
+    def _failpoint(self, point: str, jobs: list[PrefillJob]) -> None:
+        if self.config.failpoints.directory is None:
+            return
+        detail = "\n".join(f"{j.request.request_id} {j.dest.worker_id}" for j in jobs)
+        self.config.failpoints.hit(point, detail)
 
     def _target(self, job: PrefillJob) -> PushTarget:
         dest = job.dest

@@ -35,6 +35,7 @@ GENERATED = ("pdserve/rpc/pdserve_pb2.py", "pdserve/rpc/pdserve_pb2_grpc.py")
 LEAVES = frozenset(
     {
         "pdserve.config",
+        "pdserve.failpoints",
         "pdserve.registry",
         "pdserve.sampling_params",
         "pdserve.outputs",

@@ -19,6 +19,7 @@ import threading
 import uuid
 
 from pdserve.engine.args import EngineArgs
+from pdserve.failpoints import Failpoints
 
 
 def _stop_event() -> threading.Event:
@@ -81,6 +82,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         spill_dir=getattr(args, "spill_dir", None),
         cxl_path=getattr(args, "cxl_path", None),
         prefix_offload=args.prefix_offload,
+        failpoints=Failpoints(args.failpoints),
     )
 
 
@@ -169,7 +171,10 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         from decode.worker import DecodeWorker
 
         config = DecodeConfig(
-            worker_id, admission=args.admission, admission_margin=args.admission_margin
+            worker_id,
+            admission=args.admission,
+            admission_margin=args.admission_margin,
+            failpoints=Failpoints(args.failpoints),
         )
         worker = DecodeWorker.build(args.model, engine_args(args), config, agent)
         service = DecodeService(worker)
@@ -179,7 +184,9 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         from prefill.service import PrefillService
         from prefill.worker import PrefillWorker
 
-        config = PrefillConfig(worker_id, kv_push=args.kv_push)
+        config = PrefillConfig(
+            worker_id, kv_push=args.kv_push, failpoints=Failpoints(args.failpoints)
+        )
         worker = PrefillWorker.build(args.model, engine_args(args), config, agent)
         service = PrefillService(worker)
         add = lambda s: rpc.add_PrefillServicer_to_server(service, s)  # noqa: E731
@@ -296,6 +303,13 @@ def add_serve_parser(sub) -> None:
             p.add_argument("--device", default="auto")
             p.add_argument("--max-num-batched-tokens", type=int, default=2048)
             p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+            p.add_argument(
+                "--failpoints",
+                default=None,
+                metavar="DIR",
+                help="fault injection for tests and bench chaos: failpoints armed by files "
+                "in DIR (pdserve/failpoints.py, docs/faults.md); never in production",
+            )
             p.add_argument(
                 "--prefix-offload",
                 action="store_true",

@@ -8,6 +8,7 @@ import torch
 
 from pdserve.attention import ATTENTION_BACKENDS
 from pdserve.config import PREEMPTION, CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.failpoints import NO_FAILPOINTS, Failpoints
 from pdserve.kv.kv_cache import bytes_per_block
 from pdserve.registry import Registry
 
@@ -45,6 +46,8 @@ class EngineArgs:
     prefix_offload: bool = False
     cxl_bandwidth_gb_s: float = 32.0
     cxl_latency_us: float = 0.4
+    # fault injection at exact states (kv.spill, kv.reload, disk.write): pdserve/failpoints.py
+    failpoints: Failpoints = NO_FAILPOINTS
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -57,7 +57,7 @@ def assemble_engine(
     kv = KVManager(
         BlockAllocator(cache.num_blocks, cache.block_size, args.enable_prefix_caching),
         cache,
-        OffloadedKV(cache, spill_tiers) if spill_tiers else None,
+        OffloadedKV(cache, spill_tiers, args.failpoints) if spill_tiers else None,
         prefix_offload=args.prefix_offload,
     )
     validator = RequestValidator(
@@ -105,7 +105,7 @@ def tiers(args: EngineArgs, cache: KVCache) -> list[Tier]:
             "bandwidth_gb_s": args.cxl_bandwidth_gb_s,
             "latency_us": args.cxl_latency_us,
         },
-        "disk": {"root": args.spill_dir},
+        "disk": {"root": args.spill_dir, "failpoints": args.failpoints},
     }
     return [
         TIERS[kind](capacity, block_bytes, **options[kind])

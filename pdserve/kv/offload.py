@@ -36,6 +36,7 @@ from typing import Protocol
 import torch
 
 from kernels.block_copy import pack_blocks, pack_blocks_ref, unpack_blocks, unpack_blocks_ref
+from pdserve.failpoints import NO_FAILPOINTS, Failpoints
 from pdserve.kv.kv_cache import KVCache
 from transfer.tiers import BlockSource, ReloadFailed, SpillFailed, Tier, place, read_into
 
@@ -99,12 +100,15 @@ class OffloadStore(Protocol):
 
 
 class OffloadedKV:
-    def __init__(self, cache: KVCache, tiers: list[Tier]) -> None:
+    def __init__(
+        self, cache: KVCache, tiers: list[Tier], failpoints: Failpoints = NO_FAILPOINTS
+    ) -> None:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tiers: each tier kind at most once, got {names}")
         self.cache = cache
         self.tiers = tiers
+        self.failpoints = failpoints
         self._entries: dict[Key, _Entry] = {}
         self._prefixes: OrderedDict[int, None] = OrderedDict()  # offloaded hashes, LRU first
         pool = cache.pool
@@ -121,6 +125,7 @@ class OffloadedKV:
         -> the tier's name, or None when nothing could take them (the caller recomputes)."""
         key = Parked(request_id)
         assert key not in self._entries, f"request {request_id!r} is parked already"
+        self.failpoints.hit("kv.spill", request_id)
         while True:
             try:
                 tier = self._store(key, block_ids)
@@ -136,6 +141,7 @@ class OffloadedKV:
 
     def unpark(self, request_id: str, block_ids: list[int]) -> bool:
         """Unpack the request's blocks into `block_ids` and drop the entry."""
+        self.failpoints.hit("kv.reload", request_id)
         return self._read(Parked(request_id), block_ids, keep=False)
 
     def drop_parked(self, request_id: str) -> None:

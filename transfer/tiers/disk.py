@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import queue
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 import xxhash
 
+from pdserve.failpoints import NO_FAILPOINTS, Failpoints
 from transfer.tiers.base import BlockSource, CorruptBlock, Tier, TierError, TierFull, as_source
 
 log = logging.getLogger(__name__)
@@ -81,8 +83,15 @@ class _Buffers:
 class DiskTier(Tier):
     name = "disk"
 
-    def __init__(self, capacity_blocks: int, block_bytes: int, root: str | None = None) -> None:
+    def __init__(
+        self,
+        capacity_blocks: int,
+        block_bytes: int,
+        root: str | None = None,
+        failpoints: Failpoints = NO_FAILPOINTS,
+    ) -> None:
         super().__init__(capacity_blocks, block_bytes)
+        self.failpoints = failpoints
         self.removed_stale = remove_stale(root)
         for path in self.removed_stale:
             log.warning("removed the spill directory of a dead process: %s", path)
@@ -169,6 +178,8 @@ class DiskTier(Tier):
                     fd = os.open(entry.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                     files[entry] = os.fdopen(fd, "wb", buffering=0)
                 elif op == "write" and entry.error is None:
+                    if self.failpoints.hit("disk.write", entry.path) == "error":
+                        raise OSError(errno.ENOSPC, "No space left on device (failpoint)")
                     view, f = memoryview(data).cast("B"), files[entry]
                     while view:
                         view = view[f.write(view) :]
