@@ -29,7 +29,7 @@ demo: $(STAMP)
 
 # pytest exits 5 when it collected no tests: that must fail, not pass quietly.
 test: $(STAMP)
-	@$(PY) -m pytest -q -ra; rc=$$?; \
+	@$(PY) -m pytest -q -ra --durations=12; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 lint: $(STAMP)

@@ -85,6 +85,7 @@ class Cluster:
         tls: TLSFiles | None = None,
         api_key_file: str | None = None,
     ) -> None:
+        """`worker_args` go to every worker, `prefill_args`/`decode_args` to one role."""
         secret = secrets.token_urlsafe(32)
         tls_pem = TLS.from_files(tls.cert, tls.key, tls.ca) if tls else None
         self.security = Security(cluster_secret=secret, tls=tls_pem)
@@ -94,6 +95,7 @@ class Cluster:
         self.argvs: list[list[str]] = []  # how each was started, parallel to procs (restart)
         self.names: list[str] = []  # role-index of each process, parallel to procs
         self.metrics: dict[str, str] = {}  # role-index -> host:port of /metrics
+        self.addresses: dict[str, str] = {}  # role-index -> host:port of its gRPC server
         self.http_address: str | None = None  # host:port of the OpenAI API, when asked for
         try:
             router = ["serve", "router", "--model", model, "--port", str(port), *member]
@@ -166,7 +168,8 @@ class Cluster:
             self.http_address = http[0]
         if index is None:
             self.names.append(f"{role}-{sum(n.startswith(role) for n in self.names)}")
-        self.metrics[self.names[index if index is not None else -1]] = metrics
+        name = self.names[index if index is not None else -1]
+        self.metrics[name], self.addresses[name] = metrics, address
         return address
 
     def _await_registered(self, prefill: int, decode: int, timeout_s: float) -> None:

@@ -4,8 +4,11 @@ same faults run as tests in tests/test_survival.py."""
 
 from __future__ import annotations
 
-from pdserve.bench.chaos import DEADLINE_S, Outcome, _metric, _summary, ok
-from pdserve.bench.faults import FAULT_HELP, FAULTS
+from pdserve.bench.chaos import DEADLINE_S, Outcome, _summary, ok
+from pdserve.bench.faults import FAULT_HELP, FAULTS, STATES
+from pdserve.bench.prometheus import total
+from pdserve.bench.strike import POINT
+from pdserve.failpoints import POINTS
 
 
 def test_every_ending_is_counted_once():
@@ -42,11 +45,25 @@ def test_metrics_are_read_per_series_or_summed():
         'pdserve_decode_spill_used_blocks{tier="host"} 4.0\n'
         'pdserve_decode_spill_used_blocks{tier="disk"} 1.0\n'
     )
-    assert _metric(text, "pdserve_decode_running") == 3.0
-    assert _metric(text, 'pdserve_decode_reservations{state="fenced"}') == 1.0
-    assert _metric(text, "pdserve_decode_spill_used_blocks") == 5.0
+    assert total(text, "pdserve_decode_running") == 3.0
+    assert total(text, "pdserve_decode_reservations", state="fenced") == 1.0
+    assert total(text, "pdserve_decode_spill_used_blocks") == 5.0
+    assert total(text, "pdserve_decode_spill_used_blocks", tier="cxl") == 0.0
 
 
 def test_every_fault_is_explained():
     assert FAULTS[0] == "none" and set(FAULTS) == set(FAULT_HELP)
     assert all(FAULT_HELP[f] for f in FAULTS)
+
+
+def test_every_state_has_its_failpoint():
+    """Each state a fault can strike at is marked by a real failpoint, and every worker
+    fault exists for both signals at every state of its role."""
+    for role, states in STATES.items():
+        for state in states:
+            if not (role == "prefill" and state == "stream"):  # a moment, not a state
+                assert POINT[state] in POINTS
+            if role != "cancel":
+                assert {f"{role}-kill@{state}", f"{role}-stop@{state}"} <= set(FAULTS)
+            else:
+                assert f"cancel@{state}" in FAULTS

@@ -6,17 +6,17 @@ survivors hold no block afterwards."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM, SamplingParams, failpoints
+from pdserve.bench.probes import busiest, leaks, pid_of, registered, spill_dirs, whole
+from pdserve.bench.prometheus import scrape, total
 from pdserve.client import Client, build_request, timings_of
-from pdserve.launch import Cluster
+from pdserve.launch import Cluster, Supervisor
 
 MAX_NEW = 160
 PROMPTS = [[(7 * i + j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(8)]
@@ -27,28 +27,6 @@ PARAMS = dict(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
 def expected() -> list[list[int]]:
     params = SamplingParams(**PARAMS)
     return [o.token_ids for o in LLM("tiny-llama").generate(PROMPTS, params)]
-
-
-def running(metrics_address: str) -> float:
-    """pdserve_decode_running from a decode worker's /metrics (set at every step)."""
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return float(re.search(r"^pdserve_decode_running (\S+)$", text, re.M).group(1))
-
-
-def busiest_decode(c: Cluster) -> tuple[str, int]:
-    """(name, pid) of the decode worker running the most requests now."""
-    names = [n for n in c.names if n.startswith("decode")]
-    name = max(names, key=lambda n: running(c.metrics[n]))
-    assert running(c.metrics[name]) > 0, "no decode worker runs a request"
-    return name, c.procs[c.names.index(name)].pid
-
-
-def pid_of(c: Cluster, worker_id: str) -> int:
-    """Worker ids are ROLE-PID-SUFFIX (pdserve serve's default)."""
-    pid = int(worker_id.split("-")[1])
-    assert pid in [p.pid for p in c.procs]
-    return pid
 
 
 def run_streams(client: Client, on_started) -> list:
@@ -97,9 +75,11 @@ def test_streams_on_a_dead_or_frozen_decode_worker_resume_on_the_other(expected,
         victim: list = []
 
         def strike() -> None:
-            _, pid = busiest_decode(c)
+            name, pid = busiest(c, "decode")
+            running = total(scrape(c.metrics[name]), "pdserve_decode_running")
+            assert running > 0, "no decode worker runs a request"
+            wid = next(w for w, n in registered(c).items() if n == name)
             os.kill(pid, getattr(signal, fault))
-            wid = next(w.worker_id for w in client.workers() if f"-{pid}-" in w.worker_id)
             victim.extend([wid, pid])
 
         try:
@@ -134,7 +114,7 @@ def test_a_killed_prefill_worker_is_retried_on_the_other(expected):
         Client(c.address, security=c.security) as client,
     ):
         prefills = [w.worker_id for w in client.workers() if w.role == "prefill"]
-        pid = pid_of(c, prefills[0])
+        pid = pid_of(c, registered(c)[prefills[0]])
         with ThreadPoolExecutor(4) as pool:
             futures = [
                 pool.submit(client.generate, PROMPTS[i % len(PROMPTS)], **PARAMS) for i in range(16)
@@ -147,3 +127,41 @@ def test_a_killed_prefill_worker_is_retried_on_the_other(expected):
         assert late.token_ids == expected[0]
         assert late.timings["prefill_worker"] == prefills[1]
         survivors_free(client, dead=prefills[0])
+
+
+def test_a_decode_worker_killed_mid_spill_leaves_nothing_behind(expected, tmp_path):
+    """SIGKILL at the exact moment a decode worker starts spilling a preempted request to
+    its disk tier (a failpoint, pdserve/failpoints.py): every stream completes with the
+    colocated engine's tokens, the restarted worker removes the dead one's spill directory,
+    and no block, spill entry or file is left on any worker."""
+    points, spill = tmp_path / "fp", tmp_path / "spill"
+    points.mkdir()
+    spill.mkdir()
+    decode_args = ["--num-kv-blocks", "16", "--spill-host-blocks", "0", "--spill-cxl-blocks", "0"]
+    with (
+        Cluster(
+            "tiny-llama",
+            1,
+            2,
+            worker_args=["--failpoints", str(points)],
+            decode_args=[*decode_args, "--spill-dir", str(spill)],
+            prefill_args=["--num-kv-blocks", "128"],
+        ) as c,
+        Client(c.address, security=c.security) as client,
+    ):
+        failpoints.arm(str(points), "any", "kv.spill", "kill")
+        results = run_streams(client, lambda: None)
+        hit = failpoints.fired(str(points), "any", "kv.spill")
+        assert hit is not None, "no request was spilled: the pools are too large to test this"
+        dead_pid = hit[0]
+        victim = next(p for p in c.procs if p.pid == dead_pid)  # a decode worker of ours
+        assert victim.wait(timeout=10) == -signal.SIGKILL
+        for (tokens, (_, reason)), want in zip(results, expected):
+            assert tokens == want and reason == "length"
+        assert sum(t["resumes"] for _, (t, _) in results) >= 1
+        supervisor = Supervisor(c, log=lambda line: None)
+        assert whole(c, supervisor, 1, 2, 120)
+        assert dead_pid not in spill_dirs(str(spill)).values()  # removed at the restart
+        assert leaks(c, supervisor, 30, str(spill)) == dict(
+            blocks=0, spill_blocks=0, fenced=0, spill_files=0, stale_dirs=0
+        )

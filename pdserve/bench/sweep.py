@@ -20,10 +20,10 @@ import asyncio
 import bisect
 import contextlib
 import time
-import urllib.request
 from types import MappingProxyType
 
 from decode.config import DEFAULT_ADMISSION, DEFAULT_PREEMPTION
+from pdserve.bench import prometheus
 from pdserve.bench.report import machine_info, write_json
 from pdserve.bench.serve import _drive, percentile
 from pdserve.bench.slo import DEFAULT_SWEEP_SLO, SLO, goodput, parse_slo
@@ -59,11 +59,7 @@ def parse_policy(policy: str) -> tuple[str, str]:
 
 def _samples(address: str):
     """Every sample a worker's /metrics endpoint serves now."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    for family in text_string_to_metric_families(body):
-        yield from family.samples
+    return prometheus.samples(prometheus.scrape(address))
 
 
 def scrape(addresses: list[str]) -> dict[str, float]:

@@ -76,12 +76,24 @@ def cmd_bench_fuzz(args: argparse.Namespace) -> int:
     return 0 if ok(report) else 1
 
 
+def fault_patterns(text: str) -> list[str]:
+    """A fault name or a shell pattern -> the faults it names (in catalogue order)."""
+    import fnmatch
+
+    from pdserve.bench.faults import FAULTS
+
+    names = [f for f in FAULTS if fnmatch.fnmatchcase(f, text)]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names no fault; see --help for the list")
+    return names
+
+
 def cmd_bench_chaos(args: argparse.Namespace) -> int:
     from pdserve.bench.chaos import bench_chaos, format_table, ok
 
     report = bench_chaos(
         args.model,
-        faults=tuple(args.faults),
+        faults=tuple(dict.fromkeys(f for group in args.faults for f in group)),
         requests=args.requests,
         concurrency=args.concurrency,
         max_tokens=args.max_tokens,
@@ -92,7 +104,8 @@ def cmd_bench_chaos(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> int:
-    from pdserve.bench.chaos import bench_soak, format_table, ok
+    from pdserve.bench.chaos import format_table, ok
+    from pdserve.bench.soak import bench_soak
 
     report = bench_soak(
         args.model,
@@ -257,9 +270,11 @@ def add_bench_parser(sub) -> None:
     ch.add_argument(
         "--faults",
         nargs="+",
-        choices=FAULTS,
-        default=list(FAULTS),
-        help="; ".join(f"{k}: {v}" for k, v in FAULT_HELP.items()),
+        type=fault_patterns,
+        default=[list(FAULTS)],
+        metavar="FAULT",
+        help="names or shell patterns ('decode-*@spill', 'cancel@*'), default all: "
+        + "; ".join(f"{k}: {v}" for k, v in FAULT_HELP.items()),
     )
     ch.add_argument("--requests", type=int, default=24, help="per fault")
     ch.add_argument("--concurrency", type=int, default=8)
