@@ -11,17 +11,26 @@ Keyword arguments mirror `SamplingParams` and are validated client-side (ValueEr
 the field); `request_id=` picks the request's id (else the router assigns a random one).
 Server errors arrive as `PdserveError` subclasses carrying the gRPC status and whether a
 retry can help (`retryable`).
+
+A router that goes away after it accepted a request (killed, restarted by its supervisor)
+does not lose it: the client sends the request again once the router answers, as a
+continuation of the tokens it already has (GenerateRequest.continuation), and the stream
+goes on with no token lost or repeated (greedy: the tokens an unbroken run gives). At most
+`reconnects` times (3), each waiting at most `reconnect_timeout_s` (30 s) for the router;
+`result.timings["reconnects"]` counts them. A status the router answered itself is never
+retried (`retryable` says whether the caller may).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import grpc
 
-from pdserve.rpc import PROTOCOL_VERSION
+from pdserve.rpc import ACCEPTED_KEY, PROTOCOL_VERSION, STATUS_KEY
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.sampling_params import SamplingParams
@@ -162,6 +171,29 @@ def timings_of(t: pb.Timings) -> dict:
     }
 
 
+def _has(metadata, key: str) -> bool:
+    return any(k == key for k, _ in metadata or ())
+
+
+def _router_lost(call, e: grpc.RpcError) -> bool:
+    """The router took the request (its accepted mark came) and then the call broke with
+    no status of the router's own: it died or restarted, and the request may go on."""
+    return (
+        e.code() == grpc.StatusCode.UNAVAILABLE
+        and _has(call.initial_metadata(), ACCEPTED_KEY)
+        and not _has(e.trailing_metadata(), STATUS_KEY)
+    )
+
+
+def _continuation(request: pb.GenerateRequest, tokens: list[int]) -> pb.GenerateRequest:
+    again = pb.GenerateRequest()
+    again.CopyFrom(request)
+    del again.continuation.ids[:]
+    again.continuation.ids.extend(tokens)
+    again.continuation.SetInParent()  # present even when empty: the router tells it apart
+    return again
+
+
 def _absorb(result: GenerateResult, msg: pb.GenerateResponse) -> None:
     result.request_id = msg.request_id
     result.token_ids.extend(msg.token_ids)
@@ -184,9 +216,50 @@ class Client:
         api_key: str | None = None,
         tls: TLS | None = None,
         security: Security | None = None,
+        reconnects: int = 3,
+        reconnect_timeout_s: float = 30.0,
     ) -> None:
+        if reconnects < 0 or reconnect_timeout_s <= 0:
+            raise ValueError("reconnects: must be >= 0, reconnect_timeout_s > 0")
         self.channel = auth.channel(address, _security(api_key, tls, security))
         self.stub = rpc.RouterStub(self.channel)
+        self.reconnects, self.reconnect_timeout_s = reconnects, reconnect_timeout_s
+
+    def messages(
+        self,
+        prompt: str | list[int],
+        on_call: Callable[[object], None] | None = None,
+        timeout_s: float | None = None,
+        **sampling,
+    ) -> Iterator[pb.GenerateResponse]:
+        """The router's messages for one request, across router restarts (module doc);
+        `on_call(call)` sees each gRPC call made for it (to cancel it from elsewhere),
+        `timeout_s` bounds each. Raises grpc.RpcError as the last call ended."""
+        request, tokens = _build(prompt, sampling), []
+        for attempt in range(self.reconnects + 1):
+            call = self.stub.Generate(request, timeout=timeout_s)
+            if on_call is not None:
+                on_call(call)
+            try:
+                for msg in call:
+                    request.request_id = request.request_id or msg.request_id
+                    tokens.extend(msg.token_ids)
+                    yield msg
+                return
+            except grpc.RpcError as e:
+                # a router that is still alive may hold the broken call's id a moment
+                taken = attempt > 0 and e.code() == grpc.StatusCode.ALREADY_EXISTS
+                if attempt == self.reconnects or not (taken or _router_lost(call, e)):
+                    raise
+                if taken:
+                    time.sleep(0.2)
+                try:  # until the router (restarted) answers again
+                    grpc.channel_ready_future(self.channel).result(self.reconnect_timeout_s)
+                except grpc.FutureTimeoutError:
+                    raise e from None
+            finally:
+                call.cancel()
+            request = _continuation(request, tokens)
 
     def health(self) -> pb.HealthResponse:
         try:
@@ -202,25 +275,26 @@ class Client:
 
     def generate(self, prompt: str | list[int], **sampling) -> GenerateResult:
         result = GenerateResult(request_id="")
-        request = _build(prompt, sampling)
+        calls: list = []
         try:
-            for msg in self.stub.Generate(request):
+            for msg in self.messages(prompt, calls.append, **sampling):
                 _absorb(result, msg)
         except grpc.RpcError as e:
             raise _error(e) from None
+        result.timings["reconnects"] = len(calls) - 1
         return result
 
     def stream(self, prompt: str | list[int], **sampling) -> Iterator[int]:
         """Yields token ids as they arrive; closing the generator cancels the request."""
-        call = self.stub.Generate(_build(prompt, sampling))
+        messages = self.messages(prompt, **sampling)
         try:
-            for msg in call:
+            for msg in messages:
                 yield from msg.token_ids
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:
                 raise _error(e) from None
         finally:
-            call.cancel()
+            messages.close()  # cancels the call in flight
 
     def abort(self, request_id: str) -> bool:
         """True when a request of this id, created by this client's key (or connection), was

@@ -5,12 +5,13 @@ run out. The "model" of the fakes: the token at position i of a sequence is i.""
 
 from __future__ import annotations
 
+import re
 import time
 
 import grpc
 import pytest
 
-from pdserve.client import Client, InvalidRequest, Unavailable
+from pdserve.client import Client, InvalidRequest, Unavailable, build_request
 from pdserve.router.config import RouterConfig
 from pdserve.router.service import RouterService
 from pdserve.rpc import PROTOCOL_VERSION
@@ -156,3 +157,35 @@ def test_a_failure_no_retry_can_fix_is_not_resumed(cluster):
     ):
         client.generate(PROMPT, max_tokens=4, ignore_eos=True)
     assert other.reserves == []
+
+
+def _continued(tokens: list[int], max_tokens: int) -> pb.GenerateRequest:
+    request = build_request(PROMPT, dict(max_tokens=max_tokens, ignore_eos=True))
+    request.continuation.ids.extend(tokens)
+    return request
+
+
+def test_a_continuation_goes_on_after_the_tokens_the_client_has(cluster):
+    """What a client sends a restarted router (pdserve/client.py): the prompt and the
+    tokens it already has, which count against max_tokens and are not sent again."""
+    decode = Decode()
+    with grpc.insecure_channel(cluster([decode], Prefill())) as channel:
+        stub = rpc.RouterStub(channel)
+        messages = list(stub.Generate(_continued(expected(3), 8), timeout=10))
+        new = [t for m in messages for t in m.token_ids]
+        assert new == expected(8)[3:]
+        (reserve,) = decode.reserves
+        assert list(reserve.prompt_token_ids) == PROMPT + expected(3)
+        assert reserve.sampling.max_tokens == 5
+        assert reserve.request_id.startswith(f"{messages[0].request_id}~c")  # its own id there
+        final = messages[-1]
+        assert final.finish_reason == "length" and final.prompt_tokens == len(PROMPT)
+        # everything already there: the end at once, no worker asked
+        (done,) = list(stub.Generate(_continued(expected(8), 8), timeout=10))
+        assert done.finished and done.finish_reason == "length" and not done.token_ids
+        assert len(decode.reserves) == 1
+        for bad, field in ((expected(9), "more than max_tokens"), ([100], r"continuation\[0\]")):
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(_continued(bad, 8), timeout=10))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert re.search(field, e.value.details())

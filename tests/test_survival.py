@@ -165,3 +165,44 @@ def test_a_decode_worker_killed_mid_spill_leaves_nothing_behind(expected, tmp_pa
         assert leaks(c, supervisor, 30, str(spill)) == dict(
             blocks=0, spill_blocks=0, fenced=0, spill_files=0, stale_dirs=0
         )
+        assert client.generate(PROMPTS[0], **PARAMS).token_ids == expected[0]  # serves again
+
+
+def test_streams_go_on_through_a_router_restart(expected):
+    """pdserve launch's supervisor restarts a SIGKILLed router on its port, the workers
+    register with it again, and every stream in flight goes on: the SDK sends each request
+    to the new router as a continuation of the tokens it has (pdserve/client.py), so every
+    client gets the colocated engine's tokens, none lost or repeated."""
+    with (
+        Cluster("tiny-llama", 1, 1, worker_args=["--num-kv-blocks", "128"]) as c,
+        Client(c.address, security=c.security) as client,
+    ):
+        supervisor = Supervisor(c, log=lambda line: None)
+        old_router = c.procs[0].pid
+        started = [False] * len(PROMPTS)
+
+        def one(i: int):
+            tokens, calls = [], []
+            for msg in client.messages(PROMPTS[i], calls.append, timeout_s=180, **PARAMS):
+                tokens.extend(msg.token_ids)
+                started[i] = True
+                final = msg
+            return tokens, final.finish_reason, len(calls) - 1
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            futures = [pool.submit(one, i) for i in range(len(PROMPTS))]
+            deadline = time.monotonic() + 60
+            while not all(started):
+                assert time.monotonic() < deadline, "the streams never started"
+                time.sleep(0.01)
+            os.kill(old_router, signal.SIGKILL)
+            while not all(f.done() for f in futures):  # the supervisor brings it back
+                assert time.monotonic() < deadline + 120, "the streams never ended"
+                supervisor.step()
+                time.sleep(0.05)
+            results = [f.result() for f in futures]
+        assert c.procs[0].pid != old_router
+        for (tokens, reason, reconnects), want in zip(results, expected):
+            assert tokens == want and reason == "length"
+            assert reconnects == 1  # each was in flight when the router died
+        survivors_free(client, dead="")

@@ -111,7 +111,7 @@ class Handoff:
     # -- one request ----------------------------------------------------------------------
     def serve(self, arrival: Arrival, context) -> Iterator[pb.GenerateResponse]:
         rid = arrival.request_id
-        run = Run(arrival)
+        run = Run(arrival, tokens=list(arrival.continued))
         entry = Inflight()
         self._await_workers(arrival.at + self.config.queue_timeout_s, context)
         with self._lock:

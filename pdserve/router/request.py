@@ -28,6 +28,10 @@ class Arrival:
     sampling: pb.SamplingParams
     at: float  # time.monotonic()
     at_wall: float  # time.time()
+    continued: tuple[int, ...] = ()  # tokens the client already had (GenerateRequest.continuation)
+    # the workers' id for the first attempt when it is not the request id: a continued
+    # request's (the router that died may have left a reservation under the request id)
+    worker_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ class Run:
     @property
     def worker_request_id(self) -> str:
         """The workers' id for this attempt: every resumed one has its own."""
-        rid = self.arrival.request_id
+        rid = self.arrival.worker_id or self.arrival.request_id
         return rid if self.resumes == 0 else f"{rid}~r{self.resumes}"
 
     @property
@@ -96,7 +100,7 @@ def final_message(
     attempts, or a stream that broke after its last token)."""
     arrival = run.arrival
     end, end_wall = time.monotonic(), now()
-    n = len(run.tokens)
+    n = len(run.tokens) - len(arrival.continued)  # this router's
     first = run.first_at or end
     client_tpot = (end - first) / max(1, n - 1)  # the client's, across every attempt
     worker_spans: list = []

@@ -22,7 +22,7 @@ from pdserve.router.handoff import Handoff, Inflight
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import WorkerRecord, WorkerRegistry, grpc_connect
 from pdserve.router.request import Arrival
-from pdserve.rpc import PROTOCOL_VERSION
+from pdserve.rpc import ACCEPTED_KEY, PROTOCOL_VERSION, STATUS_KEY
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving import auth
@@ -180,19 +180,32 @@ class RouterService(rpc.RouterServicer):
             return self.validator.prompt(request.text)
         return self.validator.prompt(request.token_ids.ids if kind == "token_ids" else [])
 
-    def _validate(self, request: pb.GenerateRequest) -> list[int]:
+    def _validate(self, request: pb.GenerateRequest) -> tuple[list[int], tuple[int, ...]]:
+        """-> (prompt, continuation)"""
         if request.protocol_version not in (0, PROTOCOL_VERSION):
             raise ValueError(f"protocol_version: {request.protocol_version} is not supported")
         if request.request_id and not REQUEST_ID.fullmatch(request.request_id):
             raise ValueError("request_id: 1-128 characters of [A-Za-z0-9._:-]")
         prompt = self._prompt(request)
-        self.validator.request(prompt, sampling_from_proto(request.sampling))
-        return prompt
+        params = sampling_from_proto(request.sampling)
+        self.validator.request(prompt, params)
+        continued = request.continuation.ids
+        if not continued:
+            return prompt, ()
+        if len(continued) > params.max_tokens:
+            raise ValueError(
+                f"continuation: {len(continued)} tokens, more than max_tokens {params.max_tokens}"
+            )
+        return prompt, tuple(self.validator.prompt(continued, "continuation"))
 
     def Generate(self, request: pb.GenerateRequest, context):
         arrived, arrived_wall = time.monotonic(), now()
+        # on every status this router ends the call with: a client tells them from a
+        # broken connection (a router that died), which it may resume (pdserve/client.py)
+        context.send_initial_metadata(((ACCEPTED_KEY, "1"),))
+        context.set_trailing_metadata(((STATUS_KEY, "1"),))
         try:
-            prompt = self._validate(request)
+            prompt, continued = self._validate(request)
         except ValueError as e:
             self.metrics.requests.labels("invalid").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -207,7 +220,16 @@ class RouterService(rpc.RouterServicer):
                     grpc.StatusCode.RESOURCE_EXHAUSTED, "router queue is full; retry later"
                 )
             try:
-                arrival = Arrival(request_id, prompt, request.sampling, arrived, arrived_wall)
+                # a continued request gets its own id on the workers: the router that died
+                # may have left a reservation under the request id there (until its lease ends)
+                tag = (
+                    f"{request_id}~c{secrets.token_hex(4)}"
+                    if request.HasField("continuation")
+                    else ""
+                )
+                arrival = Arrival(
+                    request_id, prompt, request.sampling, arrived, arrived_wall, continued, tag
+                )
                 yield from self._served(arrival, context)
             finally:
                 self.admission.release()

@@ -79,18 +79,20 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("protocol_version", "text", "token_ids", "sampling", "request_id")
+    __slots__ = ("protocol_version", "text", "token_ids", "sampling", "request_id", "continuation")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     text: str
     token_ids: TokenIds
     sampling: SamplingParams
     request_id: str
-    def __init__(self, protocol_version: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    continuation: TokenIds
+    def __init__(self, protocol_version: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., continuation: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_s", "prefill_s", "transfer_s", "ttft_s", "tpot_s", "e2e_s", "prefill_worker", "decode_worker", "arrival_unix", "end_unix", "resumes")
