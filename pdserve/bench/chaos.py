@@ -35,10 +35,8 @@ import grpc
 from pdserve.bench.faults import FAULTS
 from pdserve.bench.probes import leaks, rss_mib, whole
 from pdserve.bench.strike import Strike
-from pdserve.client import build_request, timings_of
+from pdserve.client import Client, timings_of
 from pdserve.progress import progress
-from pdserve.rpc import pdserve_pb2_grpc as rpc
-from pdserve.serving import auth
 
 DEADLINE_S = 120.0  # a request with no answer by then is hung
 SETTLE_S = 45.0  # after a phase, the pools must be whole within this
@@ -55,6 +53,8 @@ class Outcome:
     status: str = ""  # the gRPC status it ended with, when it did
     seconds: float = 0.0
     walked_away: bool = False  # the client cancelled it (the cancel faults)
+    reconnects: int = 0  # times the SDK sent it again to a restarted router
+    details: str = ""  # of the status
 
 
 def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -85,17 +85,23 @@ class Load:
         self._lock = threading.Lock()
 
     def one(self, i: int, prompt: list[int], walk_away_after: int = 0) -> Outcome:
+        """One request through the SDK (pdserve/client.py: a router that restarts under it
+        is reconnected to, and the request continued)."""
         out, t0 = Outcome(), time.monotonic()
         rid = f"{self.tag}-{i}"
         params = dict(max_tokens=self.max_tokens, temperature=0, ignore_eos=True)
-        with auth.channel(self.cluster.address, self.cluster.security) as channel:
-            call = rpc.RouterStub(channel).Generate(
-                build_request(prompt, params, rid), timeout=DEADLINE_S
-            )
+
+        def on_call(call) -> None:
             with self._lock:
+                out.reconnects += rid in self._calls  # a call before this one
                 self._calls[rid] = call
+
+        with Client(self.cluster.address, security=self.cluster.security) as client:
+            messages = client.messages(
+                prompt, on_call, timeout_s=DEADLINE_S, request_id=rid, **params
+            )
             try:
-                for msg in call:
+                for msg in messages:
                     if msg.token_ids and not out.tokens:
                         with self._lock:
                             self.started += 1
@@ -106,8 +112,9 @@ class Load:
                         self.cancel(rid)
                         break
             except grpc.RpcError as e:
-                out.status = e.code().name
+                out.status, out.details = e.code().name, e.details() or ""
             finally:
+                messages.close()
                 with self._lock:
                     self._calls.pop(rid, None)
                     out.walked_away = rid in self._cancelled
@@ -172,10 +179,25 @@ def _summary(fault, outcomes, expected, max_tokens, wall, struck) -> dict:
         "equal": sum(1 for o, want in completed if o.tokens == want),
         "duplicated_tokens": sum(max(0, len(o.tokens) - max_tokens) for o, _ in completed),
         "resumed": sum(1 for o, _ in completed if o.final.get("resumes", 0) > 0),
+        # continued by the SDK on a restarted router (router-restart)
+        "reconnected": sum(1 for o, _ in completed if o.reconnects),
         "walked_away": sum(1 for o in outcomes if o.walked_away),
         "failed": dict(sorted(failed.items())),
         "hung": len(hung),
         "lost": sum(1 for o in ended if not o.status),
+        # every request that did not complete: what it had and how it ended
+        "unfinished": [
+            dict(
+                tokens=len(o.tokens),
+                status=o.status,
+                details=o.details[:200],
+                reconnects=o.reconnects,
+                seconds=round(o.seconds, 2),
+                walked_away=o.walked_away,
+            )
+            for o in outcomes
+            if o.final is None
+        ],
         "wall_s": round(wall, 2),
     }
 
