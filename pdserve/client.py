@@ -40,7 +40,7 @@ from pdserve.serving.convert import sampling_to_proto, spans_from_proto
 from pdserve.serving.server import MAX_MESSAGE_BYTES
 from pdserve.trace import Span
 
-__all__ = ["TLS", "AsyncClient", "Client", "GenerateResult", "PdserveError"]
+__all__ = ["TLS", "AsyncClient", "Client", "GenerateResult", "PdserveError", "StreamEnded"]
 
 TIMING_KEYS = (
     "queue_s",
@@ -81,6 +81,16 @@ class Unavailable(PdserveError):
     """UNAVAILABLE: no worker can serve the request now."""
 
     retryable = True
+
+
+class StreamEnded(PdserveError):
+    """The router closed a request's stream without its final message (a bug: every
+    request ends with a final message or a status); the tokens received are all there is."""
+
+    retryable = True
+
+
+_NO_FINAL = "the stream ended without its final message"
 
 
 _KINDS = MappingProxyType(
@@ -185,6 +195,17 @@ def _router_lost(call, e: grpc.RpcError) -> bool:
     )
 
 
+def _await_ready(channel: grpc.Channel, timeout_s: float, error: grpc.RpcError) -> None:
+    """Until the router (restarted) answers again, else `error`."""
+    ready = grpc.channel_ready_future(channel)
+    try:
+        ready.result(timeout_s)
+    except grpc.FutureTimeoutError:
+        raise error from None
+    finally:
+        ready.cancel()  # else its subscription stays on the channel
+
+
 def _continuation(request: pb.GenerateRequest, tokens: list[int]) -> pb.GenerateRequest:
     again = pb.GenerateRequest()
     again.CopyFrom(request)
@@ -234,29 +255,33 @@ class Client:
     ) -> Iterator[pb.GenerateResponse]:
         """The router's messages for one request, across router restarts (module doc);
         `on_call(call)` sees each gRPC call made for it (to cancel it from elsewhere),
-        `timeout_s` bounds each. Raises grpc.RpcError as the last call ended."""
+        `timeout_s` bounds each. Raises grpc.RpcError as the last call ended, and
+        StreamEnded when a stream closed without its final message."""
         request, tokens = _build(prompt, sampling), []
         for attempt in range(self.reconnects + 1):
             call = self.stub.Generate(request, timeout=timeout_s)
             if on_call is not None:
                 on_call(call)
+            finished = False
             try:
                 for msg in call:
                     request.request_id = request.request_id or msg.request_id
                     tokens.extend(msg.token_ids)
+                    finished = finished or msg.finished
                     yield msg
+                if not finished:
+                    raise StreamEnded(grpc.StatusCode.UNKNOWN, _NO_FINAL)
                 return
             except grpc.RpcError as e:
+                if finished:
+                    return  # the request is whole: whatever broke after, never send it again
                 # a router that is still alive may hold the broken call's id a moment
                 taken = attempt > 0 and e.code() == grpc.StatusCode.ALREADY_EXISTS
                 if attempt == self.reconnects or not (taken or _router_lost(call, e)):
                     raise
                 if taken:
                     time.sleep(0.2)
-                try:  # until the router (restarted) answers again
-                    grpc.channel_ready_future(self.channel).result(self.reconnect_timeout_s)
-                except grpc.FutureTimeoutError:
-                    raise e from None
+                _await_ready(self.channel, self.reconnect_timeout_s, e)
             finally:
                 call.cancel()
             request = _continuation(request, tokens)

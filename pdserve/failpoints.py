@@ -14,7 +14,8 @@ cancel or which peer to strike), then acts:
     stop        SIGSTOP this process (whoever armed it sends SIGCONT)
     pause S     sleep S seconds in the thread that hit it (a stalled push, a slow tier)
     error       hit() returns "error" and the caller raises what that place raises when
-                its resource fails (the disk tier: ENOSPC, a full file system)
+                its resource fails (the disk tier: ENOSPC, a full file system); only the
+                points in FAILING have such a caller, and arm() refuses it elsewhere
 
 `repeat` keeps it armed (every hit acts; the marker is written once) until the file is
 removed. Points (docs/faults.md has the list with what each state means):
@@ -22,7 +23,8 @@ removed. Points (docs/faults.md has the list with what each state means):
     decode.reserve   a Reserve granted, before it is answered (detail: request id)
     decode.stream    a stream's fourth token handed to the client (request id)
     prefill.accept   a Prefill call accepted, before it queues (request id)
-    prefill.push     a batch computed, before its first WRITE is posted (one line per
+    prefill.push     before a batch's first WRITE is posted: after its forward pass, or
+                     with layer-wise pushes (CUDA) after its first layer (one line per
                      request: "request-id destination-worker-id")
     prefill.posted   the batch's first WRITEs posted, in flight (same detail)
     kv.spill         a preempted request's KV about to be spilled (request id)
@@ -37,10 +39,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
 ACTIONS = ("kill", "stop", "pause", "error")
+FAILING = frozenset({"disk.write"})  # the points whose caller fails on "error"
 POINTS = (
     "decode.reserve",
     "decode.stream",
@@ -71,15 +75,34 @@ class Failpoints:
                     words = f.read().split()
             except OSError:
                 continue  # not armed (the common case: one failed open)
-            return _act(path, words, detail)
+            return _act(path, point, words, detail)
         return None
 
 
-def _act(path: str, words: list[str], detail: str) -> str | None:
+def _parse(point: str, words: list[str]) -> tuple[str, float, bool]:
+    """-> (action, pause seconds, repeat); ValueError naming what is wrong."""
     action, args = (words[0], words[1:]) if words else ("", [])
     if action not in ACTIONS:
-        raise ValueError(f"failpoint {path}: {' '.join(words)!r} is not one of {ACTIONS}")
-    if "repeat" not in args:
+        raise ValueError(f"failpoint action: {' '.join(words)!r} is not one of {ACTIONS}")
+    if action == "error" and point not in FAILING:
+        raise ValueError(f"failpoint action: only {', '.join(sorted(FAILING))} can fail")
+    repeat = bool(args) and args[-1] == "repeat"
+    args = args[:-1] if repeat else args
+    seconds = 1.0
+    if action == "pause" and args:
+        try:
+            seconds = float(args[0])
+        except ValueError:
+            raise ValueError(f"failpoint action: pause takes seconds, got {args[0]!r}") from None
+        args = args[1:]
+    if args or not seconds >= 0:
+        raise ValueError(f"failpoint action: {' '.join(words)!r} is not ACTION [SECONDS] [repeat]")
+    return action, seconds, repeat
+
+
+def _act(path: str, point: str, words: list[str], detail: str) -> str | None:
+    action, seconds, repeat = _parse(point, words)
+    if not repeat:
         try:
             os.rename(path, f"{path}.claimed")
         except OSError:
@@ -90,7 +113,7 @@ def _act(path: str, words: list[str], detail: str) -> str | None:
     elif action == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif action == "pause":
-        time.sleep(float(args[0]) if args and args[0] != "repeat" else 1.0)
+        time.sleep(seconds)
     return "error" if action == "error" else None
 
 
@@ -98,13 +121,16 @@ NO_FAILPOINTS = Failpoints()
 
 
 def _mark(path: str, detail: str) -> None:
-    """Write the marker whole or not at all (the reader polls for it); once."""
+    """Write the marker whole or not at all (the reader polls for it), once: a hard link
+    of a finished file, which fails if a concurrent hit made it first."""
     if os.path.exists(path):
         return
-    tmp = f"{path}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     with open(tmp, "w") as f:
         f.write(detail)
-    os.replace(tmp, path)
+    with contextlib.suppress(FileExistsError):
+        os.link(tmp, path)
+    os.unlink(tmp)
 
 
 def arm(directory: str, target: int | str, point: str, action: str) -> None:
@@ -112,8 +138,7 @@ def arm(directory: str, target: int | str, point: str, action: str) -> None:
     marker of an earlier arm of it goes."""
     if point not in POINTS:
         raise ValueError(f"failpoint: {point!r} is not one of {', '.join(POINTS)}")
-    if not action or action.split()[0] not in ACTIONS:
-        raise ValueError(f"failpoint action: {action!r} is not one of {', '.join(ACTIONS)}")
+    _parse(point, action.split())
     path = os.path.join(directory, f"{target}.{point}")
     for leftover in (f"{path}.fired", f"{path}.claimed"):  # of an earlier arm
         with contextlib.suppress(FileNotFoundError):

@@ -35,7 +35,7 @@ import grpc
 from pdserve.bench.faults import FAULTS
 from pdserve.bench.probes import leaks, rss_mib, whole
 from pdserve.bench.strike import Strike
-from pdserve.client import Client, timings_of
+from pdserve.client import Client, StreamEnded, timings_of
 from pdserve.progress import progress
 
 DEADLINE_S = 120.0  # a request with no answer by then is hung
@@ -113,6 +113,8 @@ class Load:
                         break
             except grpc.RpcError as e:
                 out.status, out.details = e.code().name, e.details() or ""
+            except StreamEnded as e:  # no status either: counted lost
+                out.details = str(e)
             finally:
                 messages.close()
                 with self._lock:
@@ -295,6 +297,7 @@ def ok(report: dict) -> bool:
         and r["leaked"]["spill_blocks"] == 0
         and r["leaked"].get("spill_files", 0) == 0
         and r["leaked"].get("stale_dirs", 0) == 0
+        and r["leaked"].get("fenced", 0) == 0
         for r in rows
     )
 

@@ -129,7 +129,7 @@ def leaks(cluster, supervisor, timeout_s: float, spill_root: str | None = None) 
                 else:
                     row["stale_dirs"] += 1
         settled = row["blocks"] == 0 and not any(
-            row[k] for k in ("spill_blocks", "spill_files", "stale_dirs")
+            row[k] for k in ("spill_blocks", "fenced", "spill_files", "stale_dirs")
         )
         if settled or time.monotonic() > deadline:
             return row

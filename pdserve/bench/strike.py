@@ -106,7 +106,7 @@ class Strike:
         for due, undo in [u for u in self._undo if u[0] <= now]:
             self._undo.remove((due, undo))
             undo()
-        if self.struck:
+        if self.struck or self.react == "missed":
             return
         if self.react == "moment":
             if load.started >= max(1, self.concurrency // 2):
@@ -138,14 +138,25 @@ class Strike:
         self._undo.clear()
 
     # -- reactions ------------------------------------------------------------------------
+    def _missed(self) -> None:
+        """The state was reached but the strike could not be made: not struck (the run
+        fails), and not tried again."""
+        self.struck, self.react = False, "missed"
+
     def _later(self, seconds: float, undo: Callable[[], None]) -> None:
         self._undo.append((time.monotonic() + seconds, undo))
 
     def _strike_peer(self, detail: str) -> None:
         dest = detail.splitlines()[0].split()[1]
-        name = registered(self.cluster).get(dest)
+        try:
+            name = registered(self.cluster).get(dest)
+        except grpc.RpcError as e:
+            self.note += f"; the router did not name {dest}'s process ({e.code().name})"
+            self._missed()
+            return
         if name is None:
             self.note += f"; its peer {dest} is not a live process"
+            self._missed()
             return
         pid = self.cluster.procs[self.cluster.names.index(name)].pid
         if self.react == "kill-peer":
@@ -159,10 +170,12 @@ class Strike:
     def _corrupt(self, pid: int) -> None:
         dirs = [d for d, owner in spill_dirs(self.spill_root or "").items() if owner == pid]
         files = [f for d in dirs for f in spill_files(d)]
+        done = 0
         for path in files:
-            with open(path, "r+b") as f:
+            with contextlib.suppress(FileNotFoundError), open(path, "r+b") as f:
                 f.write(os.urandom(min(CORRUPT_BYTES, os.fstat(f.fileno()).st_size)))
-        self.note += f"; {len(files)} spill files overwritten"
+                done += 1  # (one discarded meanwhile is skipped)
+        self.note += f"; {done} spill files overwritten"
 
     def _at_moment(self, load) -> None:
         cluster = self.cluster

@@ -26,7 +26,6 @@ the last failure was no room), naming the last failure.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -112,6 +111,9 @@ class Handoff:
     def serve(self, arrival: Arrival, context) -> Iterator[pb.GenerateResponse]:
         rid = arrival.request_id
         run = Run(arrival, tokens=list(arrival.continued))
+        if reason := run.done():  # a continuation with nothing left to generate
+            yield self._final(run, reason, None)
+            return
         entry = Inflight()
         self._await_workers(arrival.at + self.config.queue_timeout_s, context)
         with self._lock:
@@ -248,12 +250,17 @@ class Handoff:
             for chunk in stream:
                 if chunk.token_ids:
                     run.sent(chunk.token_ids)
-                    yield pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids)
                 if chunk.finished:
+                    # the last tokens travel with the end, as they came: a client never
+                    # holds an end-of-sequence token without knowing the request is over
                     marks = (prefill_sent, prefill_back, start_sent, now())
                     finished = Finished(done, chunk, marks, decode.worker_id)
-                    yield self._final(run, chunk.finish_reason, finished)
+                    final = self._final(run, chunk.finish_reason, finished)
+                    final.token_ids.extend(chunk.token_ids)
+                    yield final
                     return None
+                if chunk.token_ids:
+                    yield pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids)
             failure = Failure(_Code.UNKNOWN, "the stream ended without its final message", "decode")
         except grpc.RpcError as e:
             if not context.is_active():
@@ -430,9 +437,8 @@ class Handoff:
         if call is not None:
             call.cancel()
         if worker is not None:
-            # if the worker is gone, its lease returns the blocks
-            with contextlib.suppress(*_CALL_ERRORS):
-                worker.stub.Release(
-                    pb.AbortRequest(request_id=wrid), timeout=self.config.release_rpc_timeout_s
-                )
+            # from the release threads: this runs in gRPC's callback of a finished call,
+            # where a frozen worker's Release would hold up the server (if the worker is
+            # gone, its lease returns the blocks)
+            self._release_later(worker, wrid)
         return True

@@ -22,7 +22,7 @@ from pdserve.router.handoff import Handoff, Inflight
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import WorkerRecord, WorkerRegistry, grpc_connect
 from pdserve.router.request import Arrival
-from pdserve.rpc import ACCEPTED_KEY, PROTOCOL_VERSION, STATUS_KEY
+from pdserve.rpc import ACCEPTED_KEY, GENERATE_VERSIONS, PROTOCOL_VERSION, STATUS_KEY
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving import auth
@@ -182,7 +182,7 @@ class RouterService(rpc.RouterServicer):
 
     def _validate(self, request: pb.GenerateRequest) -> tuple[list[int], tuple[int, ...]]:
         """-> (prompt, continuation)"""
-        if request.protocol_version not in (0, PROTOCOL_VERSION):
+        if request.protocol_version not in GENERATE_VERSIONS:
             raise ValueError(f"protocol_version: {request.protocol_version} is not supported")
         if request.request_id and not REQUEST_ID.fullmatch(request.request_id):
             raise ValueError("request_id: 1-128 characters of [A-Za-z0-9._:-]")

@@ -1,0 +1,94 @@
+"""The SDK's side of a router restart (pdserve/client.py), against a scripted router in
+this process: which endings are sent again as a continuation, and which are not."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pdserve.client import Client, StreamEnded, Unavailable
+from pdserve.rpc import ACCEPTED_KEY, STATUS_KEY
+from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc import pdserve_pb2_grpc as rpc
+from pdserve.serving.server import start_server
+
+
+class Router(rpc.RouterServicer):
+    """Generates 10, 11, 12, ... up to max_tokens; the first call ends as `script` says."""
+
+    def __init__(self, script: str) -> None:
+        self.script, self.calls = script, []
+
+    def Generate(self, request, context):
+        self.calls.append(request)
+        first = len(self.calls) == 1
+        if not (first and self.script == "never-accepted"):
+            context.send_initial_metadata(((ACCEPTED_KEY, "1"),))
+        have = list(request.continuation.ids)
+        tokens = [10 + i for i in range(len(have), request.sampling.max_tokens)]
+        if first and self.script == "dies":  # two tokens out, then the connection breaks
+            yield pb.GenerateResponse(request_id="r", token_ids=tokens[:2])
+            context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+        if first and self.script in ("router-status", "never-accepted"):
+            if self.script == "router-status":
+                context.set_trailing_metadata(((STATUS_KEY, "1"),))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is registered")
+        if first and self.script == "no-final":
+            yield pb.GenerateResponse(request_id="r", token_ids=tokens)
+            return
+        yield pb.GenerateResponse(
+            request_id="r", token_ids=tokens, finished=True, finish_reason="length"
+        )
+        if first and self.script == "final-then-break":
+            context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+
+
+@pytest.fixture
+def router():
+    servers = []
+
+    def make(script: str) -> tuple[Router, str]:
+        servicer = Router(script)
+        server, port = start_server(
+            lambda s: rpc.add_RouterServicer_to_server(servicer, s), "127.0.0.1", 0
+        )
+        servers.append(server)
+        return servicer, f"127.0.0.1:{port}"
+
+    yield make
+    for server in servers:
+        server.stop(grace=0)
+
+
+def test_a_router_that_vanished_gets_the_rest_as_a_continuation(router):
+    servicer, address = router("dies")
+    with Client(address, reconnect_timeout_s=5) as client:
+        result = client.generate([1, 2, 3], max_tokens=6, ignore_eos=True)
+    assert result.token_ids == [10, 11, 12, 13, 14, 15]  # none lost, none twice
+    assert result.timings["reconnects"] == 1
+    first, again = servicer.calls
+    assert not first.HasField("continuation")
+    assert list(again.continuation.ids) == [10, 11] and again.HasField("continuation")
+    assert list(again.token_ids.ids) == [1, 2, 3]  # the prompt as it was
+
+
+@pytest.mark.parametrize("script", ["router-status", "never-accepted"])
+def test_a_status_of_the_routers_own_or_a_call_never_taken_is_not_sent_again(router, script):
+    servicer, address = router(script)
+    with Client(address, reconnect_timeout_s=5) as client, pytest.raises(Unavailable):
+        client.generate([1, 2, 3], max_tokens=4, ignore_eos=True)
+    assert len(servicer.calls) == 1
+
+
+def test_a_request_whose_final_message_came_is_never_sent_again(router):
+    servicer, address = router("final-then-break")
+    with Client(address, reconnect_timeout_s=5) as client:
+        result = client.generate([1, 2, 3], max_tokens=3, ignore_eos=True)
+    assert result.token_ids == [10, 11, 12] and result.finish_reason == "length"
+    assert len(servicer.calls) == 1 and result.timings["reconnects"] == 0
+
+
+def test_a_stream_that_ends_without_its_final_message_is_an_error(router):
+    _, address = router("no-final")
+    with Client(address) as client, pytest.raises(StreamEnded, match="without its final"):
+        client.generate([1, 2, 3], max_tokens=3, ignore_eos=True)
