@@ -35,19 +35,17 @@ def pid_of(cluster, name: str) -> int:
 def registered(cluster) -> dict[str, str]:
     """worker id -> process name (role-index) of every live process the router lists.
     Raises grpc.RpcError when the router does not answer."""
-    running = dict(live(cluster))
-    by_address = {a: n for n, a in cluster.addresses.items() if n in running}
-    with auth.channel(cluster.address, cluster.security) as channel:
-        workers = rpc.RouterStub(channel).ListWorkers(pb.Empty(), timeout=2).workers
-    return {w.worker_id: by_address[w.address] for w in workers if w.address in by_address}
+    by_address = {a: n for n, a in cluster.addresses.items()}
+    return {w.worker_id: by_address[w.address] for w in listed(cluster)}
 
 
 def listed(cluster) -> list[pb.WorkerInfo]:
     """The router's view of the workers that are live processes of this cluster."""
-    running = {a for n, a in cluster.addresses.items() if n in dict(live(cluster))}
+    running = {n for n, _ in live(cluster)}
+    addresses = {a for n, a in cluster.addresses.items() if n in running}
     with auth.channel(cluster.address, cluster.security) as channel:
         workers = rpc.RouterStub(channel).ListWorkers(pb.Empty(), timeout=2).workers
-    return [w for w in workers if w.address in running]
+    return [w for w in workers if w.address in addresses]
 
 
 def rss_mib(cluster) -> dict[str, float]:
