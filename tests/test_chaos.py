@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pdserve.bench.chaos import DEADLINE_S, Outcome, _summary, ok
 from pdserve.bench.faults import FAULT_HELP, FAULTS, STATES
+from pdserve.bench.probes import outcomes_since
 from pdserve.bench.prometheus import total
 from pdserve.bench.strike import POINT
 from pdserve.failpoints import POINTS
@@ -34,6 +35,21 @@ def test_every_ending_is_counted_once():
     assert ok({"benchmark": "soak", **clean})  # a typed failure is allowed
     clean["leaked"] = {"blocks": 2, "spill_blocks": 0}
     assert not ok({"benchmark": "soak", **clean})
+    bug = _summary("z", outcomes[:1] + [Outcome([1], status="INTERNAL")], want, 3, 1.0, True)
+    bug["leaked"] = {"blocks": 0, "spill_blocks": 0}
+    assert not ok({"benchmark": "soak", **bug})  # typed, but the router's own bug
+
+
+def test_router_outcomes_are_counted_per_phase_across_a_restart():
+    from collections import Counter
+
+    before = Counter(length=10, cancelled=2)
+    assert outcomes_since(before, Counter(length=14, cancelled=2)) == {"length": 4}
+    # a restarted router counts from zero: what it counted is all there is
+    assert outcomes_since(before, Counter(length=3, failed_unavailable=1)) == {
+        "failed_unavailable": 1,
+        "length": 3,
+    }
 
 
 def test_metrics_are_read_per_series_or_summed():

@@ -156,3 +156,23 @@ def test_a_frozen_decode_worker_is_skipped_after_its_first_timeout(router):
     records = {r.worker_id: r for r, _ in service.registry.listing()}  # still listed
     service.registry.upsert(records["d-frozen"])  # its next heartbeat, same address
     assert [w.worker_id for w in service.registry.decode_order()][0] == "d-frozen"
+
+
+def test_a_handoff_that_ends_without_its_final_message_fails_internal(router, monkeypatch):
+    """Never a silent end: the client holds one token and no final message, so the router
+    answers INTERNAL (a bug of its own) instead of closing the stream OK."""
+    import grpc
+
+    service, address, _ = router
+
+    def truncated(arrival, context):
+        yield pb.GenerateResponse(request_id=arrival.request_id, token_ids=[7])
+
+    monkeypatch.setattr(service.handoff, "serve", truncated)
+    with Client(address) as client:
+        got = []
+        with pytest.raises(grpc.RpcError) as e:
+            for msg in client.messages([1], max_tokens=2):
+                got.extend(msg.token_ids)
+    assert e.value.code() == grpc.StatusCode.INTERNAL and got == [7]
+    assert outcomes(service) == {"failed_internal": 1.0}

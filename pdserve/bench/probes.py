@@ -16,7 +16,7 @@ from collections import Counter
 
 import grpc
 
-from pdserve.bench.prometheus import scrape, total
+from pdserve.bench.prometheus import samples, scrape, total
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving import auth
@@ -46,6 +46,30 @@ def listed(cluster) -> list[pb.WorkerInfo]:
     with auth.channel(cluster.address, cluster.security) as channel:
         workers = rpc.RouterStub(channel).ListWorkers(pb.Empty(), timeout=2).workers
     return [w for w in workers if w.address in addresses]
+
+
+def router_outcomes(cluster) -> Counter:
+    """The router's own count of request outcomes (pdserve_router_requests_total by
+    outcome) since it started; empty when it does not answer."""
+    try:
+        text = scrape(cluster.metrics["router-0"], timeout_s=5)
+    except OSError:
+        return Counter()
+    return Counter(
+        {
+            s.labels["outcome"]: int(s.value)
+            for s in samples(text)
+            if s.name == "pdserve_router_requests_total"
+        }
+    )
+
+
+def outcomes_since(before: Counter, after: Counter) -> dict[str, int]:
+    """What the router counted between two reads; a router that restarted in between
+    counts from zero again, so then it is everything the new one counted."""
+    if sum(after.values()) < sum(before.values()):  # restarted
+        before = Counter()
+    return dict(sorted((after - before).items()))
 
 
 def rss_mib(cluster) -> dict[str, float]:

@@ -10,6 +10,7 @@ the same answer whoever owns the first, so a refusal says nothing about it."""
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 import threading
@@ -33,6 +34,8 @@ from pdserve.serving.server import health
 from pdserve.tokenizer import Tokenizer
 from pdserve.trace import now
 from pdserve.validation import RequestValidator
+
+log = logging.getLogger(__name__)
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _WORKER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -247,6 +250,17 @@ class RouterService(rpc.RouterServicer):
                 if msg.finished:
                     outcome = msg.finish_reason if context.is_active() else "cancelled"
                 yield msg
+            if outcome is None and context.is_active():
+                # every request ends with its final message or a status: a stream closed
+                # with neither would leave the client holding a truncated output as if it
+                # were whole (counted failed_internal, and logged: it is a router bug)
+                log.error(
+                    "request %s: the handoff ended without a final message", arrival.request_id
+                )
+                context.abort(
+                    grpc.StatusCode.INTERNAL,
+                    "the router ended the request without its final message (a bug)",
+                )
         except GeneratorExit:  # gRPC closes the generator of a cancelled call
             outcome = outcome or "cancelled"
             raise
