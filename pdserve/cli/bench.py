@@ -68,6 +68,20 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return print_report(report, format_table, args.json)
 
 
+def cmd_bench_parity(args: argparse.Namespace) -> int:
+    from pdserve.bench.parity import bench_parity, format_table
+
+    report = bench_parity(
+        args.model,
+        tuple(args.concurrency),
+        max_tokens=args.max_tokens,
+        rounds=args.rounds,
+        threads=args.threads,
+        seed=args.seed,
+    )
+    return print_report(report, format_table, args.json)
+
+
 def cmd_bench_fuzz(args: argparse.Namespace) -> int:
     from pdserve.bench.fuzz import bench_fuzz, format_table, ok
 
@@ -248,6 +262,18 @@ def add_bench_parser(sub) -> None:
         "--slo", type=slo_arg, default=None, help="ttft=SECONDS,tpot=SECONDS (default 2, 0.1)"
     )
     srv.set_defaults(func=cmd_bench_serve)
+
+    par = bench_sub.add_parser(
+        "parity", help="a 1P1D cluster vs the in-process engine, same requests and threads"
+    )
+    par.add_argument("--model", default=DEMO_MODEL)
+    par.add_argument("--concurrency", type=int_list, default=[8, 16, 32])
+    par.add_argument("--max-tokens", type=int, default=128)
+    par.add_argument("--rounds", type=int, default=2, help="interleaved A/B rounds")
+    par.add_argument("--threads", type=int, default=None, help="torch threads (default: CPUs)")
+    par.add_argument("--seed", type=int, default=0)
+    par.add_argument("--json", default=None)
+    par.set_defaults(func=cmd_bench_parity)
 
     fz = bench_sub.add_parser(
         "fuzz", help="generated bad input at every RPC and the HTTP API of a launched cluster"
