@@ -23,6 +23,7 @@ retried (`retryable` says whether the caller may).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -91,6 +92,7 @@ class StreamEnded(PdserveError):
 
 
 _NO_FINAL = "the stream ended without its final message"
+_TAKEN_PAUSE_S = 0.2  # before a continuation whose id the router still holds is sent again
 
 
 _KINDS = MappingProxyType(
@@ -185,12 +187,19 @@ def _has(metadata, key: str) -> bool:
     return any(k == key for k, _ in metadata or ())
 
 
-def _router_lost(call, e: grpc.RpcError) -> bool:
-    """The router took the request (its accepted mark came) and then the call broke with
-    no status of the router's own: it died or restarted, and the request may go on."""
+def _send_again(e: grpc.RpcError, accepted, attempt: int, reconnects: int) -> bool:
+    """Whether a call that broke with `e` is sent again as a continuation: the router took
+    the request (`accepted`: the call's initial metadata carries its mark) and the call then
+    broke with no status of the router's own (it died or restarted, and the request may go
+    on); or a router still alive holds the broken call's id a moment (ALREADY_EXISTS on a
+    continuation). At most `reconnects` times."""
+    if attempt >= reconnects:
+        return False
+    if attempt > 0 and e.code() == grpc.StatusCode.ALREADY_EXISTS:
+        return True
     return (
         e.code() == grpc.StatusCode.UNAVAILABLE
-        and _has(call.initial_metadata(), ACCEPTED_KEY)
+        and _has(accepted, ACCEPTED_KEY)
         and not _has(e.trailing_metadata(), STATUS_KEY)
     )
 
@@ -275,12 +284,10 @@ class Client:
             except grpc.RpcError as e:
                 if finished:
                     return  # the request is whole: whatever broke after, never send it again
-                # a router that is still alive may hold the broken call's id a moment
-                taken = attempt > 0 and e.code() == grpc.StatusCode.ALREADY_EXISTS
-                if attempt == self.reconnects or not (taken or _router_lost(call, e)):
+                if not _send_again(e, call.initial_metadata(), attempt, self.reconnects):
                     raise
-                if taken:
-                    time.sleep(0.2)
+                if e.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    time.sleep(_TAKEN_PAUSE_S)
                 _await_ready(self.channel, self.reconnect_timeout_s, e)
             finally:
                 call.cancel()
@@ -340,7 +347,8 @@ class Client:
 
 
 class AsyncClient:
-    """The same API on grpc.aio, for asyncio programs and load generators."""
+    """The same API on grpc.aio, for asyncio programs and load generators; it continues
+    requests through a router restart as Client does."""
 
     def __init__(
         self,
@@ -348,30 +356,80 @@ class AsyncClient:
         api_key: str | None = None,
         tls: TLS | None = None,
         security: Security | None = None,
+        reconnects: int = 3,
+        reconnect_timeout_s: float = 30.0,
     ) -> None:
+        if reconnects < 0 or reconnect_timeout_s <= 0:
+            raise ValueError("reconnects: must be >= 0, reconnect_timeout_s > 0")
         security = _security(api_key, tls, security)
         self.channel = auth.aio_channel(address, security)
         self.metadata = security.call_metadata()
         self.stub = rpc.RouterStub(self.channel)
+        self.reconnects, self.reconnect_timeout_s = reconnects, reconnect_timeout_s
+
+    async def messages(
+        self,
+        prompt: str | list[int],
+        on_call: Callable[[object], None] | None = None,
+        timeout_s: float | None = None,
+        **sampling,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Client.messages on asyncio: the router's messages for one request, across
+        router restarts."""
+        request, tokens = _build(prompt, sampling), []
+        for attempt in range(self.reconnects + 1):
+            call = self.stub.Generate(request, metadata=self.metadata, timeout=timeout_s)
+            if on_call is not None:
+                on_call(call)
+            finished = False
+            try:
+                async for msg in call:
+                    request.request_id = request.request_id or msg.request_id
+                    tokens.extend(msg.token_ids)
+                    finished = finished or msg.finished
+                    yield msg
+                if not finished:
+                    raise StreamEnded(grpc.StatusCode.UNKNOWN, _NO_FINAL)
+                return
+            except grpc.RpcError as e:
+                if finished:
+                    return
+                # an AioRpcError carries the initial metadata the call got
+                if not _send_again(e, e.initial_metadata(), attempt, self.reconnects):
+                    raise
+                if e.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    await asyncio.sleep(_TAKEN_PAUSE_S)
+                try:  # until the router (restarted) answers again
+                    await asyncio.wait_for(self.channel.channel_ready(), self.reconnect_timeout_s)
+                except asyncio.TimeoutError:
+                    raise e from None
+            finally:
+                call.cancel()
+            request = _continuation(request, tokens)
 
     async def generate(self, prompt: str | list[int], **sampling) -> GenerateResult:
         result = GenerateResult(request_id="")
-        request = _build(prompt, sampling)
+        calls: list = []
         try:
-            async for msg in self.stub.Generate(request, metadata=self.metadata):
+            async for msg in self.messages(prompt, calls.append, **sampling):
                 _absorb(result, msg)
         except grpc.RpcError as e:
             raise _error(e) from None
+        result.timings["reconnects"] = len(calls) - 1
         return result
 
     async def stream(self, prompt: str | list[int], **sampling) -> AsyncIterator[int]:
-        call = self.stub.Generate(_build(prompt, sampling), metadata=self.metadata)
+        """Yields token ids as they arrive; closing the generator cancels the request."""
+        messages = self.messages(prompt, **sampling)
         try:
-            async for msg in call:
+            async for msg in messages:
                 for token in msg.token_ids:
                     yield token
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                raise _error(e) from None
         finally:
-            call.cancel()
+            await messages.aclose()  # cancels the call in flight
 
     async def close(self) -> None:
         await self.channel.close()

@@ -92,3 +92,43 @@ def test_a_stream_that_ends_without_its_final_message_is_an_error(router):
     _, address = router("no-final")
     with Client(address) as client, pytest.raises(StreamEnded, match="without its final"):
         client.generate([1, 2, 3], max_tokens=3, ignore_eos=True)
+
+
+def _agenerate(address: str, **kwargs):
+    import asyncio
+
+    from pdserve.client import AsyncClient
+
+    async def go():
+        client = AsyncClient(address, reconnect_timeout_s=5)
+        try:
+            return await client.generate([1, 2, 3], ignore_eos=True, **kwargs)
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def test_the_async_client_continues_as_the_sync_one_does(router):
+    servicer, address = router("dies")
+    result = _agenerate(address, max_tokens=6)
+    assert result.token_ids == [10, 11, 12, 13, 14, 15] and result.timings["reconnects"] == 1
+    assert list(servicer.calls[1].continuation.ids) == [10, 11]
+
+
+@pytest.mark.parametrize("script", ["router-status", "never-accepted"])
+def test_the_async_client_does_not_resend_a_status_or_a_call_never_taken(router, script):
+    servicer, address = router(script)
+    with pytest.raises(Unavailable):
+        _agenerate(address, max_tokens=4)
+    assert len(servicer.calls) == 1
+
+
+def test_the_async_client_never_resends_a_whole_request_nor_hides_a_missing_end(router):
+    servicer, address = router("final-then-break")
+    result = _agenerate(address, max_tokens=3)
+    assert result.token_ids == [10, 11, 12] and result.timings["reconnects"] == 0
+    assert len(servicer.calls) == 1
+    _, address = router("no-final")
+    with pytest.raises(StreamEnded, match="without its final"):
+        _agenerate(address, max_tokens=3)
