@@ -82,6 +82,15 @@ def cmd_bench_parity(args: argparse.Namespace) -> int:
     return print_report(report, format_table, args.json)
 
 
+def cmd_bench_roofline(args: argparse.Namespace) -> int:
+    from pdserve.bench.roofline import bench_roofline, format_table
+
+    report = bench_roofline(
+        args.model, tuple(args.batches), tuple(args.contexts), steps=args.steps, seed=args.seed
+    )
+    return print_report(report, format_table, args.json)
+
+
 def cmd_bench_fuzz(args: argparse.Namespace) -> int:
     from pdserve.bench.fuzz import bench_fuzz, format_table, ok
 
@@ -274,6 +283,17 @@ def add_bench_parser(sub) -> None:
     par.add_argument("--seed", type=int, default=0)
     par.add_argument("--json", default=None)
     par.set_defaults(func=cmd_bench_parity)
+
+    roof = bench_sub.add_parser(
+        "roofline", help="decode step time against the memory roofline, measured here"
+    )
+    roof.add_argument("--model", default=DEMO_MODEL)
+    roof.add_argument("--batches", type=int_list, default=[1, 8, 16, 32, 64])
+    roof.add_argument("--contexts", type=int_list, default=[128, 512, 1024, 2048])
+    roof.add_argument("--steps", type=int, default=3, help="timed steps per point (median)")
+    roof.add_argument("--seed", type=int, default=0)
+    roof.add_argument("--json", default=None)
+    roof.set_defaults(func=cmd_bench_roofline)
 
     fz = bench_sub.add_parser(
         "fuzz", help="generated bad input at every RPC and the HTTP API of a launched cluster"

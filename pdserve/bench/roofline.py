@@ -1,0 +1,170 @@
+"""`pdserve bench roofline`: decode steps against the memory roofline of this machine.
+
+A decode step must read every weight the step uses once (all but the input embedding
+table, of which it reads a row per request; a tied table is read whole as the LM head)
+and the KV of every request's context. Its floor on this machine is those bytes over the
+memory read bandwidth, measured in the same run (a multi-threaded sum over a buffer far
+larger than the caches, best of several). For each batch size and context in the grid the
+benchmark times real decode steps of the engine's runner (pdserve/engine/model_runner.py,
+the path every role runs) and reports step time, roofline time and their ratio: the
+fraction of the roofline the step reaches (1.0 = as fast as reading the bytes once).
+
+The contexts are not prefilled (64 prompts of 2,048 tokens would take minutes on a CPU):
+each request's blocks are simply there, holding random KV, and its step is one token at
+position context-1, as a decode step at that context is. The time of a step does not
+depend on what the cache holds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from pdserve.bench.report import machine_info
+from pdserve.engine.args import EngineArgs
+from pdserve.engine.batch import ScheduledChunk
+from pdserve.engine.build import build_engine
+from pdserve.progress import progress
+from pdserve.sampling_params import SamplingParams
+
+BATCHES = (1, 8, 16, 32, 64)
+CONTEXTS = (128, 512, 1024, 2048)
+BANDWIDTH_BYTES = 1 << 30  # the buffer the bandwidth is read from (1 GiB)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def read_bandwidth(device: torch.device, nbytes: int = BANDWIDTH_BYTES, reps: int = 5) -> float:
+    """Bytes per second a reduction over `nbytes` reads at best (the torch threads set)."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(reps + 1):  # the first pass is a warm-up
+        _sync(device)
+        start = time.perf_counter()
+        buf.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    del buf
+    return nbytes / best
+
+
+def weight_bytes_read(model: torch.nn.Module) -> int:
+    """What one decode step reads of the weights: every parameter (shared ones once) but an
+    untied input embedding table."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    if model.lm_head.weight.data_ptr() != embed.data_ptr():
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def bench_roofline(
+    model: str = "smollm2-135m",
+    batches: tuple[int, ...] = BATCHES,
+    contexts: tuple[int, ...] = CONTEXTS,
+    steps: int = 3,
+    seed: int = 0,
+) -> dict:
+    if not batches or not contexts or min(batches) < 1 or min(contexts) < 2 or steps < 1:
+        raise ValueError("batches and steps >= 1, contexts >= 2 tokens")
+    from pdserve.weights import resolve
+
+    if max(contexts) > (positions := resolve(model).config.max_position):
+        raise ValueError(f"contexts: {max(contexts)} is too long for {model} ({positions})")
+    block_size = 16
+    per_request = -(-max(contexts) // block_size)
+    args = EngineArgs(
+        block_size=block_size,
+        num_kv_blocks=max(batches) * per_request + 1,
+        enable_prefix_caching=False,
+        seed=seed,
+    )
+    core, _ = build_engine(model, args)
+    try:
+        device = core.kv_pool.device
+        core.kv_pool.normal_()  # touch every page: no first-touch faults in a timed step
+        bandwidth = read_bandwidth(device)
+        weights = weight_bytes_read(core.runner.model)
+        kv_per_token = core.model_config.kv_elements_per_token * core.kv_pool.element_size()
+        vocab = core.model_config.vocab_size
+        gen = torch.Generator().manual_seed(seed)
+        params = SamplingParams(temperature=0)
+        rows = []
+        grid = [(b, c) for c in contexts for b in batches]
+        for batch, context in progress(grid, desc="bench roofline", unit="point"):
+            blocks = -(-context // block_size)
+            chunks = [
+                ScheduledChunk(
+                    token_ids=[int(torch.randint(3, vocab, (1,), generator=gen))],
+                    start=context - 1,
+                    # block 0 stays out: the runner pads block tables with it
+                    block_ids=list(range(1 + i * per_request, 1 + i * per_request + blocks)),
+                    sample=True,
+                    params=params,
+                    generator=None,
+                )
+                for i in range(batch)
+            ]
+            times = []
+            for s in range(steps + 1):  # the first is a warm-up
+                _sync(device)
+                start = time.perf_counter()
+                core.runner.execute(chunks)
+                _sync(device)
+                if s:
+                    times.append(time.perf_counter() - start)
+            step = statistics.median(times)
+            nbytes = weights + batch * context * kv_per_token
+            floor = nbytes / bandwidth
+            rows.append(
+                {
+                    "batch": batch,
+                    "context": context,
+                    "step_s": step,
+                    "bytes_read": nbytes,
+                    "roofline_s": floor,
+                    "fraction_of_roofline": floor / step,
+                    "tok_s": batch / step,
+                }
+            )
+    finally:
+        core.close()
+    return {
+        "benchmark": "roofline",
+        "model": model,
+        "device": str(device),
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "weight_bytes_read": weights,
+        "kv_bytes_per_token": kv_per_token,
+        "steps": steps,
+        "machine": machine_info(),
+        "rows": rows,
+    }
+
+
+def format_table(report: dict) -> str:
+    contexts = sorted({r["context"] for r in report["rows"]})
+    batches = sorted({r["batch"] for r in report["rows"]})
+    at = {(r["batch"], r["context"]): r for r in report["rows"]}
+    lines = [
+        f"bench roofline: {report['model']} on {report['device']}, read bandwidth "
+        f"{report['read_bandwidth_gb_s']:.1f} GB/s (measured), weights read per step "
+        f"{report['weight_bytes_read'] / 1e6:.0f} MB, KV {report['kv_bytes_per_token'] / 1e3:.1f}"
+        " KB/token",
+        "step ms (fraction of the memory roofline) by batch and context:",
+        f"{'batch':>6} " + " ".join(f"{c:>15}" for c in contexts),
+    ]
+    for b in batches:
+        cells = []
+        for c in contexts:
+            r = at.get((b, c))
+            cells.append(
+                f"{r['step_s'] * 1e3:>8.1f} ({r['fraction_of_roofline']:.2f})" if r else " " * 15
+            )
+        lines.append(f"{b:>6} " + " ".join(f"{cell:>15}" for cell in cells))
+    return "\n".join(lines)

@@ -1,0 +1,47 @@
+"""bench roofline (pdserve/bench/roofline.py) on the tiny random checkpoint: the bytes a
+decode step reads, and a small grid run for real."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.bench.roofline import bench_roofline, format_table, weight_bytes_read
+
+
+def test_a_tied_table_is_read_once_and_an_untied_input_table_not_at_all():
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self, tied: bool) -> None:
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.embed_tokens = torch.nn.Embedding(10, 4)  # 40 floats
+            self.lm_head = torch.nn.Linear(4, 10, bias=False)  # 40 floats
+            self.norm = torch.nn.LayerNorm(4)  # 8 floats
+            if tied:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    assert weight_bytes_read(Tiny(tied=True)) == (40 + 8) * 4
+    assert weight_bytes_read(Tiny(tied=False)) == (40 + 8) * 4  # the LM head, not the input
+
+
+def test_a_small_grid_reports_every_point_against_the_bandwidth_it_measured():
+    report = bench_roofline("tiny-llama", batches=(1, 4), contexts=(16, 64), steps=1)
+    assert report["read_bandwidth_gb_s"] > 0 and report["weight_bytes_read"] > 0
+    points = {(r["batch"], r["context"]) for r in report["rows"]}
+    assert points == {(1, 16), (4, 16), (1, 64), (4, 64)}
+    for r in report["rows"]:
+        kv = r["batch"] * r["context"] * report["kv_bytes_per_token"]
+        assert r["bytes_read"] == report["weight_bytes_read"] + kv
+        assert r["roofline_s"] == pytest.approx(
+            r["bytes_read"] / 1e9 / report["read_bandwidth_gb_s"]
+        )
+        assert r["fraction_of_roofline"] == pytest.approx(r["roofline_s"] / r["step_s"])
+    assert "(0." in format_table(report) or "(1." in format_table(report)
+
+
+def test_bad_grids_are_refused():
+    with pytest.raises(ValueError):
+        bench_roofline("tiny-llama", batches=())
+    with pytest.raises(ValueError, match="too long"):
+        bench_roofline("tiny-llama", batches=(1,), contexts=(1 << 20,))
