@@ -26,7 +26,7 @@ import grpc
 
 from pdserve import failpoints
 from pdserve.bench.faults import PAUSE_S, STOP_S
-from pdserve.bench.probes import busiest, live, registered, spill_dirs, spill_files
+from pdserve.bench.probes import busiest, registered, spill_dirs, spill_files
 from pdserve.rpc import PROTOCOL_VERSION
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
@@ -64,6 +64,9 @@ class Strike:
     concurrency: int = 1
     struck: bool = False
     note: str = ""
+    # pid -> process name of every process seen since arming: a worker that killed itself
+    # at its failpoint is gone (and maybe restarted) by the time the marker is read
+    _names: dict[int, str] = field(default_factory=dict)
     _undo: list[tuple[float, Callable[[], None]]] = field(default_factory=list)
 
     @classmethod
@@ -98,8 +101,12 @@ class Strike:
             else:  # a decode worker, struck while a prefill holds before pushing to it
                 action, s.react = f"pause {PAUSE_S}", f"{how}-peer"
         if s.point is not None:
+            s._seen()
             failpoints.arm(directory, "any", s.point, action)
         return s
+
+    def _seen(self) -> None:
+        self._names.update((p.pid, n) for n, p in zip(self.cluster.names, self.cluster.procs))
 
     def poll(self, load) -> None:
         now = time.monotonic()
@@ -115,11 +122,11 @@ class Strike:
             return
         hit = failpoints.fired(self.directory, "any", self.point)
         if hit is None:
+            self._seen()
             return
         self.struck = True
         pid, detail = hit
-        names = {p: n for n, p in live(self.cluster)}
-        self.note = f"{self.point} fired in {names.get(pid, f'pid {pid}')}"
+        self.note = f"{self.point} fired in {self._names.get(pid, f'pid {pid}')}"
         if self.react == "cont":
             self._later(STOP_S, lambda: _signal(pid, signal.SIGCONT))
         elif self.react in ("kill-peer", "stop-peer"):
