@@ -215,6 +215,36 @@ def _await_ready(channel: grpc.Channel, timeout_s: float, error: grpc.RpcError) 
         ready.cancel()  # else its subscription stays on the channel
 
 
+@dataclass
+class _Sent:
+    """One request across the calls made for it (both clients): what the next call sends,
+    the tokens it has, and whether its final message came."""
+
+    request: pb.GenerateRequest
+    on_call: Callable[[object], None] | None
+    tokens: list[int] = field(default_factory=list)
+    finished: bool = False
+
+    def called(self, call) -> None:
+        if self.on_call is not None:
+            self.on_call(call)
+
+    def saw(self, msg: pb.GenerateResponse) -> pb.GenerateResponse:
+        self.request.request_id = self.request.request_id or msg.request_id
+        self.tokens.extend(msg.token_ids)
+        self.finished = self.finished or msg.finished
+        return msg
+
+    def ended(self) -> None:
+        """The stream closed: it must have brought its final message."""
+        if not self.finished:
+            raise StreamEnded(grpc.StatusCode.UNKNOWN, _NO_FINAL)
+
+    def continued(self) -> None:
+        """The next call continues after the tokens this one brought."""
+        self.request = _continuation(self.request, self.tokens)
+
+
 def _continuation(request: pb.GenerateRequest, tokens: list[int]) -> pb.GenerateRequest:
     again = pb.GenerateRequest()
     again.CopyFrom(request)
@@ -266,23 +296,17 @@ class Client:
         `on_call(call)` sees each gRPC call made for it (to cancel it from elsewhere),
         `timeout_s` bounds each. Raises grpc.RpcError as the last call ended, and
         StreamEnded when a stream closed without its final message."""
-        request, tokens = _build(prompt, sampling), []
+        sent = _Sent(_build(prompt, sampling), on_call)
         for attempt in range(self.reconnects + 1):
-            call = self.stub.Generate(request, timeout=timeout_s)
-            if on_call is not None:
-                on_call(call)
-            finished = False
+            call = self.stub.Generate(sent.request, timeout=timeout_s)
+            sent.called(call)
             try:
                 for msg in call:
-                    request.request_id = request.request_id or msg.request_id
-                    tokens.extend(msg.token_ids)
-                    finished = finished or msg.finished
-                    yield msg
-                if not finished:
-                    raise StreamEnded(grpc.StatusCode.UNKNOWN, _NO_FINAL)
+                    yield sent.saw(msg)
+                sent.ended()
                 return
             except grpc.RpcError as e:
-                if finished:
+                if sent.finished:
                     return  # the request is whole: whatever broke after, never send it again
                 if not _send_again(e, call.initial_metadata(), attempt, self.reconnects):
                     raise
@@ -291,7 +315,7 @@ class Client:
                 _await_ready(self.channel, self.reconnect_timeout_s, e)
             finally:
                 call.cancel()
-            request = _continuation(request, tokens)
+            sent.continued()
 
     def health(self) -> pb.HealthResponse:
         try:
@@ -322,9 +346,8 @@ class Client:
         try:
             for msg in messages:
                 yield from msg.token_ids
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                raise _error(e) from None
+        except grpc.RpcError as e:  # CANCELLED too: the router (not we) ended the call
+            raise _error(e) from None
         finally:
             messages.close()  # cancels the call in flight
 
@@ -376,24 +399,18 @@ class AsyncClient:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Client.messages on asyncio: the router's messages for one request, across
         router restarts."""
-        request, tokens = _build(prompt, sampling), []
+        sent = _Sent(_build(prompt, sampling), on_call)
         for attempt in range(self.reconnects + 1):
-            call = self.stub.Generate(request, metadata=self.metadata, timeout=timeout_s)
-            if on_call is not None:
-                on_call(call)
-            finished = False
+            call = self.stub.Generate(sent.request, metadata=self.metadata, timeout=timeout_s)
+            sent.called(call)
             try:
                 async for msg in call:
-                    request.request_id = request.request_id or msg.request_id
-                    tokens.extend(msg.token_ids)
-                    finished = finished or msg.finished
-                    yield msg
-                if not finished:
-                    raise StreamEnded(grpc.StatusCode.UNKNOWN, _NO_FINAL)
+                    yield sent.saw(msg)
+                sent.ended()
                 return
             except grpc.RpcError as e:
-                if finished:
-                    return
+                if sent.finished:
+                    return  # the request is whole: whatever broke after, never send it again
                 # an AioRpcError carries the initial metadata the call got
                 if not _send_again(e, e.initial_metadata(), attempt, self.reconnects):
                     raise
@@ -405,7 +422,7 @@ class AsyncClient:
                     raise e from None
             finally:
                 call.cancel()
-            request = _continuation(request, tokens)
+            sent.continued()
 
     async def generate(self, prompt: str | list[int], **sampling) -> GenerateResult:
         result = GenerateResult(request_id="")
@@ -425,9 +442,8 @@ class AsyncClient:
             async for msg in messages:
                 for token in msg.token_ids:
                     yield token
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                raise _error(e) from None
+        except grpc.RpcError as e:  # CANCELLED too: the router (not we) ended the call
+            raise _error(e) from None
         finally:
             await messages.aclose()  # cancels the call in flight
 

@@ -68,6 +68,12 @@ def _forward(stream) -> None:
         pass
 
 
+def worker_threads(prefill: int, decode: int) -> int:
+    """Torch threads of each worker of a local cluster: workers sharing one machine's CPUs
+    split them instead of oversubscribing (a role's --threads overrides it)."""
+    return max(1, (os.cpu_count() or 1) // max(1, prefill + decode))
+
+
 class Cluster:
     def __init__(
         self,
@@ -110,9 +116,7 @@ class Cluster:
                 at = self.argvs[0].index("--http-port") + 1
                 self.argvs[0][at] = self.http_address.rsplit(":", 1)[1]
             common = ["--model", model, "--router", self.address, "--transfer", transfer, *member]
-            # workers sharing one machine's CPUs split them instead of oversubscribing
-            threads = max(1, (os.cpu_count() or 1) // max(1, prefill + decode))
-            common += ["--threads", str(threads)]
+            common += ["--threads", str(worker_threads(prefill, decode))]
             for role, count in (("prefill", prefill), ("decode", decode)):
                 for _ in range(count):
                     extra = prefill_args if role == "prefill" else decode_args

@@ -43,13 +43,15 @@ def test_every_ending_is_counted_once():
 def test_router_outcomes_are_counted_per_phase_across_a_restart():
     from collections import Counter
 
-    before = Counter(length=10, cancelled=2)
-    assert outcomes_since(before, Counter(length=14, cancelled=2)) == {"length": 4}
-    # a restarted router counts from zero: what it counted is all there is
-    assert outcomes_since(before, Counter(length=3, failed_unavailable=1)) == {
+    before = (100, Counter(length=10, cancelled=2))
+    assert outcomes_since(before, (100, Counter(length=14, cancelled=2))) == {"length": 4}
+    # a restarted router (another pid) counts from zero: what it counted is all there is,
+    # even when it has counted more than the first one had
+    assert outcomes_since(before, (200, Counter(length=30, failed_unavailable=1))) == {
         "failed_unavailable": 1,
-        "length": 3,
+        "length": 30,
     }
+    assert outcomes_since(None, before) is None and outcomes_since(before, None) is None
 
 
 def test_metrics_are_read_per_series_or_summed():

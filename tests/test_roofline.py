@@ -26,8 +26,17 @@ def test_a_tied_table_is_read_once_and_an_untied_input_table_not_at_all():
 
 
 def test_a_small_grid_reports_every_point_against_the_bandwidth_it_measured():
-    report = bench_roofline("tiny-llama", batches=(1, 4), contexts=(16, 64), steps=1)
-    assert report["read_bandwidth_gb_s"] > 0 and report["weight_bytes_read"] > 0
+    report = bench_roofline(
+        "tiny-llama", batches=(1, 4), contexts=(16, 64), steps=1, bandwidth_bytes=32 << 20
+    )
+    assert report["read_bandwidth_gb_s"] > 0
+    # tiny-llama: 2 layers x K and V x 2 KV heads x 16 dims x 4 bytes (fp32)
+    assert report["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    # its weights as a step reads them: per layer q, k, v, o, the gated MLP and two norms,
+    # then the final norm and the untied LM head; never the input embedding table
+    h, inter, q, kv = 64, 128, 4 * 16, 2 * 16
+    layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h
+    assert report["weight_bytes_read"] == (2 * layer + h + 384 * h) * 4
     points = {(r["batch"], r["context"]) for r in report["rows"]}
     assert points == {(1, 16), (4, 16), (1, 64), (4, 64)}
     for r in report["rows"]:

@@ -298,6 +298,7 @@ def ok(report: dict) -> bool:
         and r["hung"] == 0
         and r["lost"] == 0
         and "INTERNAL" not in r["failed"]  # the router's own bug, whatever it did after
+        and not (r.get("router_outcomes") or {}).get("failed_internal")
         and r["duplicated_tokens"] == 0
         and r["equal"] == r["completed"]
         and r["leaked"]["blocks"] == 0

@@ -9,10 +9,12 @@ the last token received; the ratio is the cluster's over the engine's. Rounds in
 the two (engine first, then cluster first, ...), so a noisy neighbour hits both; the
 report keeps every round and the median ratio.
 
-"The same threads": the engine runs with `threads` torch threads (default: every CPU);
-the cluster's decode worker gets the same number, its prefill worker what
-pdserve.launch.worker_threads gives it. Both have the same KV pool (`num_kv_blocks`, big
-enough that nothing is preempted) and the same block size.
+Threads: the engine runs with `threads` torch threads (default: every CPU) and so does the
+cluster's decode worker; the prefill worker keeps what pdserve.launch.worker_threads gives
+it (1 on 2 CPUs), and the router and the client's event loop run beside them, as they
+would on a node. The report records every count. The engine and the decode worker have the
+same KV pool (`num_kv_blocks`, big enough that nothing is preempted) and block size.
+Every cluster stream has a deadline (DEADLINE_S) and must end with its final message.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pdserve.bench.report import machine_info
 from pdserve.progress import progress
 
 CONCURRENCIES = (8, 16, 32)
+DEADLINE_S = 600.0  # one cluster stream, start to end
 
 
 def parity_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -53,13 +56,20 @@ async def _streams(address: str, security, prompts: list[list[int]], max_tokens:
 
     async def one(prompt: list[int]) -> list[int]:
         tokens: list[int] = []
-        async for msg in client.stub.Generate(
-            build_request(prompt, params), metadata=client.metadata
-        ):
+        finished = False
+        call = client.stub.Generate(
+            build_request(prompt, params), metadata=client.metadata, timeout=DEADLINE_S
+        )
+        async for msg in call:
             tokens.extend(msg.token_ids)
+            finished = finished or msg.finished
+        if not finished:
+            raise RuntimeError("a cluster stream ended without its final message")
         return tokens
 
     try:
+        # connected before the clock starts: the engine side has no connection to make
+        await asyncio.wait_for(client.channel.channel_ready(), DEADLINE_S)
         start = time.perf_counter()
         outs = await asyncio.gather(*(one(p) for p in prompts))
         return time.perf_counter() - start, list(outs)
@@ -81,7 +91,7 @@ def bench_parity(
     seed: int = 0,
 ) -> dict:
     from pdserve import LLM
-    from pdserve.launch import Cluster
+    from pdserve.launch import Cluster, worker_threads
     from pdserve.weights import resolve
 
     threads = threads or os.cpu_count() or 1
@@ -131,7 +141,12 @@ def bench_parity(
         "benchmark": "parity",
         "model": model,
         "max_tokens": max_tokens,
-        "threads": {"engine": threads, "decode_worker": threads, "cpus": os.cpu_count()},
+        "threads": {
+            "engine": threads,
+            "decode_worker": threads,
+            "prefill_worker": worker_threads(1, 1),
+            "cpus": os.cpu_count(),
+        },
         "num_kv_blocks": num_kv_blocks,
         "rounds": rounds,
         "seed": seed,

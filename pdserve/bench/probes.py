@@ -48,28 +48,33 @@ def listed(cluster) -> list[pb.WorkerInfo]:
     return [w for w in workers if w.address in addresses]
 
 
-def router_outcomes(cluster) -> Counter:
-    """The router's own count of request outcomes (pdserve_router_requests_total by
-    outcome) since it started; empty when it does not answer."""
+def router_outcomes(cluster) -> tuple[int, Counter] | None:
+    """(the router's pid, its own count of request outcomes since it started:
+    pdserve_router_requests_total by outcome); None when it does not answer."""
     try:
         text = scrape(cluster.metrics["router-0"], timeout_s=5)
     except OSError:
-        return Counter()
-    return Counter(
+        return None
+    counts = Counter(
         {
             s.labels["outcome"]: int(s.value)
             for s in samples(text)
             if s.name == "pdserve_router_requests_total"
         }
     )
+    return pid_of(cluster, "router-0"), counts
 
 
-def outcomes_since(before: Counter, after: Counter) -> dict[str, int]:
-    """What the router counted between two reads; a router that restarted in between
-    counts from zero again, so then it is everything the new one counted."""
-    if sum(after.values()) < sum(before.values()):  # restarted
-        before = Counter()
-    return dict(sorted((after - before).items()))
+def outcomes_since(before, after) -> dict[str, int] | None:
+    """What the router counted between two `router_outcomes` reads; a router that was
+    restarted in between (another pid) counts from zero, so then it is everything the new
+    one counted. None when either read failed."""
+    if before is None or after is None:
+        return None
+    (pid_before, counted), (pid_after, now) = before, after
+    if pid_after != pid_before:
+        counted = Counter()
+    return dict(sorted((now - counted).items()))
 
 
 def rss_mib(cluster) -> dict[str, float]:

@@ -69,7 +69,10 @@ def bench_roofline(
     contexts: tuple[int, ...] = CONTEXTS,
     steps: int = 3,
     seed: int = 0,
+    bandwidth_bytes: int = BANDWIDTH_BYTES,
 ) -> dict:
+    """`bandwidth_bytes`: the buffer the read bandwidth is measured over (far larger than
+    the caches, else the figure is the caches')."""
     if not batches or not contexts or min(batches) < 1 or min(contexts) < 2 or steps < 1:
         raise ValueError("batches and steps >= 1, contexts >= 2 tokens")
     from pdserve.weights import resolve
@@ -88,7 +91,7 @@ def bench_roofline(
     try:
         device = core.kv_pool.device
         core.kv_pool.normal_()  # touch every page: no first-touch faults in a timed step
-        bandwidth = read_bandwidth(device)
+        bandwidth = read_bandwidth(device, bandwidth_bytes)
         weights = weight_bytes_read(core.runner.model)
         kv_per_token = core.model_config.kv_elements_per_token * core.kv_pool.element_size()
         vocab = core.model_config.vocab_size

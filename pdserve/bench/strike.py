@@ -120,9 +120,9 @@ class Strike:
                 self._at_moment(load)
                 self.struck = True
             return
+        self._seen()  # before the marker: a process started since the last poll may fire
         hit = failpoints.fired(self.directory, "any", self.point)
         if hit is None:
-            self._seen()
             return
         self.struck = True
         pid, detail = hit
