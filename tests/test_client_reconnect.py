@@ -33,6 +33,10 @@ class Router(rpc.RouterServicer):
             if self.script == "router-status":
                 context.set_trailing_metadata(((STATUS_KEY, "1"),))
             context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is registered")
+        if first and self.script == "cancelled":  # as a router shutting down ends a call
+            yield pb.GenerateResponse(request_id="r", token_ids=tokens[:1])
+            context.set_trailing_metadata(((STATUS_KEY, "1"),))
+            context.abort(grpc.StatusCode.CANCELLED, "the router is shutting down")
         if first and self.script == "no-final":
             yield pb.GenerateResponse(request_id="r", token_ids=tokens)
             return
@@ -132,3 +136,22 @@ def test_the_async_client_never_resends_a_whole_request_nor_hides_a_missing_end(
     _, address = router("no-final")
     with pytest.raises(StreamEnded, match="without its final"):
         _agenerate(address, max_tokens=3)
+
+
+def test_the_async_stream_goes_on_through_a_restart_and_types_a_router_cancel(router):
+    import asyncio
+
+    from pdserve.client import AsyncClient, PdserveError
+
+    async def tokens(address: str) -> list[int]:
+        client = AsyncClient(address, reconnect_timeout_s=5)
+        try:
+            return [t async for t in client.stream([1, 2, 3], max_tokens=5, ignore_eos=True)]
+        finally:
+            await client.close()
+
+    _, address = router("dies")
+    assert asyncio.run(tokens(address)) == [10, 11, 12, 13, 14]
+    _, address = router("cancelled")  # the router ends the call CANCELLED mid-stream
+    with pytest.raises(PdserveError, match="CANCELLED"):
+        asyncio.run(tokens(address))

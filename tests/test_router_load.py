@@ -50,5 +50,7 @@ def test_200_streams_are_served_and_more_are_refused_resource_exhausted_only():
         assert len(served_by) == 2, served_by  # spread over both workers
         results, errors = burst(client, QUEUE + 60, max_tokens=128)
         assert all(isinstance(e, Overloaded) for e in errors), {type(e) for e in errors}
-        assert len(errors) == 60 and len(results) == QUEUE  # exactly those past the bound
+        # past the bound, refused; how many depends on how many of the first ones finished
+        # before the last arrived (60 on a slow machine, 42 on a faster one: seen)
+        assert 0 < len(errors) <= 60 and len(results) + len(errors) == QUEUE + 60
         assert all(len(r.token_ids) == 128 for r in results)
