@@ -3,18 +3,19 @@ requests, the same threads, in one run.
 
 At each concurrency c, c greedy requests (prompts of 24-48 tokens, `max_tokens` outputs,
 EOS ignored) are run twice: by `LLM.generate` in this process, as one batch, and through
-the cluster's router as c concurrent streams (the SDK's AsyncClient, as `bench serve`
-drives it). Throughput is output tokens over the wall time from the first request sent to
-the last token received; the ratio is the cluster's over the engine's. Rounds interleave
-the two (engine first, then cluster first, ...), so a noisy neighbour hits both; the
-report keeps every round and the median ratio.
+the cluster's router as c concurrent streams (the SDK's AsyncClient.messages). Throughput
+is output tokens over the wall time from the first request sent to the last token
+received; the ratio is the cluster's over the engine's. Rounds interleave the two (engine
+first, then cluster first, ...), so a noisy neighbour hits both; the report keeps every
+round and the median ratio.
 
 Threads: the engine runs with `threads` torch threads (default: every CPU) and so does the
 cluster's decode worker; the prefill worker keeps what pdserve.launch.worker_threads gives
 it (1 on 2 CPUs), and the router and the client's event loop run beside them, as they
 would on a node. The report records every count. The engine and the decode worker have the
 same KV pool (`num_kv_blocks`, big enough that nothing is preempted) and block size.
-Every cluster stream has a deadline (DEADLINE_S) and must end with its final message.
+Every cluster stream has a deadline (DEADLINE_S) and must end with its final message
+(the SDK's StreamEnded otherwise).
 """
 
 from __future__ import annotations
@@ -49,23 +50,17 @@ def run_engine(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, l
 
 
 async def _streams(address: str, security, prompts: list[list[int]], max_tokens: int):
-    from pdserve.client import AsyncClient, build_request
+    """c concurrent requests through the SDK (StreamEnded if one ends without its final
+    message, DEADLINE_EXCEEDED past DEADLINE_S) -> (seconds, tokens of each)."""
+    from pdserve.client import AsyncClient
 
     client = AsyncClient(address, security=security)
-    params = dict(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
     async def one(prompt: list[int]) -> list[int]:
-        tokens: list[int] = []
-        finished = False
-        call = client.stub.Generate(
-            build_request(prompt, params), metadata=client.metadata, timeout=DEADLINE_S
+        messages = client.messages(
+            prompt, timeout_s=DEADLINE_S, max_tokens=max_tokens, temperature=0, ignore_eos=True
         )
-        async for msg in call:
-            tokens.extend(msg.token_ids)
-            finished = finished or msg.finished
-        if not finished:
-            raise RuntimeError("a cluster stream ended without its final message")
-        return tokens
+        return [t async for msg in messages for t in msg.token_ids]
 
     try:
         # connected before the clock starts: the engine side has no connection to make

@@ -55,7 +55,8 @@ def read_bandwidth(device: torch.device, nbytes: int = BANDWIDTH_BYTES, reps: in
 
 def weight_bytes_read(model: torch.nn.Module) -> int:
     """What one decode step reads of the weights: every parameter (shared ones once) but an
-    untied input embedding table."""
+    untied input embedding table. For a mixture-of-experts model that counts every expert,
+    which a small batch does not touch: there the roofline is too slow, the fraction too high."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.model.embed_tokens.weight
     if model.lm_head.weight.data_ptr() != embed.data_ptr():
