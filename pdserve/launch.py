@@ -117,10 +117,16 @@ class Cluster:
                 self.argvs[0][at] = self.http_address.rsplit(":", 1)[1]
             common = ["--model", model, "--router", self.address, "--transfer", transfer, *member]
             common += ["--threads", str(worker_threads(prefill, decode))]
+            # every worker starts at once (each loads the model and opens its transfer agent:
+            # seconds apiece), then each READY line is read in turn
+            started = []
             for role, count in (("prefill", prefill), ("decode", decode)):
                 for _ in range(count):
                     extra = prefill_args if role == "prefill" else decode_args
-                    self._spawn(["serve", role, *common, *(worker_args or []), *(extra or [])])
+                    argv = ["serve", role, *common, *(worker_args or []), *(extra or [])]
+                    started.append((self._start(argv), argv))
+            for proc, argv in started:
+                self._ready(proc, argv)
             self._await_registered(prefill, decode, startup_timeout_s)
         except BaseException:
             self.close()
@@ -136,6 +142,11 @@ class Cluster:
         self._spawn(self.argvs[index], index)
 
     def _spawn(self, argv: list[str], index: int | None = None) -> str:
+        """Start a process and wait for its READY line -> its gRPC address."""
+        return self._ready(self._start(argv, index), argv, index)
+
+    def _start(self, argv: list[str], index: int | None = None) -> subprocess.Popen:
+        """Start a process (in slot `index`, or a new one) and hand it the secret."""
         env = {k: v for k, v in os.environ.items() if k not in _CREDENTIAL_ENV}
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", *argv],
@@ -155,7 +166,12 @@ class Cluster:
             proc.stdin.write(self._secret_line)
             proc.stdin.close()
         except BrokenPipeError:
-            pass  # it died at once: the READY wait below says so
+            pass  # it died at once: the READY wait says so
+        return proc
+
+    def _ready(self, proc: subprocess.Popen, argv: list[str], index: int | None = None) -> str:
+        """Read a started process's READY line (its addresses) -> its gRPC address; its
+        name is recorded in start order."""
         line = proc.stdout.readline()
         while line and not line.startswith("READY "):  # libraries may log to stdout first
             sys.stderr.write(line)
