@@ -210,7 +210,8 @@ def test_bench_sweep_writes_every_point_and_the_plots(tmp_path):
     assert report["default_policy"] == "cost-aware+tiered"
     for p in points:
         assert fields <= set(p) and p["errors"] == 0 and p["generated_tokens"] > 0
-        assert len(p["requests"]) == p["num_requests"] == 3
+        # --quick: two requests per client, at least three
+        assert len(p["requests"]) == p["num_requests"] == max(3, 2 * p["concurrency"])
         assert {"ttft_s", "tpot_s", "e2e_s", "output_tokens"} <= set(p["requests"][0])
         assert sum(r["output_tokens"] for r in p["requests"]) == p["generated_tokens"]
     # the unloaded point meets its own relative SLO (5x TTFT, 2x TPOT) for most requests
@@ -223,6 +224,39 @@ def test_bench_sweep_writes_every_point_and_the_plots(tmp_path):
     # the sweep itself asserts that every block and spill tier drained after each point
     for name in ("throughput", "ttft", "tpot", "frontier"):
         assert (plots / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_sweep_runs_an_open_loop_at_each_arrival_rate(tmp_path):
+    out, plots = tmp_path / "sweep.json", tmp_path / "plots"
+    proc = run_cli(
+        "bench", "sweep", "--model", "tiny-llama", "--rate", "2,8", "--requests-per-rate", "4",
+        "--num-kv-blocks", "16", "--policy", "default", "--json", str(out), "--plot", str(plots),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["workload"]["loop"] == "open" and report["workload"]["requests_per_rate"] == 4
+    points = report["points"]
+    assert [(p["rate"], p["concurrency"]) for p in points] == [(2.0, None), (8.0, None)]
+    for p in points:
+        assert p["errors"] == 0 and p["num_requests"] == 4
+        # Poisson arrivals: sent over time, not all at once and not one after another
+        sent = sorted(r["sent_s"] for r in p["requests"])
+        assert sent[0] == 0 and sent[-1] > 0
+        assert sum(r["output_tokens"] for r in p["requests"]) == p["generated_tokens"]
+    assert report["slo"]["unloaded_from"]["rate"] == 2.0
+    assert report["analysis"]["default"]["knee_rate"] in (2.0, 8.0)
+    assert "2/s" in proc.stdout and "8/s" in proc.stdout
+    for name in ("throughput", "goodput", "ttft", "tpot", "frontier"):
+        assert (plots / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_sweep_takes_clients_or_a_rate_not_both():
+    proc = run_cli(
+        "bench", "sweep", "--model", "tiny-llama", "--concurrency", "2", "--rate", "1"
+    )  # fmt: skip
+    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+    proc = run_cli("bench", "sweep", "--model", "tiny-llama", "--rate", "0,1")
+    assert proc.returncode == 2 and "positive requests per second" in proc.stderr
 
 
 def test_bench_sweep_refuses_an_unknown_policy():

@@ -97,3 +97,44 @@ def test_a_relative_slo_is_resolved_against_the_unloaded_point():
     assert [p["goodput_req_s"] for p in points] == [0.5, 0.0, 0.0]
     assert [p["goodput"]["loose"]["req_s"] for p in points] == [0.5, 0.5, 0.0]
     assert points[0]["goodput_tok_s"] == 5.0
+
+
+def test_an_open_loop_window_ends_at_the_last_arrival():
+    # arrivals at 0, 5 and 10 s; the last one decodes alone until 40 s: the window is the
+    # 10 s in which requests were still arriving, tokens counted when they came
+    reqs = [sample(0, 0, 10, 11), sample(5, 5, 15, 11), sample(10, 10, 40, 31)]
+    for r in reqs:
+        r.token_times = [r.first_at + i for i in range(r.output_tokens)]
+    rate, window = steady_throughput(reqs, open_loop=True)
+    assert window == 10
+    assert rate == (11 + 6 + 1) / 10  # 0..10 s, 5..10 s, and the last one's first token
+    # the closed-loop rule on the same records runs to the first end after the last send
+    assert steady_throughput(reqs)[1] == 15 - 0
+
+
+def test_analyze_and_the_slo_use_the_rate_on_open_loop_points():
+    def point(rate, tok_s, tpot):
+        return {
+            "policy": "p",
+            "concurrency": None,
+            "rate": rate,
+            "throughput_tok_s": tok_s,
+            "generated_tokens": 10,
+            "recomputed_tokens": 0,
+            "ttft_p50_s": 1.0 / rate,
+            "tpot_p50_s": tpot,
+            "tpot_p99_s": tpot,
+            "elapsed_s": 10.0,
+            "requests": [{"ttft_s": 1.0, "tpot_s": tpot, "output_tokens": 10}],
+        }
+
+    points = [point(0.4, 9.0, 0.3), point(0.1, 3.0, 0.1), point(0.2, 6.0, 0.2)]
+    a = analyze(points)["p"]
+    assert a["knee_rate"] == 0.4 and a["knee_concurrency"] is None
+    assert a["throughput_by_load"] == {0.1: 3.0, 0.2: 6.0, 0.4: 9.0}
+    assert a["tpot_p99_vs_unloaded"] == {0.1: 1.0, 0.2: 2.0, 0.4: pytest.approx(3.0)}
+    used = apply_slo(points, parse_slo("ttft=5x,tpot=2x"))
+    # unloaded: the lowest rate's p50s (TTFT 10 s, TPOT 0.1 s) -> 50 s and 0.2 s
+    assert used["unloaded_from"] == {"policy": "p", "concurrency": None, "rate": 0.1}
+    assert used["default"]["ttft_s"] == 50.0 and used["default"]["tpot_s"] == 0.2
+    assert [p["goodput_req_s"] for p in points] == [0.0, 0.1, 0.1]

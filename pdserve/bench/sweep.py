@@ -2,11 +2,15 @@
 
 For each policy (`admission+preemption`, e.g. `greedy+recompute`, `kv-aware+tiered`, or
 `default`) a local cluster is launched with that policy on its decode workers and a small
-device KV budget, all of them before the first point; for each concurrency every policy in
-turn gets a closed loop of that many clients sending the same requests (the reasoning
-workload by default: short prompts, long-tailed outputs, mean scaled to the KV budget), and
-the point records throughput while every client has a request in flight
-(`steady_throughput`; the whole run's rate, drain included, is `overall_tok_s`), TTFT, TPOT
+device KV budget, all of them before the first point. The load is a closed loop or an open
+one: for each concurrency every policy in turn gets that many clients, each sending its next
+request when the last one ends; for each arrival rate (`rates`, requests/s) every policy gets
+the same requests sent at Poisson arrival times whatever the cluster does, which is where SLO
+goodput separates policies (in a closed loop past the knee every policy's requests queue
+alike and TTFT fails for all). The requests are the same for every policy at a point (the
+reasoning workload by default: short prompts, long-tailed outputs, mean scaled to the KV
+budget), and the point records throughput in its busy window (`steady_throughput`; the whole
+run's rate, drain included, is `overall_tok_s`), TTFT, TPOT
 and end-to-end percentiles, SLO goodput, every request's record, and what the decode
 workers report for the point (preemptions, recomputed tokens, spilled bytes: counter deltas
 scraped from their Prometheus endpoints; the default policy's inputs: its gauges). After
@@ -117,18 +121,24 @@ def wait_drained(cluster, decode_metrics: list[str], timeout_s: float = 60.0) ->
             time.sleep(0.5)
 
 
-def steady_throughput(samples) -> tuple[float, float]:
-    """(tokens/s, window s) while every client had a request in flight: from the first
-    request sent until the first request that ends after the last one was sent (until then
-    a client that finished took the next request at once). After that the loop drains, and
-    with long-tailed outputs the drain is one long request decoding alone. Tokens are counted
-    by the time they arrived (`token_times`); a record without them (the simulator's) is
-    assumed to get its tokens evenly between its first and last token."""
+def steady_throughput(samples, open_loop: bool = False) -> tuple[float, float]:
+    """(tokens/s, window s) in the busy window. Closed loop: while every client had a
+    request in flight, from the first request sent until the first request that ends after
+    the last one was sent (until then a client that finished took the next request at once).
+    Open loop: from the first request sent to the last (arrivals still coming). After that
+    the load drains, and with long-tailed outputs the drain is one long request decoding
+    alone. Tokens are counted by the time they arrived (`token_times`); a record without
+    them (the simulator's) is assumed to get its tokens evenly between its first and last
+    token."""
     ok = [s for s in samples if s.error is None and s.output_tokens > 0]
     if not ok:
         return 0.0, 0.0
     start, last_sent = min(s.sent_at for s in ok), max(s.sent_at for s in ok)
-    end = min((s.end_at for s in ok if s.end_at > last_sent), default=last_sent)
+    end = (
+        last_sent
+        if open_loop
+        else min((s.end_at for s in ok if s.end_at > last_sent), default=last_sent)
+    )
     if end <= start:
         return 0.0, 0.0
     tokens = 0.0
@@ -145,15 +155,23 @@ def steady_throughput(samples) -> tuple[float, float]:
     return tokens / (end - start), end - start
 
 
-def run_point(address, work, concurrency: int, seed: int) -> dict:
-    samples, elapsed = asyncio.run(_drive(address, work, concurrency, None, seed))
+def load_of(point: dict) -> float:
+    """A point's place on the load axis: its arrival rate (open loop) or its clients."""
+    rate = point.get("rate")
+    return rate if rate is not None else point["concurrency"]
+
+
+def run_point(address, work, concurrency: int | None, seed: int, rate: float | None = None):
+    """One point: `concurrency` closed-loop clients, or arrivals at `rate` requests/s."""
+    samples, elapsed = asyncio.run(_drive(address, work, concurrency, rate, seed))
     ok = [s for s in samples if s.error is None]
-    steady, window = steady_throughput(samples)
+    steady, window = steady_throughput(samples, open_loop=rate is not None)
     errors = sorted({s.error for s in samples if s.error})[:3]
     tokens = sum(s.output_tokens for s in ok)
     ttft = [s.ttft_s for s in ok]
     tpot = [s.tpot_s for s in ok if s.output_tokens > 1]
     e2e = [s.e2e_s for s in ok]
+    t0 = min((s.sent_at for s in samples), default=0.0)
     return {
         "num_requests": len(samples),
         "errors": len(samples) - len(ok),
@@ -169,7 +187,8 @@ def run_point(address, work, concurrency: int, seed: int) -> dict:
         "tpot_p99_s": percentile(tpot, 99),
         "e2e_p50_s": percentile(e2e, 50),
         "e2e_p99_s": percentile(e2e, 99),
-        "requests": [s.record() for s in samples],
+        # sent_s: when each was sent, seconds from the point's first send
+        "requests": [s.record() | {"sent_s": s.sent_at - t0} for s in samples],
     }
 
 
@@ -184,7 +203,7 @@ def policy_flags(policy: str) -> list[str]:
 def bench_sweep(
     model: str,
     policies: list[str],
-    concurrency: list[int],
+    concurrency: list[int] | None,
     prefill: int = 1,
     decode: int = 1,
     num_kv_blocks: int = 64,
@@ -197,19 +216,32 @@ def bench_sweep(
     workload: str = "reasoning",
     slo: SLO | None = None,
     partial_json: str | None = None,
+    rates: list[float] | None = None,
+    requests_per_rate: int = 48,
 ) -> dict:
-    """`mean_output` defaults to a quarter of one decode worker's KV budget in tokens, so a
-    handful of requests fill it: the trap appears at small concurrency on a small machine.
-    `slo` (default DEFAULT_SWEEP_SLO) may be relative: multiples of the unloaded TTFT and
-    TPOT p50, those of the first policy's lowest concurrency. `partial_json`: the report so
-    far is written there after every point (a sweep stopped midway keeps what it measured)."""
+    """`concurrency` (closed-loop clients per point) or `rates` (open-loop arrivals per
+    second per point, `requests_per_rate` requests each), not both. `mean_output` defaults
+    to a quarter of one decode worker's KV budget in tokens, so a handful of requests fill
+    it: the trap appears at small loads on a small machine. `slo` (default
+    DEFAULT_SWEEP_SLO) may be relative: multiples of the unloaded TTFT and TPOT p50, those
+    of the first policy's lowest-load point. `partial_json`: the report so far is written
+    there after every point (a sweep stopped midway keeps what it measured)."""
     from pdserve.launch import Cluster
     from pdserve.weights import resolve
 
     for p in policies:
         policy_flags(p)
-    if not concurrency or min(concurrency) < 1:
+    if bool(concurrency) == bool(rates):
+        raise ValueError("load: give concurrency (closed loop) or rates (open loop), one of them")
+    if concurrency and min(concurrency) < 1:
         raise ValueError(f"concurrency: positive integers, got {concurrency}")
+    if rates and not all(0 < r < float("inf") for r in rates):
+        raise ValueError(f"rate: positive requests per second, got {rates}")
+    if rates and requests_per_rate < 1:
+        raise ValueError(f"requests_per_rate: at least 1, got {requests_per_rate}")
+    loads: list[tuple[int | None, float | None]] = (
+        [(c, None) for c in concurrency] if concurrency else [(None, r) for r in rates]
+    )
     slo = slo or parse_slo(DEFAULT_SWEEP_SLO)
     budget_tokens = num_kv_blocks * block_size
     mean_output = mean_output or max(16, budget_tokens // 4)
@@ -240,6 +272,8 @@ def bench_sweep(
                 "seed": seed,
                 "requests_per_client": requests_per_client,
                 "min_requests": min_requests,
+                "loop": "closed" if concurrency else "open",
+                "requests_per_rate": requests_per_rate if rates else None,
             },
             "default_policy": f"{DEFAULT_ADMISSION}+{DEFAULT_PREEMPTION}",
             "slo": apply_slo(points, slo),
@@ -248,7 +282,7 @@ def bench_sweep(
             "analysis": analyze(points),
         }
 
-    bar = progress(total=len(policies) * len(concurrency), desc="bench sweep", unit="point")
+    bar = progress(total=len(policies) * len(loads), desc="bench sweep", unit="point")
     with contextlib.ExitStack() as stack:
         # every policy's cluster is up at once (idle ones cost nearly no CPU) and the points
         # interleave, each concurrency running every policy in turn (the order rotating),
@@ -273,25 +307,26 @@ def bench_sweep(
                     decode_args=decode_args,
                 )
             )
-        for i, c in enumerate(concurrency):
-            n = max(min_requests, requests_per_client * c)
+        for i, (c, rate) in enumerate(loads):
+            n = max(min_requests, requests_per_client * c) if c else requests_per_rate
             # reasoning and long-prompt scale outputs to the pool; traces keep their own
-            work = make_workload(n, vocab, seed + c, workload, mean_output, max_output)
+            work = make_workload(n, vocab, seed + (c or i), workload, mean_output, max_output)
             for policy in policies[i % len(policies) :] + policies[: i % len(policies)]:
                 cluster = clusters[policy]
                 metrics = [a for k, a in cluster.metrics.items() if k.startswith("decode")]
                 before = scrape(metrics)
-                point = run_point(cluster.address, work, c, seed)
+                point = run_point(cluster.address, work, c, seed, rate)
                 after = scrape(metrics)
                 wait_drained(cluster, metrics)
                 point.update(
                     {k: after[k] - before[k] for k in COUNTERS},
                     policy=policy,
                     concurrency=c,
+                    rate=rate,
                     policy_inputs=scrape_policy(metrics),
                 )
                 points.append(point)
-                points.sort(key=lambda p: (policies.index(p["policy"]), p["concurrency"]))
+                points.sort(key=lambda p: (policies.index(p["policy"]), load_of(p)))
                 bar.update(1)
                 if partial_json:
                     write_json(report(points), partial_json)
@@ -308,10 +343,10 @@ def rescore(report: dict, slo: SLO) -> dict:
 def apply_slo(points: list[dict], slo: SLO) -> dict:
     """Goodput on every point: under `slo` (the point's goodput_req_s / goodput_tok_s) and
     under a tighter (half), a looser (double) and a TPOT-only one (`goodput`, by label). A relative
-    SLO is resolved against the first policy's lowest-concurrency point. -> the SLOs used."""
+    SLO is resolved against the first policy's lowest-load point. -> the SLOs used."""
     base = min(
         (p for p in points if p["policy"] == points[0]["policy"]),
-        key=lambda p: p["concurrency"],
+        key=load_of,
         default=None,
     )
     if base is None:
@@ -334,25 +369,31 @@ def apply_slo(points: list[dict], slo: SLO) -> dict:
         p["goodput_tok_s"] = p["goodput"]["default"]["tok_s"]
     return {
         "asked": slo.to_dict(),
-        "unloaded_from": {"policy": base["policy"], "concurrency": base["concurrency"]},
+        "unloaded_from": {
+            "policy": base["policy"],
+            "concurrency": base["concurrency"],
+            "rate": base.get("rate"),
+        },
         **{name: s.to_dict() for name, s in grid.items()},
     }
 
 
 def analyze(points: list[dict]) -> dict:
-    """Per policy: peak throughput and the concurrency where it happens (the knee), the worst
-    throughput past the knee as a fraction of the peak, recomputed / generated tokens, and
-    TPOT p99 at each concurrency against its own unloaded (lowest-concurrency) value."""
+    """Per policy: peak throughput and the load (concurrency, or arrival rate) where it
+    happens (the knee), the worst throughput past the knee as a fraction of the peak,
+    recomputed / generated tokens, and TPOT p99 at each load against its own unloaded
+    (lowest-load) value."""
     out = {}
     for policy in dict.fromkeys(p["policy"] for p in points):
-        mine = sorted((p for p in points if p["policy"] == policy), key=lambda p: p["concurrency"])
+        mine = sorted((p for p in points if p["policy"] == policy), key=load_of)
         peak = max(mine, key=lambda p: p["throughput_tok_s"])
-        past = [p for p in mine if p["concurrency"] > peak["concurrency"]]
+        past = [p for p in mine if load_of(p) > load_of(peak)]
         generated = sum(p["generated_tokens"] for p in mine)
         unloaded_tpot = mine[0]["tpot_p99_s"]
         out[policy] = {
             "peak_tok_s": peak["throughput_tok_s"],
             "knee_concurrency": peak["concurrency"],
+            "knee_rate": peak.get("rate"),
             "worst_past_knee_fraction": (
                 min(p["throughput_tok_s"] for p in past) / peak["throughput_tok_s"]
                 if past and peak["throughput_tok_s"]
@@ -361,13 +402,18 @@ def analyze(points: list[dict]) -> dict:
             "recomputed_fraction": (
                 sum(p["recomputed_tokens"] for p in mine) / generated if generated else None
             ),
-            "throughput_by_concurrency": {p["concurrency"]: p["throughput_tok_s"] for p in mine},
+            "throughput_by_load": {load_of(p): p["throughput_tok_s"] for p in mine},
             "tpot_p99_vs_unloaded": {
-                p["concurrency"]: p["tpot_p99_s"] / unloaded_tpot if unloaded_tpot else None
-                for p in mine
+                load_of(p): p["tpot_p99_s"] / unloaded_tpot if unloaded_tpot else None for p in mine
             },
         }
     return out
+
+
+def load_label(point: dict) -> str:
+    """`16` (closed-loop clients) or `0.25/s` (open-loop arrivals)."""
+    rate = point.get("rate")
+    return f"{rate:g}/s" if rate is not None else str(point["concurrency"])
 
 
 def format_table(report: dict) -> str:
@@ -384,14 +430,14 @@ def format_table(report: dict) -> str:
         f"{report['cluster']['decode']}D, {report['cluster']['num_kv_blocks']} KV blocks of "
         f"{report['cluster']['block_size']} tokens per decode worker, {kind} workload"
         f"{lengths}; `default` is {report.get('default_policy', '?')}",
-        f"{'policy':<20} {'conc':>4} {'tok/s':>7} {'good r/s':>8} {'TPOT-ok':>7} "
+        f"{'policy':<20} {'load':>6} {'tok/s':>7} {'good r/s':>8} {'TPOT-ok':>7} "
         f"{'TTFT p50':>8} {'p99':>7} "
         f"{'TPOT p50':>8} {'p99':>7} {'e2e p50':>7} {'p99':>7} {'preempt':>7} {'recomp':>7} "
         f"{'spill MiB':>9} {'err':>3}",
     ]
     for p in report["points"]:
         lines.append(
-            f"{p['policy']:<20} {p['concurrency']:>4} {p['throughput_tok_s']:>7.1f} "
+            f"{p['policy']:<20} {load_label(p):>6} {p['throughput_tok_s']:>7.1f} "
             f"{p.get('goodput_req_s', float('nan')):>8.2f} "
             f"{p.get('goodput', {}).get('tpot-only', {}).get('req_s', float('nan')):>7.2f} "
             f"{p['ttft_p50_s']:>8.2f} {p['ttft_p99_s']:>7.2f} {p['tpot_p50_s'] * 1e3:>6.0f}ms "
@@ -409,7 +455,8 @@ def format_table(report: dict) -> str:
     for policy, a in report["analysis"].items():
         worst = a["worst_past_knee_fraction"]
         lines.append(
-            f"{policy}: peak {a['peak_tok_s']:.1f} tok/s at concurrency {a['knee_concurrency']}; "
+            f"{policy}: peak {a['peak_tok_s']:.1f} tok/s at "
+            f"{load_label({'concurrency': a['knee_concurrency'], 'rate': a.get('knee_rate')})}; "
             f"worst past the knee {'-' if worst is None else f'{worst:.0%} of peak'}; "
             f"recomputed {a['recomputed_fraction']:.1%} of generated tokens"
         )

@@ -1,16 +1,19 @@
-"""PNG plots of a capacity sweep: throughput, TTFT and TPOT against concurrency (a line per
-policy), and the TTFT-TPOT frontier (each point labelled with its concurrency)."""
+"""PNG plots of a capacity sweep: throughput, TTFT and TPOT against the load (closed-loop
+clients or open-loop arrival rate; a line per policy), and the TTFT-TPOT frontier (each
+point labelled with its load)."""
 
 from __future__ import annotations
 
 import os
+
+from pdserve.bench.sweep import load_label, load_of
 
 
 def _by_policy(points: list[dict]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for p in points:
         out.setdefault(p["policy"], []).append(p)
-    return {k: sorted(v, key=lambda p: p["concurrency"]) for k, v in out.items()}
+    return {k: sorted(v, key=load_of) for k, v in out.items()}
 
 
 def plot_sweep(report: dict, directory: str) -> list[str]:
@@ -26,6 +29,12 @@ def plot_sweep(report: dict, directory: str) -> list[str]:
         f"{report['cluster']['num_kv_blocks']} KV blocks per decode worker"
     )
     paths = []
+    open_loop = any(p.get("rate") is not None for p in report["points"])
+    xlabel, axis = (
+        ("arrival rate (requests/s)", "arrival rate")
+        if open_loop
+        else ("concurrent clients", "concurrency")
+    )
 
     def finish(ax, xlabel: str, ylabel: str, heading: str, xbase: int = 2, ylog: bool = False):
         ax.set_xscale("log", base=xbase)
@@ -47,20 +56,32 @@ def plot_sweep(report: dict, directory: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy, pts in series.items():
         ax.plot(
-            [p["concurrency"] for p in pts],
+            [load_of(p) for p in pts],
             [p["throughput_tok_s"] for p in pts],
             "o-",
             label=policy,
         )
-    finish(ax, "concurrent clients", "output tokens / s", "throughput vs concurrency")
+    finish(ax, xlabel, "output tokens / s", f"throughput vs {axis}")
     save(fig, "throughput.png")
+
+    if all("goodput_req_s" in p for p in report["points"]):
+        slo = report.get("slo", {}).get("default") or {}
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for policy, pts in series.items():
+            xs, ys = [load_of(p) for p in pts], [p["goodput_req_s"] for p in pts]
+            ax.plot(xs, ys, "o-", label=policy)
+        heading = f"SLO goodput vs {axis}"
+        if slo.get("ttft_s") is not None and slo.get("tpot_s") is not None:
+            heading += f" (TTFT <= {slo['ttft_s']:.2f} s, TPOT <= {slo['tpot_s'] * 1e3:.0f} ms)"
+        finish(ax, xlabel, "requests / s meeting the SLO", heading)
+        save(fig, "goodput.png")
 
     for metric, label in (("ttft", "TTFT (s)"), ("tpot", "TPOT (s)"), ("e2e", "end to end (s)")):
         if not all(f"{metric}_p50_s" in p for p in report["points"]):
             continue
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for policy, pts in series.items():
-            xs = [p["concurrency"] for p in pts]
+            xs = [load_of(p) for p in pts]
             (line,) = ax.plot(xs, [p[f"{metric}_p50_s"] for p in pts], "o-", label=f"{policy} p50")
             ax.plot(
                 xs,
@@ -69,7 +90,7 @@ def plot_sweep(report: dict, directory: str) -> list[str]:
                 color=line.get_color(),
                 label=f"{policy} p99",
             )
-        finish(ax, "concurrent clients", label, f"{metric.upper()} vs concurrency", ylog=True)
+        finish(ax, xlabel, label, f"{metric.upper()} vs {axis}", ylog=True)
         save(fig, f"{metric}.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -78,9 +99,9 @@ def plot_sweep(report: dict, directory: str) -> list[str]:
         ax.plot(xs, ys, "o-", label=policy)
         for p, x, y in zip(pts, xs, ys):
             ax.annotate(
-                str(p["concurrency"]), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points"
+                load_label(p), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points"
             )
-    heading = "TTFT-TPOT frontier (labels: concurrency)"
+    heading = f"TTFT-TPOT frontier (labels: {axis})"
     finish(ax, "TPOT p50 (s)", "TTFT p50 (s)", heading, xbase=10, ylog=True)
     save(fig, "frontier.png")
     return paths

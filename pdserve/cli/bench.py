@@ -4,6 +4,7 @@ states the machine and the comparison it ran in the same process (docs/benchmark
 from __future__ import annotations
 
 import argparse
+from types import MappingProxyType
 
 from pdserve.bench.slo import DEFAULT_SWEEP_SLO
 from pdserve.cli.common import (
@@ -11,6 +12,7 @@ from pdserve.cli.common import (
     WORKLOAD_CHOICES,
     int_list,
     print_report,
+    rate_list,
     slo_arg,
     sweep_slo_arg,
 )
@@ -156,16 +158,39 @@ def cmd_bench_preempt_cost(args: argparse.Namespace) -> int:
     return print_report(report, format_table, args.json)
 
 
+# bench sweep's defaults, and --quick's (under 5 minutes on 2 cores): every point has at least
+# two requests per client, or the busy window ends at the first completion
+FULL_SWEEP = MappingProxyType(
+    {
+        "concurrency": (1, 2, 4, 8, 16),
+        "num_kv_blocks": 48,
+        "policy": "greedy+recompute,greedy+tiered,default",
+        "requests_per_client": 3,
+        "min_requests": 4,
+    }
+)
+QUICK_SWEEP = MappingProxyType(
+    {
+        "concurrency": (1, 8),
+        "num_kv_blocks": 16,
+        "policy": "greedy+recompute,default",
+        "requests_per_client": 2,
+        "min_requests": 3,
+    }
+)
+
+
 def cmd_bench_sweep(args: argparse.Namespace) -> int:
     from pdserve.bench.report import write_json
     from pdserve.bench.sweep import bench_sweep, format_table
     from pdserve.bench.sweep_plots import plot_sweep
 
     # --quick: fewer, smaller points unless asked otherwise (a pool of 16 blocks fills at a
-    # few clients, so the trap still shows)
-    concurrency = args.concurrency or ([1, 4, 16] if args.quick else [1, 2, 4, 8, 16])
-    num_kv_blocks = args.num_kv_blocks or (16 if args.quick else 48)
-    policies = [p for p in args.policy.split(",") if p]
+    # few clients, so the trap still shows), today's behaviour against the default
+    quick = QUICK_SWEEP if args.quick else FULL_SWEEP
+    concurrency = None if args.rate else (args.concurrency or list(quick["concurrency"]))
+    num_kv_blocks = args.num_kv_blocks or quick["num_kv_blocks"]
+    policies = [p for p in (args.policy or quick["policy"]).split(",") if p]
     report = bench_sweep(
         args.model,
         policies,
@@ -173,14 +198,16 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
         prefill=args.prefill,
         decode=args.decode,
         num_kv_blocks=num_kv_blocks,
-        requests_per_client=1 if args.quick else args.requests_per_client,
-        min_requests=3 if args.quick else 4,
+        requests_per_client=args.requests_per_client or quick["requests_per_client"],
+        min_requests=quick["min_requests"],
         mean_output=args.mean_output,
         seed=args.seed,
         spill_dir=args.spill_dir,
         workload=args.workload,
         slo=args.slo,
         partial_json=args.json,
+        rates=args.rate,
+        requests_per_rate=args.requests_per_rate,
     )
     print(format_table(report))
     if args.json:
@@ -357,16 +384,27 @@ def add_bench_parser(sub) -> None:
     pc.add_argument("--json", default=None)
     pc.set_defaults(func=cmd_bench_preempt_cost)
 
-    sw = bench_sub.add_parser("sweep", help="throughput and latency vs concurrency per policy")
+    sw = bench_sub.add_parser("sweep", help="throughput, latency and goodput vs load, per policy")
     sw.add_argument("--model", default=DEMO_MODEL)
-    sw.add_argument(
-        "--concurrency", type=int_list, default=None, help="default 1,2,4,8,16 (--quick: 1,4,16)"
+    load = sw.add_mutually_exclusive_group()
+    load.add_argument(
+        "--concurrency",
+        type=int_list,
+        default=None,
+        help="closed-loop clients per point; default 1,2,4,8,16 (--quick: 1,8)",
+    )
+    load.add_argument(
+        "--rate",
+        type=rate_list,
+        default=None,
+        help="open loop instead: Poisson arrivals per second per point, e.g. 0.1,0.2,0.4",
     )
     sw.add_argument(
         "--policy",
-        default="greedy+recompute,greedy+tiered,default",
+        default=None,
         help="comma-separated admission+preemption pairs; `default` is what a decode worker "
-        "runs when given no policy flags",
+        "runs when given no policy flags (default greedy+recompute,greedy+tiered,default; "
+        "--quick: greedy+recompute,default)",
     )
     sw.add_argument(
         "--workload",
@@ -392,9 +430,18 @@ def add_bench_parser(sub) -> None:
         default=None,
         help="mean output tokens (default: a quarter of the KV budget)",
     )
-    sw.add_argument("--requests-per-client", type=int, default=3)
+    sw.add_argument(
+        "--requests-per-client", type=int, default=None, help="closed loop (default 3; --quick 2)"
+    )
+    sw.add_argument(
+        "--requests-per-rate", type=int, default=48, help="open loop: requests per point"
+    )
     sw.add_argument("--spill-dir", default=None)
-    sw.add_argument("--quick", action="store_true", help="one request per client per point")
+    sw.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few minutes: 1 and 8 clients, 16 blocks, greedy+recompute against the default",
+    )
     sw.add_argument("--seed", type=int, default=0)
     sw.add_argument("--json", default=None)
     sw.add_argument("--plot", default=None, help="directory for the PNG plots")

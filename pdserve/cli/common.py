@@ -67,6 +67,19 @@ def slo_arg(text: str):
     return _slo(text, relative_ok=False)
 
 
+def rate_list(text: str) -> list[float]:
+    """argparse type: comma-separated positive arrival rates (requests per second)."""
+    try:
+        values = [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+    if not values or not all(0 < v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive requests per second, got {text!r}")
+    return values
+
+
 def sweep_slo_arg(text: str):
     """argparse type: seconds, or multiples of the unloaded p50s (`ttft=5x,tpot=2x`)."""
     return _slo(text, relative_ok=True)
