@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import time
 
 import pytest
@@ -199,6 +201,22 @@ def test_spill_directory_is_private_and_gone_after_close(tmp_path):
     assert stat.S_IMODE(os.stat(entry.path).st_mode) == 0o600
     tier.close()
     assert not os.path.exists(tier.directory)
+
+
+def test_a_disk_tier_nobody_closed_leaves_no_directory_at_exit(tmp_path):
+    """A script's engine (the LLM parks in the tiers by default) that never calls close()."""
+    script = (
+        "from transfer.tiers import DiskTier\n"
+        f"tier = DiskTier(8, 4096, root={str(tmp_path)!r})\n"
+        "print(tier.directory)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    directory = done.stdout.strip()
+    assert directory.startswith(str(tmp_path))
+    assert not os.path.exists(directory)
+    assert os.listdir(tmp_path) == []
 
 
 def test_emulated_cxl_takes_at_least_its_modelled_time():

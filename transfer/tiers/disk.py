@@ -32,6 +32,7 @@ import queue
 import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Hashable
 
 import numpy as np
@@ -100,6 +101,8 @@ class DiskTier(Tier):
             _write_owner(self.directory)
         except OSError as e:
             raise TierError(f"disk tier: cannot create a spill directory in {root}: {e}") from None
+        # an engine nobody closed (a script's LLM) still leaves no spill files behind at exit
+        self._remove_directory = weakref.finalize(self, shutil.rmtree, self.directory, True)
         self._entries: dict[Hashable, _Entry] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -272,7 +275,7 @@ class DiskTier(Tier):
             self._queue.put(None)
             self._writer.join(timeout=30)
         self._entries.clear()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self._remove_directory()
 
 
 # ---------------------------------------------------------------- dead predecessors
