@@ -4,19 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decode.admission import ADMISSION
+from pdserve.engine.admission import ADMISSION, DEFAULT_ADMISSION
 from pdserve.failpoints import NO_FAILPOINTS, Failpoints
-
-# What a decode worker runs when given no policy flags (`--policy default` in bench sweep):
-# cost-aware admission over the full tiers (decode/admission.py, docs/capacity-trap.md).
-DEFAULT_ADMISSION = "cost-aware"
-DEFAULT_PREEMPTION = "tiered"
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
     worker_id: str
-    admission: str = DEFAULT_ADMISSION  # decode/admission.py: greedy | kv-aware | cost-aware
+    admission: str = DEFAULT_ADMISSION  # greedy | kv-aware | cost-aware (engine/admission.py)
     admission_margin: float = 0.05  # kv-aware keeps this fraction of the pool free
     # a reservation whose Start has not come by then returns its blocks; used when the
     # router names no lease (it normally does: pdserve/router/config.py)

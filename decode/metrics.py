@@ -11,7 +11,7 @@ ended ones whose blocks wait until their push can no longer land: decode/reserva
 
 Every gauge is set after each change of the books (reserve, release, a step, an expiry).
 
-The cost-aware admission policy's inputs at its last look (decode/admission.py; -1 while
+The cost-aware admission policy's inputs at its last look (pdserve/engine/admission.py; -1 while
 not measured yet): pdserve_decode_policy_step_seconds,
 pdserve_decode_policy_recompute_seconds_per_token,
 pdserve_decode_policy_park_seconds_per_block{tier}, pdserve_decode_policy_overcommit_blocks
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from decode.admission import PolicyInputs
 from decode.reservations import Reservations
+from pdserve.engine.admission import PolicyInputs
 from pdserve.engine.output import EngineStats
 from pdserve.serving.metrics import Advancing, latency, transfer_metrics
 

@@ -21,12 +21,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from decode.admission import ADMISSION
 from decode.config import DecodeConfig
-from decode.costs import PreemptionCosts
-from decode.length_estimator import OutputLengthEstimator
 from decode.reservations import Reservation, Reservations
+from pdserve.engine.admission import ADMISSION
 from pdserve.engine.core import EngineCore, StepPlan
+from pdserve.engine.costs import PreemptionCosts
+from pdserve.engine.length_estimator import OutputLengthEstimator
 from pdserve.engine.output import FinishedRequest, HeldRequest
 from pdserve.sampling_params import SamplingParams
 from pdserve.serving.registration import WorkerStats

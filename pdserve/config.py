@@ -19,6 +19,10 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 PREEMPTION: Registry[tuple[str, ...]] = Registry(
     "preemption", {"recompute": (), "swap": ("host",), "tiered": ("host", "cxl", "disk")}
 )
+# What a decode worker and the colocated LLM run given no flags (with DEFAULT_ADMISSION in
+# pdserve/engine/admission.py; docs/capacity-trap.md). EngineArgs itself keeps recompute: a
+# bare engine core (a prefill worker's, the simulator's) gets no spill tiers it did not ask for.
+DEFAULT_PREEMPTION = "tiered"
 
 
 def _require(ok: bool, field_name: str, message: str) -> None:

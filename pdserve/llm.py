@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pdserve.config import DEFAULT_PREEMPTION
+from pdserve.engine.admission import ADMISSION, DEFAULT_ADMISSION
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
+from pdserve.engine.gate import AdmissionGate, make_admission
 from pdserve.engine.output import EngineStats, FinishedRequest
 from pdserve.outputs import RequestOutput
 from pdserve.progress import progress
@@ -22,14 +25,28 @@ class LLM:
     kv_cache_memory, max_model_len, dtype, device, enable_prefix_caching, prefix_offload,
     preemption and the spill tier sizes, max_num_seqs, max_num_batched_tokens,
     attention_backend, seed).
+
+    Requests wait in front of the engine until `admission` lets them in (greedy | kv-aware |
+    cost-aware, pdserve/engine/admission.py); given no flags the colocated engine runs what a
+    decode worker runs: cost-aware admission, preemption parking KV in the tiers (preemption
+    "tiered"; pass preemption="recompute" for today's engines' behaviour).
     """
 
-    def __init__(self, model: str, **engine_args) -> None:
+    def __init__(
+        self,
+        model: str,
+        admission: str = DEFAULT_ADMISSION,
+        admission_margin: float = 0.05,
+        **engine_args,
+    ) -> None:
+        ADMISSION.check(admission)
+        engine_args.setdefault("preemption", DEFAULT_PREEMPTION)
         try:
             args = EngineArgs(**engine_args)
         except TypeError as e:
             raise ValueError(f"engine argument: {e}") from None
         self.core, self.source = build_engine(model, args)
+        self.gate = AdmissionGate(self.core, make_admission(admission, self.core, admission_margin))
 
     @property
     def tokenizer(self):
@@ -62,11 +79,11 @@ class LLM:
             for i, (p, sp) in enumerate(zip(prompts, params))
         ]
         for req in requests:
-            self.core.add(req)
+            self.gate.offer(req)
         outputs: dict[str, RequestOutput] = {}
         with progress(total=len(requests), disable=not use_tqdm, desc="generate") as bar:
-            while self.core.has_unfinished:
-                for done in self.core.step().finished:
+            while self.gate.busy:
+                for done in self.gate.step().finished:
                     outputs[done.request_id] = self._output(done)
                     bar.update(1)
         return [outputs[r.request_id] for r in requests]

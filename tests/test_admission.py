@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from decode.admission import ADMISSION, CostAwareAdmission, GreedyAdmission, KVAwareAdmission
-from decode.costs import PreemptionCosts
-from decode.length_estimator import OutputLengthEstimator
+from pdserve.engine.admission import (
+    ADMISSION,
+    CostAwareAdmission,
+    GreedyAdmission,
+    KVAwareAdmission,
+)
+from pdserve.engine.costs import PreemptionCosts
+from pdserve.engine.length_estimator import OutputLengthEstimator
 from pdserve.engine.output import HeldRequest
 from pdserve.kv import BlockAllocator
 
 
 class Pool:
-    """The engine core's pool view (decode.admission.PoolView) over a bare allocator."""
+    """The engine core's pool view (pdserve.engine.admission.PoolView) over a bare allocator."""
 
     def __init__(self, alloc: BlockAllocator, tiers=None, parks_victims=True) -> None:
         self.alloc = alloc

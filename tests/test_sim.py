@@ -12,11 +12,12 @@ import pytest
 from pdserve.bench.workload import RequestSpec, load_jsonl, prompts_for, specs_of
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
+from pdserve.engine.gate import make_admission
 from pdserve.sim.cost import FittedCost
 from pdserve.sim.engine import sim_engine
 from pdserve.sim.load import SLO
 from pdserve.sim.profile import load_profile, profile_from_dict
-from pdserve.sim.replica import Replica, make_admission, run_real, run_sim
+from pdserve.sim.replica import Replica, run_real, run_sim
 from pdserve.sim.run import Setup, Topology, simulate
 from pdserve.weights import model_config
 

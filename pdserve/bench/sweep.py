@@ -26,12 +26,13 @@ import contextlib
 import time
 from types import MappingProxyType
 
-from decode.config import DEFAULT_ADMISSION, DEFAULT_PREEMPTION
 from pdserve.bench import prometheus
 from pdserve.bench.report import machine_info, write_json
 from pdserve.bench.serve import _drive, percentile
 from pdserve.bench.slo import DEFAULT_SWEEP_SLO, SLO, goodput, parse_slo
 from pdserve.bench.workload import make_workload, max_prompt_tokens
+from pdserve.config import DEFAULT_PREEMPTION
+from pdserve.engine.admission import DEFAULT_ADMISSION
 from pdserve.progress import progress
 
 DEFAULT_POLICY = "default"  # what a decode worker runs when given no policy flags
@@ -47,8 +48,8 @@ COUNTERS = MappingProxyType(
 
 
 def parse_policy(policy: str) -> tuple[str, str]:
-    from decode.admission import ADMISSION
     from pdserve.config import PREEMPTION
+    from pdserve.engine.admission import ADMISSION
 
     admission, sep, preemption = policy.partition("+")
     if not sep or admission not in ADMISSION:

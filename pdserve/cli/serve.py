@@ -248,9 +248,8 @@ def _add_security_flags(p: argparse.ArgumentParser, role: str) -> None:
 
 
 def add_serve_parser(sub) -> None:
-    from decode.admission import ADMISSION
-    from decode.config import DEFAULT_ADMISSION, DEFAULT_PREEMPTION
-    from pdserve.config import PREEMPTION
+    from pdserve.config import DEFAULT_PREEMPTION, PREEMPTION
+    from pdserve.engine.admission import ADMISSION, DEFAULT_ADMISSION
     from prefill.config import KV_PUSH
     from transfer import PROCESS_BACKENDS
 

@@ -20,14 +20,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable
 
-from decode.admission import ADMISSION, KVAwareAdmission
-from decode.costs import PreemptionCosts
-from decode.length_estimator import OutputLengthEstimator
 from pdserve.bench.workload import RequestSpec
 from pdserve.engine.core import EngineCore, StepPlan
+from pdserve.engine.gate import AdmissionGate
 from pdserve.engine.output import StepOutput
 from pdserve.engine.request import Request
 from pdserve.progress import progress
@@ -39,52 +36,39 @@ from pdserve.sim.load import Arrivals, Record, Series
 ROUTES = ("headroom", "round-robin")
 
 
-def make_admission(policy: str, core: EngineCore, margin: float = 0.05):
-    """The admission gate of a colocated replica (None: greedy, every request straight in)."""
-    cls = ADMISSION[policy]
-    if not issubclass(cls, KVAwareAdmission):
-        return None
-    return cls(core, OutputLengthEstimator(), margin, PreemptionCosts())
-
-
 class Replica:
+    """One engine core behind its admission gate (pdserve/engine/gate.py), with the records
+    and the pool's time series a run reports."""
+
     def __init__(self, name: str, core: EngineCore, admission=None) -> None:
-        self.name, self.core, self.admission = name, core, admission
-        self.pending: deque[Request] = deque()
+        self.name, self.core = name, core
+        self.gate = AdmissionGate(core, admission)
         self.records: dict[str, Record] = {}
         self.series = Series()
+
+    @property
+    def pending(self):
+        return self.gate.pending
 
     def offer(self, req: Request, record: Record) -> None:
         record.where = self.name
         self.records[req.request_id] = record
-        self.pending.append(req)
+        self.gate.offer(req)
 
     def admit(self) -> None:
-        """Into the engine, in arrival order, while the admission policy agrees."""
-        while self.pending:
-            req = self.pending[0]
-            if self.admission is not None:
-                held = self.core.held()
-                if self.admission.check(req.token_ids, req.params.max_tokens, held) is not None:
-                    return
-            self.core.add(self.pending.popleft())
+        self.gate.admit()
 
     def headroom(self) -> tuple[int, int]:
         """What a router ranks replicas by: projected free blocks, then fewest waiting."""
-        held = self.core.held()
-        room = (
-            self.admission.headroom(held) if self.admission is not None else self.core.free_blocks
-        )
-        return room, -len(self.pending)
+        return self.gate.headroom(), -len(self.gate.pending)
 
     def stepped(self, plan: StepPlan, seconds: float) -> None:
         """A step's run took `seconds` (the cost-aware policy learns its costs from it)."""
-        if self.admission is not None:
-            self.admission.costs.observe_chunks(seconds, plan.batch.chunks)
+        self.gate.stepped(plan, seconds)
 
     @property
     def busy(self) -> bool:
-        return bool(self.pending) or self.core.has_unfinished
+        return self.gate.busy
 
     def account(self, out: StepOutput, at: float, ended: Callable[[float], None]) -> None:
         for new in out.tokens:
@@ -97,8 +81,7 @@ class Replica:
             r.output_tokens = len(done.output_token_ids)
             r.preemptions = done.metrics.preemptions
             r.recomputed_tokens = done.metrics.recomputed_tokens
-            if self.admission is not None and done.completed:
-                self.admission.estimator.observe(r.output_tokens)
+            self.gate.finished(done)
             ended(at)
 
 

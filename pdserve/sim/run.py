@@ -18,11 +18,12 @@ from pdserve.bench.sweep import parse_policy
 from pdserve.bench.workload import RequestSpec, prompts_for
 from pdserve.config import ModelConfig
 from pdserve.engine.args import EngineArgs
+from pdserve.engine.gate import make_admission
 from pdserve.sim.cost import CostModel, FittedCost, RooflineCost
 from pdserve.sim.engine import kv_blocks, sim_engine
 from pdserve.sim.load import summarize
 from pdserve.sim.profile import Profile
-from pdserve.sim.replica import ROUTES, Replica, make_admission, run_sim
+from pdserve.sim.replica import ROUTES, Replica, run_sim
 from pdserve.sim.shape import ModelShape
 
 

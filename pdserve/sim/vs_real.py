@@ -28,9 +28,10 @@ from pdserve.bench.slo import SLO
 from pdserve.bench.workload import RequestSpec, prompts_for, specs_of
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
+from pdserve.engine.gate import make_admission
 from pdserve.sim.load import summarize
 from pdserve.sim.profile import Profile
-from pdserve.sim.replica import Replica, make_admission, run_real
+from pdserve.sim.replica import Replica, run_real
 from pdserve.sim.run import Setup, Topology, policy_args, simulate
 from pdserve.weights import model_config
 

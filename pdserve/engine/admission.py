@@ -8,14 +8,14 @@ now. `kv-aware`: admit only while the projected demand fits,
 
 and the prompt's blocks are free now; held requests are the running, reserved and parked
 (spilled) ones, len_r the tokens whose KV they hold or will hold, g_r their generated tokens
-and M_r their max_tokens; E_rem is the online estimate of decode/length_estimator.py.
+and M_r their max_tokens; E_rem is the online estimate of pdserve/engine/length_estimator.py.
 A block several requests share (a cached prefix, with prefix caching on) counts once: each
 request's term leaves out the blocks already counted for an earlier one, and the new
 request's leaves out the held blocks its prompt would share.
 A request refused here waits (its TTFT grows) instead of being preempted later.
 
 `cost-aware` (the default) is kv-aware admission that overcommits the pool by what parking
-costs on this deployment (decode/costs.py measures it):
+costs on this deployment (pdserve/engine/costs.py measures it):
 
     admit when  the prompt's blocks are free now,
                 no preempted request has waited more than STALL * L steps, and
@@ -51,8 +51,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from decode.costs import PreemptionCosts
-from decode.length_estimator import OutputLengthEstimator
+from pdserve.engine.costs import PreemptionCosts
+from pdserve.engine.length_estimator import OutputLengthEstimator
 from pdserve.engine.output import HeldRequest
 from pdserve.registry import Registry
 
@@ -264,6 +264,8 @@ class CostAwareAdmission(KVAwareAdmission):
         return None
 
 
+# what a decode worker and the colocated LLM admit by given no flags
+DEFAULT_ADMISSION = "cost-aware"
 ADMISSION: Registry[type[GreedyAdmission]] = Registry(
     "admission",
     {"greedy": GreedyAdmission, "kv-aware": KVAwareAdmission, "cost-aware": CostAwareAdmission},

@@ -1,0 +1,87 @@
+"""The admission gate of a colocated engine: requests wait in front of the core until its
+admission policy (pdserve/engine/admission.py) lets them in, arrival order kept.
+
+The decode worker gates each reservation itself (decode/state.py); a colocated engine (the
+offline `LLM`, the simulator's replicas, `pdserve sim vs-real`) has no reservations, so this
+is its gate: the same policies, fed the same inputs (each step's measured time and chunks
+for the cost model, each completed request's length for the estimator). `greedy` lets every
+request straight into the scheduler's own queue, as the engine always did.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from pdserve.engine.admission import ADMISSION, GreedyAdmission, KVAwareAdmission
+from pdserve.engine.core import EngineCore, EngineStalled, StepPlan
+from pdserve.engine.costs import PreemptionCosts
+from pdserve.engine.length_estimator import OutputLengthEstimator
+from pdserve.engine.output import FinishedRequest, StepOutput
+from pdserve.engine.request import Request
+
+
+def make_admission(policy: str, core: EngineCore, margin: float = 0.05) -> GreedyAdmission | None:
+    """The policy over `core`'s pool, or None for greedy (nothing to gate)."""
+    if not 0 <= margin < 1:
+        raise ValueError(f"admission_margin: must be in [0, 1), got {margin}")
+    cls = ADMISSION[policy]
+    if not issubclass(cls, KVAwareAdmission):
+        return None
+    return cls(core, OutputLengthEstimator(), margin, PreemptionCosts())
+
+
+class AdmissionGate:
+    def __init__(self, core: EngineCore, admission: GreedyAdmission | None) -> None:
+        self.core, self.admission = core, admission
+        self.pending: deque[Request] = deque()
+
+    def offer(self, request: Request) -> None:
+        self.pending.append(request)
+
+    def admit(self) -> None:
+        """Into the engine, in arrival order, while the policy agrees."""
+        while self.pending:
+            req = self.pending[0]
+            if self.admission is not None and self.core.has_unfinished:
+                held = self.core.held()  # (an idle engine takes anything: it must progress)
+                if self.admission.check(req.token_ids, req.params.max_tokens, held) is not None:
+                    return
+            self.core.add(self.pending.popleft())
+
+    def headroom(self) -> int:
+        """Blocks a new request could still count on (what a router ranks replicas by)."""
+        if self.admission is None:
+            return self.core.free_blocks
+        return self.admission.headroom(self.core.held())
+
+    def stepped(self, plan: StepPlan, seconds: float) -> None:
+        """A step's run took `seconds`: the cost model learns from it."""
+        if self.admission is not None:
+            self.admission.costs.observe_chunks(seconds, plan.batch.chunks)
+
+    def finished(self, done: FinishedRequest) -> None:
+        """A request left the engine: a completed one's length teaches the estimator."""
+        if self.admission is not None and done.completed:
+            self.admission.estimator.observe(len(done.output_token_ids))
+
+    def step(self) -> StepOutput:
+        """Admit what the policy lets in, then one whole step of the engine, timed for the
+        cost model (the colocated LLM's loop; the gate owns every block of the pool)."""
+        self.admit()
+        plan = self.core.begin_step()
+        if plan is None:
+            if self.busy:
+                raise EngineStalled("the scheduler made no progress with requests waiting")
+            return StepOutput()
+        ran = time.monotonic()
+        result = self.core.run(plan)
+        self.stepped(plan, time.monotonic() - ran)
+        out = self.core.end_step(plan, result)
+        for done in out.finished:
+            self.finished(done)
+        return out
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending) or self.core.has_unfinished

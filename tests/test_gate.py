@@ -1,0 +1,79 @@
+"""The colocated engine's admission gate (pdserve/engine/gate.py): the LLM runs what a decode
+worker runs given no flags, a refused request waits in front of the engine (nothing lost,
+outputs unchanged), and an idle engine always takes the next request."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.admission import CostAwareAdmission, KVAwareAdmission
+
+PROMPTS = [[i + 5] * 20 for i in range(6)]
+PARAMS = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    roomy = LLM("tiny-llama", block_size=4, num_kv_blocks=256, admission="greedy")
+    return [o.token_ids for o in roomy.generate(PROMPTS, PARAMS)]
+
+
+def _tight(**kwargs) -> LLM:
+    return LLM("tiny-llama", block_size=4, num_kv_blocks=26, **kwargs)  # 2 requests at the end
+
+
+def _empty(llm: LLM) -> None:
+    llm.check_integrity()
+    pool = llm.stats().pool
+    assert pool.used_blocks == 0
+    if pool.offloaded is not None:
+        assert all(t["used_blocks"] == 0 for t in pool.offloaded.tiers.values())
+
+
+def test_the_colocated_default_is_the_decode_workers_default(expected):
+    llm = _tight()
+    assert type(llm.gate.admission) is CostAwareAdmission
+    assert llm.core.parks_victims  # preemption "tiered"
+    outs = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in outs] == expected
+    stats = llm.stats()
+    assert stats.recomputed_tokens == 0
+    assert stats.preemptions > 0  # overcommitted into the tiers: parking is cheap here
+    costs = llm.gate.admission.costs
+    assert costs.step_s is not None and costs.step_s > 0  # learned from the steps it ran
+    assert llm.gate.admission.estimator.mean_length() == PARAMS.max_tokens
+    _empty(llm)
+    llm.close()
+
+
+def test_kv_aware_holds_requests_back_instead_of_preempting(expected):
+    greedy = _tight(admission="greedy", preemption="recompute")
+    assert greedy.gate.admission is None
+    assert [o.token_ids for o in greedy.generate(PROMPTS, PARAMS)] == expected
+    assert greedy.stats().preemptions > 0 and greedy.stats().recomputed_tokens > 0
+
+    held = _tight(admission="kv-aware", preemption="recompute")
+    assert type(held.gate.admission) is KVAwareAdmission
+    outs = held.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in outs] == expected
+    assert held.stats().preemptions == 0  # every request's growth was known to fit
+    _empty(held)
+
+
+def test_an_idle_engine_takes_a_request_the_policy_would_refuse():
+    llm = _tight(admission="kv-aware", preemption="recompute")
+    long = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)  # 25 of 26 blocks
+    prompt = [7] * 20
+    refused = llm.gate.admission.check(prompt, long.max_tokens, [])
+    assert refused is not None and "exceeds" in refused
+    out = llm.generate([prompt, prompt], long)
+    assert [len(o.token_ids) for o in out] == [80, 80]
+    _empty(llm)
+
+
+def test_bad_admission_settings_are_refused_with_their_name():
+    with pytest.raises(ValueError, match="admission"):
+        LLM("tiny-llama", admission="fifo")
+    with pytest.raises(ValueError, match="admission_margin"):
+        LLM("tiny-llama", admission="kv-aware", admission_margin=1.5)
