@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,24 +45,42 @@ class WorkerStats:
     headroom_blocks: int = 0
 
 
+def stop_this_process() -> None:
+    """SIGTERM to ourselves: the worker's own shutdown runs (leases, tiers, transfer agent)."""
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 class Registration:
+    """`on_failure` runs if the heartbeat thread itself fails (a bug, not a router that is
+    away): a worker the router no longer hears from must not linger, half alive, holding
+    memory and requests; by default it stops, and a supervisor may start it again."""
+
     def __init__(
         self,
         router: str,
         info: pb.WorkerInfo,
         stats: Callable[[], WorkerStats],
         security: Security | None = None,
+        on_failure: Callable[[], None] = stop_this_process,
     ) -> None:
         self.channel = auth.channel(router, security)
         self.stub = rpc.RouterStub(self.channel)
         self.info = info
         self.stats = stats
+        self.on_failure = on_failure
         self.interval_s = HEARTBEAT_S
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._beat()
+        except Exception:
+            log.critical("the heartbeat failed; this worker stops", exc_info=True)
+            self.on_failure()
+
+    def _beat(self) -> None:
         said: set[grpc.StatusCode] = set()
         while not self._stop.is_set():
             request = pb.RegisterRequest(
