@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import queue
 import secrets
 import signal
 import subprocess
@@ -68,6 +69,25 @@ def _forward(stream) -> None:
         pass
 
 
+def _read_ready(stream, lines: queue.Queue) -> None:
+    """Hand the READY line (or "" at EOF) to `lines`; what comes before it (libraries may log
+    to stdout first) and everything after it goes to our stderr: unread, a full pipe would
+    block the child, and on our stdout it would mix into benchmark tables."""
+    try:
+        for line in stream:
+            if line.startswith("READY "):
+                lines.put(line)
+                break
+            sys.stderr.write(line)
+        else:
+            lines.put("")
+            return
+    except (OSError, ValueError):  # closed by close() while reading
+        lines.put("")
+        return
+    _forward(stream)
+
+
 def worker_threads(prefill: int, decode: int) -> int:
     """Torch threads of each worker of a local cluster: workers sharing one machine's CPUs
     split them instead of oversubscribing (a role's --threads overrides it)."""
@@ -97,6 +117,7 @@ class Cluster:
         self.security = Security(cluster_secret=secret, tls=tls_pem)
         self._secret_line = f"{secret}\n"
         member = ["--cluster-secret-file", "-", *(tls.flags() if tls else [])]
+        self.startup_timeout_s = startup_timeout_s  # for each READY line, then registration
         self.procs: list[subprocess.Popen] = []
         self.argvs: list[list[str]] = []  # how each was started, parallel to procs (restart)
         self.names: list[str] = []  # role-index of each process, parallel to procs
@@ -172,16 +193,19 @@ class Cluster:
     def _ready(self, proc: subprocess.Popen, argv: list[str], index: int | None = None) -> str:
         """Read a started process's READY line (its addresses) -> its gRPC address; its
         name is recorded in start order."""
-        line = proc.stdout.readline()
-        while line and not line.startswith("READY "):  # libraries may log to stdout first
-            sys.stderr.write(line)
-            line = proc.stdout.readline()
-        # the rest of its stdout (library logs) goes to our stderr: unread, a full pipe
-        # would block the child; on our stdout it would mix into benchmark tables
-        threading.Thread(target=_forward, args=(proc.stdout,), daemon=True).start()
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=_read_ready, args=(proc.stdout, lines), daemon=True).start()
+        try:
+            line = lines.get(timeout=self.startup_timeout_s)
+        except queue.Empty:
+            proc.kill()
+            raise TimeoutError(
+                f"`pdserve {' '.join(argv[:2])}` printed no READY line within "
+                f"{self.startup_timeout_s:.0f}s (killed)"
+            ) from None
         if not line.startswith("READY "):
             raise RuntimeError(
-                f"`pdserve {' '.join(argv[:2])}` failed to start (exit {proc.poll()})"
+                f"`pdserve {' '.join(argv[:2])}` failed to start (exit {proc.wait(timeout=5)})"
             )
         _, role, address, metrics, *http = line.split()
         if http:

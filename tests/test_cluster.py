@@ -375,3 +375,41 @@ def test_a_cluster_launched_with_mutual_tls(tmp_path):
         )
         with urllib.request.urlopen(request, timeout=60, context=context) as r:
             assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 2
+
+
+def _bare_launcher(timeout_s: float):
+    launcher = Cluster.__new__(Cluster)  # only the READY handshake: no cluster started
+    launcher.startup_timeout_s = timeout_s
+    launcher.names, launcher.metrics, launcher.addresses = [], {}, {}
+    launcher.http_address = None
+    return launcher
+
+
+def _child(code: str):
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def test_a_process_that_never_says_ready_is_killed_at_the_deadline():
+    launcher = _bare_launcher(1.0)
+    proc = _child("import time; print('loading', flush=True); time.sleep(60)")
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="no READY line within 1s"):
+        launcher._ready(proc, ["serve", "decode"])
+    assert time.monotonic() - started < 10
+    assert proc.wait(timeout=10) != 0  # killed, not left running
+
+
+def test_the_ready_line_is_found_after_library_output_and_a_dead_child_is_named():
+    launcher = _bare_launcher(30.0)
+    proc = _child("print('a library log line'); print('READY decode 127.0.0.1:5 127.0.0.1:6')")
+    assert launcher._ready(proc, ["serve", "decode"]) == "127.0.0.1:5"
+    assert launcher.names == ["decode-0"] and launcher.metrics["decode-0"] == "127.0.0.1:6"
+    proc.wait(timeout=10)
+    dead = _child("import sys; sys.exit(3)")
+    with pytest.raises(RuntimeError, match=r"failed to start \(exit 3\)"):
+        launcher._ready(dead, ["serve", "prefill"])
