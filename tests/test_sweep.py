@@ -138,3 +138,14 @@ def test_analyze_and_the_slo_use_the_rate_on_open_loop_points():
     assert used["unloaded_from"] == {"policy": "p", "concurrency": None, "rate": 0.1}
     assert used["default"]["ttft_s"] == 50.0 and used["default"]["tpot_s"] == 0.2
     assert [p["goodput_req_s"] for p in points] == [0.0, 0.1, 0.1]
+
+
+def test_an_output_no_pool_can_hold_is_refused_before_anything_starts():
+    from pdserve.bench.sweep import bench_sweep
+
+    # long-prompt prompts reach 320 tokens; 32 blocks of 16 hold 512: up to 192 more fit
+    with pytest.raises(ValueError, match=r"cannot hold one long-prompt prompt .*\(up to 193\)"):
+        bench_sweep("tiny-llama", ["default"], [1], num_kv_blocks=32, workload="long-prompt",
+                    max_output=193)  # fmt: skip
+    with pytest.raises(ValueError, match="cannot hold"):
+        bench_sweep("tiny-llama", ["default"], [1], num_kv_blocks=32, max_output=0)

@@ -212,6 +212,7 @@ def bench_sweep(
     requests_per_client: int = 2,
     min_requests: int = 4,
     mean_output: int | None = None,
+    max_output: int | None = None,
     seed: int = 0,
     spill_dir: str | None = None,
     workload: str = "reasoning",
@@ -223,10 +224,11 @@ def bench_sweep(
     """`concurrency` (closed-loop clients per point) or `rates` (open-loop arrivals per
     second per point, `requests_per_rate` requests each), not both. `mean_output` defaults
     to a quarter of one decode worker's KV budget in tokens, so a handful of requests fill
-    it: the trap appears at small loads on a small machine. `slo` (default
-    DEFAULT_SWEEP_SLO) may be relative: multiples of the unloaded TTFT and TPOT p50, those
-    of the first policy's lowest-load point. `partial_json`: the report so far is written
-    there after every point (a sweep stopped midway keeps what it measured)."""
+    it: the trap appears at small loads on a small machine; `max_output` (default: what
+    leaves the longest prompt half a worker's pool) may reach what one request alone fills.
+    `slo` (default DEFAULT_SWEEP_SLO) may be relative: multiples of the unloaded TTFT and
+    TPOT p50, those of the first policy's lowest-load point. `partial_json`: the report so
+    far is written there after every point (a sweep stopped midway keeps what it measured)."""
     from pdserve.launch import Cluster
     from pdserve.weights import resolve
 
@@ -246,12 +248,14 @@ def bench_sweep(
     slo = slo or parse_slo(DEFAULT_SWEEP_SLO)
     budget_tokens = num_kv_blocks * block_size
     mean_output = mean_output or max(16, budget_tokens // 4)
-    # one request alone always fits half a pool: prompt + output
-    max_output = max(8, budget_tokens // 2 - max_prompt_tokens(workload))
-    if max_prompt_tokens(workload) + 8 > budget_tokens:
+    # by default one request alone always fits half a pool: prompt + output
+    if max_output is None:
+        max_output = max(8, budget_tokens // 2 - max_prompt_tokens(workload))
+    if max_output < 1 or max_prompt_tokens(workload) + max_output > budget_tokens:
         raise ValueError(
             f"num_kv_blocks: {num_kv_blocks} blocks of {block_size} tokens cannot hold one "
-            f"{workload} prompt (up to {max_prompt_tokens(workload)} tokens) and its output"
+            f"{workload} prompt (up to {max_prompt_tokens(workload)} tokens) and its output "
+            f"(up to {max_output})"
         )
     vocab = resolve(model).config.vocab_size
     points: list[dict] = []

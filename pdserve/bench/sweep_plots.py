@@ -21,6 +21,7 @@ def plot_sweep(report: dict, directory: str) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     os.makedirs(directory, exist_ok=True)
     series = _by_policy(report["points"])
@@ -36,8 +37,15 @@ def plot_sweep(report: dict, directory: str) -> list[str]:
         else ("concurrent clients", "concurrency")
     )
 
-    def finish(ax, xlabel: str, ylabel: str, heading: str, xbase: int = 2, ylog: bool = False):
+    loads = sorted({load_of(p) for p in report["points"]})
+
+    def finish(
+        ax, xlabel: str, ylabel: str, heading: str, xbase: int = 2, ylog: bool = False, ticks=()
+    ):
         ax.set_xscale("log", base=xbase)
+        if ticks:  # the measured loads, as plain numbers (not powers of the log base)
+            ax.set_xticks(list(ticks), [f"{t:g}" for t in ticks])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         if ylog:
             ax.set_yscale("log")
         ax.set_xlabel(xlabel)
@@ -61,7 +69,7 @@ def plot_sweep(report: dict, directory: str) -> list[str]:
             "o-",
             label=policy,
         )
-    finish(ax, xlabel, "output tokens / s", f"throughput vs {axis}")
+    finish(ax, xlabel, "output tokens / s", f"throughput vs {axis}", ticks=loads)
     save(fig, "throughput.png")
 
     if all("goodput_req_s" in p for p in report["points"]):
@@ -73,7 +81,7 @@ def plot_sweep(report: dict, directory: str) -> list[str]:
         heading = f"SLO goodput vs {axis}"
         if slo.get("ttft_s") is not None and slo.get("tpot_s") is not None:
             heading += f" (TTFT <= {slo['ttft_s']:.2f} s, TPOT <= {slo['tpot_s'] * 1e3:.0f} ms)"
-        finish(ax, xlabel, "requests / s meeting the SLO", heading)
+        finish(ax, xlabel, "requests / s meeting the SLO", heading, ticks=loads)
         save(fig, "goodput.png")
 
     for metric, label in (("ttft", "TTFT (s)"), ("tpot", "TPOT (s)"), ("e2e", "end to end (s)")):
@@ -90,7 +98,7 @@ def plot_sweep(report: dict, directory: str) -> list[str]:
                 color=line.get_color(),
                 label=f"{policy} p99",
             )
-        finish(ax, xlabel, label, f"{metric.upper()} vs {axis}", ylog=True)
+        finish(ax, xlabel, label, f"{metric.upper()} vs {axis}", ylog=True, ticks=loads)
         save(fig, f"{metric}.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -201,6 +201,7 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
         requests_per_client=args.requests_per_client or quick["requests_per_client"],
         min_requests=quick["min_requests"],
         mean_output=args.mean_output,
+        max_output=args.max_output,
         seed=args.seed,
         spill_dir=args.spill_dir,
         workload=args.workload,
@@ -429,6 +430,12 @@ def add_bench_parser(sub) -> None:
         type=int,
         default=None,
         help="mean output tokens (default: a quarter of the KV budget)",
+    )
+    sw.add_argument(
+        "--max-output",
+        type=int,
+        default=None,
+        help="longest output (default: what leaves the longest prompt half the KV budget)",
     )
     sw.add_argument(
         "--requests-per-client", type=int, default=None, help="closed loop (default 3; --quick 2)"
