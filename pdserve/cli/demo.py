@@ -6,8 +6,10 @@ import argparse
 
 from pdserve.cli.common import DEMO_MODEL
 
-DEMO_KV_BLOCKS = 24
-DEMO_CONCURRENCY = (1, 4, 16)
+DEMO_KV_BLOCKS = 32  # 512 tokens: the longest long-prompt request (320 + 192) just fits
+DEMO_MAX_OUTPUT = 192
+DEMO_CONCURRENCY = (1, 4, 24)
+DEMO_WORKLOAD = "long-prompt"  # contexts where a recompute costs several decode steps here
 DEMO_QUESTIONS = (
     "What is the capital of France?",
     "Name three primary colors.",
@@ -19,7 +21,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The capacity trap on a laptop-sized budget: a 1P2D SmolLM2 cluster whose decode workers
     hold only DEMO_KV_BLOCKS blocks each, swept over concurrency with today's policy
     (greedy admission, recompute preemption: vLLM's behaviour) and our default (what a decode
-    worker runs given no flags: cost-aware admission over the spill tiers)."""
+    worker runs given no flags: cost-aware admission over the spill tiers). Prompts of
+    192-320 tokens: on 2 CPU cores recomputing such a context costs ~4 decode steps
+    (`bench preempt-cost`), so the baseline's preemptions cost what they cost on a GPU."""
     from pdserve import LLM, SamplingParams
     from pdserve.bench.report import write_json
     from pdserve.bench.sweep import bench_sweep, format_table
@@ -35,10 +39,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     del llm
     print(
         f"== the capacity trap: 1 prefill + 2 decode worker processes, {DEMO_KV_BLOCKS} KV blocks "
-        f"of 16 tokens per decode worker, reasoning workload (long-tailed outputs), closed-loop "
-        f"clients at concurrency {','.join(map(str, DEMO_CONCURRENCY))}, two requests each; "
-        f"greedy+recompute (today's engines) against our default; each policy launches its "
-        f"own cluster (~1 min to start on 2 cores)"
+        f"of 16 tokens per decode worker, {DEMO_WORKLOAD} workload (192-320-token prompts, "
+        f"long-tailed outputs of mean 64 up to {DEMO_MAX_OUTPUT}), closed-loop clients at "
+        f"concurrency {','.join(map(str, DEMO_CONCURRENCY))}, two requests each; "
+        f"greedy+recompute (today's engines) against our default, both clusters up at once "
+        f"(~1 min to start on 2 cores) and the policies interleaved at each point; about 10 "
+        f"minutes"
     )
     report = bench_sweep(
         DEMO_MODEL,
@@ -49,6 +55,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         num_kv_blocks=DEMO_KV_BLOCKS,
         requests_per_client=2,
         min_requests=4,
+        mean_output=64,
+        max_output=DEMO_MAX_OUTPUT,
+        workload=DEMO_WORKLOAD,
         partial_json=args.json,
     )
     print(format_table(report))
