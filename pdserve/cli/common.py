@@ -16,17 +16,21 @@ WORKLOAD_CHOICES = (
 )
 
 
-def int_list(text: str) -> list[int]:
-    """argparse type: comma-separated positive integers."""
+def _positive_list(text: str, parse, numbers: str, what: str) -> list:
     try:
-        values = [int(x) for x in text.split(",") if x]
+        values = [parse(x) for x in text.split(",") if x]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
+            f"expected comma-separated {numbers}, got {text!r}"
         ) from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    if not values or not all(0 < v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive {what}, got {text!r}")
     return values
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers."""
+    return _positive_list(text, int, "integers", "integers")
 
 
 def print_report(report: dict, format_table, json_path: str | None) -> int:
@@ -69,15 +73,7 @@ def slo_arg(text: str):
 
 def rate_list(text: str) -> list[float]:
     """argparse type: comma-separated positive arrival rates (requests per second)."""
-    try:
-        values = [float(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, got {text!r}"
-        ) from None
-    if not values or not all(0 < v < float("inf") for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive requests per second, got {text!r}")
-    return values
+    return _positive_list(text, float, "numbers", "requests per second")
 
 
 def sweep_slo_arg(text: str):
