@@ -77,3 +77,17 @@ def test_bad_admission_settings_are_refused_with_their_name():
         LLM("tiny-llama", admission="fifo")
     with pytest.raises(ValueError, match="admission_margin"):
         LLM("tiny-llama", admission="kv-aware", admission_margin=1.5)
+
+
+def test_the_gate_holds_no_more_than_a_steps_worth(expected):
+    llm = LLM("tiny-llama", block_size=4, num_kv_blocks=256, max_num_seqs=2)
+    reqs = [llm.core.make_request(p, PARAMS, request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
+    for req in reqs:
+        llm.gate.offer(req)
+    done = {}
+    while llm.gate.busy:
+        out = llm.gate.step()
+        assert len(llm.core.held()) <= 2
+        done.update({f.request_id: f.output_token_ids for f in out.finished})
+    assert [done[r.request_id] for r in reqs] == expected  # all of them, in the end
+    _empty(llm)

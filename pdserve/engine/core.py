@@ -295,6 +295,11 @@ class EngineCore:
         """Device blocks a new prompt would share with cached ones."""
         return self.kv.shared_blocks(token_ids)
 
+    @property
+    def max_num_seqs(self) -> int:
+        """The most requests one step runs."""
+        return self.scheduler.config.max_num_seqs
+
     def held(self) -> list[HeldRequest]:
         """Every request whose KV this pool holds or will hold again."""
         return [HeldRequest.of(r) for r in self.scheduler.unfinished()]

@@ -17,7 +17,7 @@ from pdserve.engine.admission import ADMISSION, GreedyAdmission, KVAwareAdmissio
 from pdserve.engine.core import EngineCore, EngineStalled, StepPlan
 from pdserve.engine.costs import PreemptionCosts
 from pdserve.engine.length_estimator import OutputLengthEstimator
-from pdserve.engine.output import FinishedRequest, StepOutput
+from pdserve.engine.output import FinishedRequest, HeldRequest, StepOutput
 from pdserve.engine.request import Request
 
 
@@ -40,14 +40,23 @@ class AdmissionGate:
         self.pending.append(request)
 
     def admit(self) -> None:
-        """Into the engine, in arrival order, while the policy agrees."""
+        """Into the engine, in arrival order, while the policy agrees. No more than a step's
+        worth (max_num_seqs) is held at once: the scheduler could not run more together, and
+        each check reads every held request (10,000 prompts given at once would cost
+        quadratic time for nothing)."""
+        held: list[HeldRequest] | None = None  # read once, then kept up to date here
         while self.pending:
             req = self.pending[0]
             if self.admission is not None and self.core.has_unfinished:
-                held = self.core.held()  # (an idle engine takes anything: it must progress)
+                # (an idle engine takes anything: it must progress)
+                held = self.core.held() if held is None else held
+                if len(held) >= self.core.max_num_seqs:
+                    return
                 if self.admission.check(req.token_ids, req.params.max_tokens, held) is not None:
                     return
             self.core.add(self.pending.popleft())
+            if held is not None:
+                held.append(HeldRequest.of(req))
 
     def headroom(self) -> int:
         """Blocks a new request could still count on (what a router ranks replicas by)."""

@@ -26,10 +26,16 @@ class OutputLengthEstimator:
             raise ValueError(f"window: must be > 0, got {window}")
         self._recent: deque[int] = deque(maxlen=window)
         self._sorted: np.ndarray | None = np.zeros(0, dtype=np.int64)
+        # answers since the last observation: admission asks the same (g, M) for every
+        # request in a batch, once per candidate (quadratic work without it)
+        self._memo: dict[tuple[int, int], tuple[float, float]] = {}
+        self._mean: float | None = None
 
     def observe(self, output_tokens: int) -> None:
         self._recent.append(int(output_tokens))
         self._sorted = None  # re-sorted lazily
+        self._memo.clear()
+        self._mean = None
 
     @property
     def count(self) -> int:
@@ -37,7 +43,9 @@ class OutputLengthEstimator:
 
     def mean_length(self) -> float | None:
         """The mean observed output length (None before the first)."""
-        return float(np.mean(self._recent)) if self._recent else None
+        if self._mean is None and self._recent:
+            self._mean = float(np.mean(self._recent))
+        return self._mean
 
     def remaining(self, generated: int, max_tokens: int) -> float:
         """E_rem(g, M) above; never negative, never above M - g."""
@@ -48,10 +56,15 @@ class OutputLengthEstimator:
 
     def moments(self, generated: int, max_tokens: int) -> tuple[float, float]:
         """(E_rem(g, M), the variance of the remaining length) under the same conditioning."""
-        tail = self._tail(generated, max_tokens)
-        if tail is None:
-            return float(max(0, max_tokens - generated)), 0.0
-        return float(tail.mean() - generated), float(tail.var())
+        key = (generated, max_tokens)
+        if key not in self._memo:
+            tail = self._tail(generated, max_tokens)
+            self._memo[key] = (
+                (float(max(0, max_tokens - generated)), 0.0)
+                if tail is None
+                else (float(tail.mean() - generated), float(tail.var()))
+            )
+        return self._memo[key]
 
     def _tail(self, generated: int, max_tokens: int) -> np.ndarray | None:
         """Observed lengths that outlived `generated`, capped at max_tokens (None: none)."""
