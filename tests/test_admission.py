@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.engine import length_estimator
 from pdserve.engine.admission import (
     ADMISSION,
     CostAwareAdmission,
@@ -156,6 +157,14 @@ def test_estimator_moments_are_those_of_the_conditional_lengths():
     # capped at 40: 20, 30, 40 -> remaining 15 +- a variance of (100 + 0 + 100) / 3
     assert est.moments(15, 40) == pytest.approx((15, 200 / 3))
     assert est.mean_length() == 65.0
+    # answers are remembered until the next observation, then computed afresh
+    est.observe(40)
+    assert est.moments(15, 40) == pytest.approx((17.5, 68.75))  # 20, 30, 40, 40 -> 5 .. 25
+    assert est.mean_length() == 60.0
+    for g in range(length_estimator.MEMO_MAX + 50):  # a long run with nothing finishing
+        est.moments(g, 10**6)
+    assert len(est._memo) <= length_estimator.MEMO_MAX
+    assert est.moments(15, 40) == pytest.approx((17.5, 68.75))
 
 
 def tier(capacity, used=0, moved_blocks=0, spill_s=0.0, reload_s=0.0, block_bytes=1000):

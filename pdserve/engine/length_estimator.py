@@ -19,6 +19,8 @@ from collections import deque
 
 import numpy as np
 
+MEMO_MAX = 4096
+
 
 class OutputLengthEstimator:
     def __init__(self, window: int = 1000) -> None:
@@ -58,6 +60,8 @@ class OutputLengthEstimator:
         """(E_rem(g, M), the variance of the remaining length) under the same conditioning."""
         key = (generated, max_tokens)
         if key not in self._memo:
+            if len(self._memo) >= MEMO_MAX:  # long runs with no request finishing
+                self._memo.clear()
             tail = self._tail(generated, max_tokens)
             self._memo[key] = (
                 (float(max(0, max_tokens - generated)), 0.0)
