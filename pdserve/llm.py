@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.config import DEFAULT_PREEMPTION
-from pdserve.engine.admission import ADMISSION, DEFAULT_ADMISSION
+from pdserve.engine.admission import DEFAULT_ADMISSION
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
-from pdserve.engine.gate import AdmissionGate, make_admission
+from pdserve.engine.gate import AdmissionGate, check_admission, make_admission
 from pdserve.engine.output import EngineStats, FinishedRequest
 from pdserve.outputs import RequestOutput
 from pdserve.progress import progress
@@ -39,7 +39,7 @@ class LLM:
         admission_margin: float = 0.05,
         **engine_args,
     ) -> None:
-        ADMISSION.check(admission)
+        check_admission(admission, admission_margin)  # before the model loads
         engine_args.setdefault("preemption", DEFAULT_PREEMPTION)
         try:
             args = EngineArgs(**engine_args)

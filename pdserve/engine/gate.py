@@ -21,10 +21,16 @@ from pdserve.engine.output import FinishedRequest, HeldRequest, StepOutput
 from pdserve.engine.request import Request
 
 
-def make_admission(policy: str, core: EngineCore, margin: float = 0.05) -> GreedyAdmission | None:
-    """The policy over `core`'s pool, or None for greedy (nothing to gate)."""
+def check_admission(policy: str, margin: float) -> None:
+    """ValueError naming the setting when either is not one a gate can run."""
+    ADMISSION.check(policy)
     if not 0 <= margin < 1:
         raise ValueError(f"admission_margin: must be in [0, 1), got {margin}")
+
+
+def make_admission(policy: str, core: EngineCore, margin: float = 0.05) -> GreedyAdmission | None:
+    """The policy over `core`'s pool, or None for greedy (nothing to gate)."""
+    check_admission(policy, margin)
     cls = ADMISSION[policy]
     if not issubclass(cls, KVAwareAdmission):
         return None
