@@ -1,10 +1,10 @@
 """Colocated engine replicas under load, on a wall clock (the real engine) or on virtual
 clocks (the simulator), driven by the same code.
 
-    Replica(name, core, admission)   one engine core; requests wait in front of it until
-                                     its admission policy lets them in (kv-aware; greedy
-                                     lets every request into the engine's own queue, as the
-                                     colocated LLM does)
+    Replica(name, core, admission)   one engine core behind the colocated LLM's admission
+                                     gate (pdserve/engine/gate.py): requests wait until
+                                     its policy lets them in; greedy lets every request
+                                     straight into the engine's own queue
     run_real(replica, specs, ...)    the real engine: one step at a time on the wall clock
     run_sim(replicas, specs, ...)    simulated replicas (DP=N): each steps on its own virtual
                                      clock, events in time order; a request goes to the
