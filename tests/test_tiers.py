@@ -349,3 +349,27 @@ def test_a_sigkilled_workers_spill_directory_is_gone_after_the_next_start(tmp_pa
         again.close()
     finally:
         live.close()
+
+
+def test_default_tier_sizes_are_bounded_by_this_machine_and_given_sizes_stand(monkeypatch):
+    from pdserve.engine import build
+    from pdserve.engine.args import EngineArgs
+
+    gib, block = 2**30, 2**20  # a GPU-sized pool of 1 MiB blocks: 4x it is 400 GiB
+    monkeypatch.setattr(build, "available_memory_bytes", lambda: 64 * gib)
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(0, 0, 100 * gib)
+    )
+    sizes = dict(build.bounded_tier_sizes(EngineArgs(preemption="tiered"), 100_000, block))
+    assert sizes == {"host": 16 * 1024, "cxl": 8 * 1024, "disk": 50 * 1024}  # 25%, 12.5%, 50%
+    assert dict(build.tier_sizes(EngineArgs(preemption="tiered"), 100_000)) == {
+        "host": 400_000, "cxl": 400_000, "disk": 6_400_000,  # the simulator's: not bounded
+    }  # fmt: skip
+    given = EngineArgs(
+        preemption="tiered", spill_host_blocks=99_999, cxl_path="/dev/dax0.0", spill_disk_blocks=7
+    )
+    assert dict(build.bounded_tier_sizes(given, 100_000, block)) == {
+        "host": 99_999, "cxl": 400_000, "disk": 7,  # given, a real CXL device, given
+    }  # fmt: skip
+    small = dict(build.bounded_tier_sizes(EngineArgs(preemption="tiered"), 64, block))
+    assert small == {"host": 256, "cxl": 256, "disk": 4096}  # a small pool's defaults fit

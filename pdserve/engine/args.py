@@ -33,7 +33,9 @@ class EngineArgs:
     attention_backend: str = "auto"  # triton on CUDA, torch elsewhere
     seed: int = 0
     # Preemption: recompute | swap (host tier) | tiered (host -> CXL -> disk). Tier sizes in
-    # blocks; None: 4x the device pool for host and CXL, 64x for disk.
+    # blocks; None: 4x the device pool for host and CXL, 64x for disk, each held to a share of
+    # this machine (a quarter of available memory for host, an eighth for an emulated CXL
+    # tier, half the spill directory's free space for disk: engine/build.py).
     preemption: str = "recompute"
     spill_host_blocks: int | None = None
     spill_cxl_blocks: int | None = None

@@ -10,6 +10,9 @@ here, so the colocated `LLM`, the prefill worker and the decode worker run the s
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 from pdserve.attention import ATTENTION_BACKENDS
 from pdserve.config import PREEMPTION, ModelConfig
 from pdserve.engine.args import EngineArgs
@@ -95,8 +98,57 @@ def tier_sizes(args: EngineArgs, num_blocks: int) -> list[tuple[str, int]]:
     return [(k, sizes[k][0] if sizes[k][0] is not None else sizes[k][1]) for k in kinds]
 
 
+# The share of this machine a tier may take when its size was not given: the defaults are
+# multiples of the device pool, and a GPU's pool times 4 can exceed the host's memory.
+HOST_MEMORY_SHARE = 0.25  # of available memory, for the host tier
+CXL_EMULATED_SHARE = 0.125  # of available memory, for an emulated CXL tier (no cxl_path)
+DISK_SHARE = 0.5  # of the spill directory's free space, for the disk tier
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def bounded_tier_sizes(
+    args: EngineArgs, num_blocks: int, block_bytes: int
+) -> list[tuple[str, int]]:
+    """tier_sizes() with each default (a size no flag gave) held to a share of what this
+    machine has: available memory for host and emulated CXL, the spill directory's free
+    space for disk. A given size stands as given."""
+    given = {
+        "host": args.spill_host_blocks,
+        "cxl": args.spill_cxl_blocks,
+        "disk": args.spill_disk_blocks,
+    }
+    memory = available_memory_bytes()
+    out = []
+    for kind, capacity in tier_sizes(args, num_blocks):
+        room = None
+        if given[kind] is None:
+            if kind == "host" and memory is not None:
+                room = int(memory * HOST_MEMORY_SHARE)
+            elif kind == "cxl" and args.cxl_path is None and memory is not None:
+                room = int(memory * CXL_EMULATED_SHARE)
+            elif kind == "disk":
+                root = args.spill_dir or tempfile.gettempdir()
+                try:
+                    room = int(shutil.disk_usage(root).free * DISK_SHARE)
+                except OSError:
+                    room = None  # the disk tier itself says what is wrong with the directory
+        out.append((kind, capacity if room is None else min(capacity, room // block_bytes)))
+    return out
+
+
 def tiers(args: EngineArgs, cache: KVCache) -> list[Tier]:
-    """The real tiers of tier_sizes()."""
+    """The real tiers of tier_sizes(), defaults bounded by this machine (bounded_tier_sizes)."""
     block_bytes = cache.nbytes // cache.num_blocks
     options = {
         "host": {},
@@ -109,5 +161,5 @@ def tiers(args: EngineArgs, cache: KVCache) -> list[Tier]:
     }
     return [
         TIERS[kind](capacity, block_bytes, **options[kind])
-        for kind, capacity in tier_sizes(args, cache.num_blocks)
+        for kind, capacity in bounded_tier_sizes(args, cache.num_blocks, block_bytes)
     ]
