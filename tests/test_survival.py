@@ -75,9 +75,15 @@ def test_streams_on_a_dead_or_frozen_decode_worker_resume_on_the_other(expected,
         victim: list = []
 
         def strike() -> None:
-            name, pid = busiest(c, "decode")
-            running = total(scrape(c.metrics[name]), "pdserve_decode_running")
-            assert running > 0, "no decode worker runs a request"
+            # a stream's first token comes from the prefill worker: the decode workers may
+            # not have taken any into their batch yet (the KV push and Start still on the way)
+            deadline = time.monotonic() + 30
+            while True:
+                name, pid = busiest(c, "decode")
+                if total(scrape(c.metrics[name]), "pdserve_decode_running") > 0:
+                    break
+                assert time.monotonic() < deadline, "no decode worker runs a request"
+                time.sleep(0.01)
             wid = next(w for w, n in registered(c).items() if n == name)
             os.kill(pid, getattr(signal, fault))
             victim.extend([wid, pid])
