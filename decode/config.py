@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.admission import ADMISSION, DEFAULT_ADMISSION
+from pdserve.engine.admission import DEFAULT_ADMISSION, DEFAULT_MARGIN, check_admission
 from pdserve.failpoints import NO_FAILPOINTS, Failpoints
 
 
@@ -12,7 +12,7 @@ from pdserve.failpoints import NO_FAILPOINTS, Failpoints
 class DecodeConfig:
     worker_id: str
     admission: str = DEFAULT_ADMISSION  # greedy | kv-aware | cost-aware (engine/admission.py)
-    admission_margin: float = 0.05  # kv-aware keeps this fraction of the pool free
+    admission_margin: float = DEFAULT_MARGIN  # kv-aware keeps this fraction of the pool free
     # a reservation whose Start has not come by then returns its blocks; used when the
     # router names no lease (it normally does: pdserve/router/config.py)
     default_lease_s: float = 30.0
@@ -25,9 +25,7 @@ class DecodeConfig:
     failpoints: Failpoints = NO_FAILPOINTS  # decode.reserve, decode.stream (pdserve/failpoints.py)
 
     def __post_init__(self) -> None:
-        ADMISSION.check(self.admission)
-        if not 0 <= self.admission_margin < 1:
-            raise ValueError(f"admission_margin: must be in [0, 1), got {self.admission_margin}")
+        check_admission(self.admission, self.admission_margin)
         for name in ("default_lease_s", "kv_arrival_timeout_s", "stream_idle_s", "idle_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")

@@ -204,9 +204,11 @@ class Cluster:
                 f"{self.startup_timeout_s:.0f}s (killed)"
             ) from None
         if not line.startswith("READY "):
-            raise RuntimeError(
-                f"`pdserve {' '.join(argv[:2])}` failed to start (exit {proc.wait(timeout=5)})"
-            )
+            try:  # its stdout closed: it is exiting, or has
+                code = proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                code = None
+            raise RuntimeError(f"`pdserve {' '.join(argv[:2])}` failed to start (exit {code})")
         _, role, address, metrics, *http = line.split()
         if http:
             self.http_address = http[0]

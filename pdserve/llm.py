@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.config import DEFAULT_PREEMPTION
-from pdserve.engine.admission import DEFAULT_ADMISSION
+from pdserve.engine.admission import DEFAULT_ADMISSION, DEFAULT_MARGIN, check_admission
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
-from pdserve.engine.gate import AdmissionGate, check_admission, make_admission
+from pdserve.engine.gate import AdmissionGate, make_admission
 from pdserve.engine.output import EngineStats, FinishedRequest
 from pdserve.outputs import RequestOutput
 from pdserve.progress import progress
@@ -36,7 +36,7 @@ class LLM:
         self,
         model: str,
         admission: str = DEFAULT_ADMISSION,
-        admission_margin: float = 0.05,
+        admission_margin: float = DEFAULT_MARGIN,
         **engine_args,
     ) -> None:
         check_admission(admission, admission_margin)  # before the model loads

@@ -266,7 +266,15 @@ class CostAwareAdmission(KVAwareAdmission):
 
 # what a decode worker and the colocated LLM admit by given no flags
 DEFAULT_ADMISSION = "cost-aware"
+DEFAULT_MARGIN = 0.05  # kv-aware keeps this fraction of the pool free
 ADMISSION: Registry[type[GreedyAdmission]] = Registry(
     "admission",
     {"greedy": GreedyAdmission, "kv-aware": KVAwareAdmission, "cost-aware": CostAwareAdmission},
 )
+
+
+def check_admission(policy: str, margin: float) -> None:
+    """ValueError naming the setting when either is not one a policy can run with."""
+    ADMISSION.check(policy)
+    if not 0 <= margin < 1:
+        raise ValueError(f"admission_margin: must be in [0, 1), got {margin}")

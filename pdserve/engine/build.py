@@ -123,16 +123,11 @@ def bounded_tier_sizes(
     """tier_sizes() with each default (a size no flag gave) held to a share of what this
     machine has: available memory for host and emulated CXL, the spill directory's free
     space for disk. A given size stands as given."""
-    given = {
-        "host": args.spill_host_blocks,
-        "cxl": args.spill_cxl_blocks,
-        "disk": args.spill_disk_blocks,
-    }
     memory = available_memory_bytes()
     out = []
     for kind, capacity in tier_sizes(args, num_blocks):
         room = None
-        if given[kind] is None:
+        if getattr(args, f"spill_{kind}_blocks") is None:  # the default, not a given size
             if kind == "host" and memory is not None:
                 room = int(memory * HOST_MEMORY_SHARE)
             elif kind == "cxl" and args.cxl_path is None and memory is not None:

@@ -13,7 +13,13 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from pdserve.engine.admission import ADMISSION, GreedyAdmission, KVAwareAdmission
+from pdserve.engine.admission import (
+    ADMISSION,
+    DEFAULT_MARGIN,
+    GreedyAdmission,
+    KVAwareAdmission,
+    check_admission,
+)
 from pdserve.engine.core import EngineCore, EngineStalled, StepPlan
 from pdserve.engine.costs import PreemptionCosts
 from pdserve.engine.length_estimator import OutputLengthEstimator
@@ -21,14 +27,9 @@ from pdserve.engine.output import FinishedRequest, HeldRequest, StepOutput
 from pdserve.engine.request import Request
 
 
-def check_admission(policy: str, margin: float) -> None:
-    """ValueError naming the setting when either is not one a gate can run."""
-    ADMISSION.check(policy)
-    if not 0 <= margin < 1:
-        raise ValueError(f"admission_margin: must be in [0, 1), got {margin}")
-
-
-def make_admission(policy: str, core: EngineCore, margin: float = 0.05) -> GreedyAdmission | None:
+def make_admission(
+    policy: str, core: EngineCore, margin: float = DEFAULT_MARGIN
+) -> GreedyAdmission | None:
     """The policy over `core`'s pool, or None for greedy (nothing to gate)."""
     check_admission(policy, margin)
     cls = ADMISSION[policy]

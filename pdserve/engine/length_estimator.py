@@ -51,10 +51,7 @@ class OutputLengthEstimator:
 
     def remaining(self, generated: int, max_tokens: int) -> float:
         """E_rem(g, M) above; never negative, never above M - g."""
-        tail = self._tail(generated, max_tokens)
-        if tail is None:
-            return float(max(0, max_tokens - generated))
-        return float(tail.mean() - generated)
+        return self.moments(generated, max_tokens)[0]
 
     def moments(self, generated: int, max_tokens: int) -> tuple[float, float]:
         """(E_rem(g, M), the variance of the remaining length) under the same conditioning."""
