@@ -4,6 +4,10 @@ The torch references (`*_ref`) are the engine's `attention_backend="torch"` path
 oracle for the Triton kernels. Nothing here imports from the rest of pdserve. On a machine
 without a GPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set before
 triton is imported).
+
+`paged_decode_cpu` holds the CPU decode kernels in C (csrc/, compiled for this machine on
+first use by `cpu_native`), the engine's `attention_backend="cpu"`: imported as a module,
+not re-exported here, so that importing `kernels` never starts a compiler.
 """
 
 from kernels.block_copy import pack_blocks, pack_blocks_ref, unpack_blocks, unpack_blocks_ref

@@ -21,6 +21,7 @@ import torch
 
 from kernels import (
     latent_as_kv_head,
+    paged_decode_cpu,
     paged_gqa_decode,
     paged_gqa_decode_ref,
     paged_mla_decode,
@@ -159,9 +160,49 @@ class TritonAttentionBackend(TorchAttentionBackend):
         )
 
 
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The C decode kernels (kernels/csrc/, compiled for this CPU on first use) for fp32
+    decode steps, which read each sequence's KV once where it lies instead of gathering a
+    padded copy; every other case (other dtypes, prefill chunks) takes the torch path."""
+
+    name = "cpu"
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not paged_decode_cpu.supports(q, k_cache, v_cache):
+            return super().decode(q, k_cache, v_cache, meta, scale)
+        return paged_decode_cpu.paged_gqa_decode_cpu(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
+
+    def mla_decode(self, q_latent, q_pe, latent_cache, meta, scale: float) -> torch.Tensor:
+        if not paged_decode_cpu.supports(q_latent, latent_cache, latent_cache):
+            return super().mla_decode(q_latent, q_pe, latent_cache, meta, scale)
+        return paged_decode_cpu.paged_mla_decode_cpu(
+            q_latent,
+            q_pe,
+            latent_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+        )
+
+
+def _cpu(device: torch.device) -> CpuAttentionBackend:
+    if not paged_decode_cpu.available():
+        raise ValueError(
+            "attention_backend 'cpu': the C decode kernel does not build here "
+            "(a C compiler is needed: set CC or install gcc); use 'torch'"
+        )
+    return CpuAttentionBackend()
+
+
 def _auto(device: torch.device) -> TorchAttentionBackend:
-    """Triton on CUDA, torch elsewhere."""
-    return TritonAttentionBackend() if device.type == "cuda" else TorchAttentionBackend()
+    """Triton on CUDA; on CPU the C decode kernels where they build, else torch."""
+    if device.type == "cuda":
+        return TritonAttentionBackend()
+    if device.type == "cpu" and paged_decode_cpu.available():
+        return CpuAttentionBackend()
+    return TorchAttentionBackend()
 
 
 # name -> factory(device)
@@ -170,6 +211,7 @@ ATTENTION_BACKENDS: Registry[Callable[[torch.device], TorchAttentionBackend]] = 
     {
         "auto": _auto,
         "torch": lambda device: TorchAttentionBackend(),
+        "cpu": _cpu,
         "triton": lambda device: TritonAttentionBackend(),
     },
 )

@@ -30,7 +30,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    attention_backend: str = "auto"  # triton on CUDA, torch elsewhere
+    attention_backend: str = "auto"  # triton on CUDA, cpu (C kernels) where they build, else torch
     seed: int = 0
     # Preemption: recompute | swap (host tier) | tiered (host -> CXL -> disk). Tier sizes in
     # blocks; None: 4x the device pool for host and CXL, 64x for disk, each held to a share of

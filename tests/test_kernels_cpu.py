@@ -1,0 +1,135 @@
+"""The C decode kernels and the oneDNN-packed Linear: the CPU fast paths against the naive
+walks and nn.Linear. On a machine without a C compiler the kernel cannot build; there the
+test says so, and the engine's `auto` backend must have fallen back to torch."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import paged_decode_cpu
+from kernels.cpu_native import NativeUnavailable, load
+from pdserve.attention import ATTENTION_BACKENDS, CpuAttentionBackend, TorchAttentionBackend
+from pdserve.models.layers import ONEDNN_LINEAR, Linear
+from tests.test_kernels_ref import CASES, TOL, naive_attention, random_tables, walk
+
+needs_kernel = pytest.mark.skipif(
+    not paged_decode_cpu.available(), reason="the C decode kernel does not build here"
+)
+
+
+def test_the_kernel_builds_where_there_is_a_compiler():
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert paged_decode_cpu.available()
+        assert isinstance(ATTENTION_BACKENDS["auto"](torch.device("cpu")), CpuAttentionBackend)
+    else:
+        with pytest.raises(NativeUnavailable):
+            load("paged_decode_cpu")
+        assert type(ATTENTION_BACKENDS["auto"](torch.device("cpu"))) is TorchAttentionBackend
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size,ctx,hq,hkv,dim", CASES + [(32, [1, 31, 32, 100], 9, 3, 64)])
+def test_paged_gqa_decode_cpu_matches_naive_walk(block_size, ctx, hq, hkv, dim):
+    gen = torch.Generator().manual_seed(hash((block_size, hq, dim, 7)) % 1000)
+    nblocks = 24
+    k_cache = torch.randn(nblocks, block_size, hkv, dim, generator=gen)
+    v_cache = torch.randn(nblocks, block_size, hkv, dim, generator=gen)
+    table = random_tables(ctx, block_size, nblocks, gen)
+    q = torch.randn(len(ctx), hq, dim, generator=gen)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    out = paged_decode_cpu.paged_gqa_decode_cpu(q, k_cache, v_cache, table, lens, dim**-0.5)
+    for i, c in enumerate(ctx):
+        keys = walk(k_cache, table[i], c, block_size)
+        values = walk(v_cache, table[i], c, block_size)
+        torch.testing.assert_close(out[i], naive_attention(q[i], keys, values, dim**-0.5), **TOL)
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch", [1, 3, 8, 20])  # one KV head per task, then whole sequences
+def test_every_task_split_gives_the_same_rows(batch):
+    gen = torch.Generator().manual_seed(batch)
+    block_size, hq, hkv, dim = 16, 8, 4, 64
+    k_cache = torch.randn(64, block_size, hkv, dim, generator=gen)
+    v_cache = torch.randn(64, block_size, hkv, dim, generator=gen)
+    ctx = [int(x) for x in torch.randint(1, 40, (batch,), generator=gen)]
+    table = random_tables(ctx, block_size, 64, gen)
+    q = torch.randn(batch, hq, dim, generator=gen)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    out = paged_decode_cpu.paged_gqa_decode_cpu(q, k_cache, v_cache, table, lens, 0.125)
+    ref = paged_decode_cpu_ref(q, k_cache, v_cache, table, lens)
+    torch.testing.assert_close(out, ref, **TOL)
+    # each row is computed alone, in a fixed order: batch-invariant bit for bit
+    alone = paged_decode_cpu.paged_gqa_decode_cpu(
+        q[-1:], k_cache, v_cache, table[-1:], lens[-1:], 0.125
+    )
+    assert torch.equal(alone[0], out[-1])
+
+
+def paged_decode_cpu_ref(q, k_cache, v_cache, table, lens):
+    from kernels import paged_gqa_decode_ref
+
+    return paged_gqa_decode_ref(q, k_cache, v_cache, table, lens, 0.125)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rank,rope", [(16, 8), (512, 64)])  # 512 + 64: DeepSeek's sizes
+def test_paged_mla_decode_cpu_matches_naive_walk(rank, rope):
+    gen = torch.Generator().manual_seed(rank)
+    block_size, heads, ctx = 16, 4, [1, 16, 17, 50]
+    latent = torch.randn(20, block_size, rank + rope, generator=gen)
+    table = random_tables(ctx, block_size, 20, gen)
+    q_latent = torch.randn(len(ctx), heads, rank, generator=gen)
+    q_pe = torch.randn(len(ctx), heads, rope, generator=gen)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    out = paged_decode_cpu.paged_mla_decode_cpu(q_latent, q_pe, latent, table, lens, 0.05)
+    for i, c in enumerate(ctx):
+        rows = walk(latent, table[i], c, block_size)
+        q = torch.cat([q_latent[i], q_pe[i]], dim=-1)
+        expected = naive_attention(q, rows[:, None, :], rows[:, None, :rank], 0.05)
+        torch.testing.assert_close(out[i], expected, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_bad_inputs_are_refused_with_the_reason():
+    k = torch.randn(4, 16, 2, 8)
+    q = torch.randn(1, 4, 8)
+    table = torch.tensor([[0]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs more"):
+        paged_decode_cpu.paged_gqa_decode_cpu(q, k, k, table, torch.tensor([17]), 1.0)
+    with pytest.raises(ValueError, match="fp32"):
+        paged_decode_cpu.paged_gqa_decode_cpu(
+            q.half(), k.half(), k.half(), table, torch.tensor([3]), 1.0
+        )
+    with pytest.raises(ValueError, match="do not match"):
+        paged_decode_cpu.paged_gqa_decode_cpu(
+            torch.randn(1, 3, 8), k, k, table, torch.tensor([3]), 1.0
+        )
+
+
+def test_packed_linear_matches_nn_linear_and_follows_weight_changes():
+    torch.manual_seed(0)
+    layer = Linear(48, 40, bias=True)
+    packed = layer.pack_for_cpu()
+    assert packed == ONEDNN_LINEAR
+    for rows in (1, 3, 8, 70):
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), **TOL)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # changed in place after packing: the packed copy is not used
+    x = torch.randn(5, 48)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), **TOL)
+    assert layer.packed is None
+    assert not Linear(8, 8).to(torch.bfloat16).pack_for_cpu()  # fp32 only
+
+
+@needs_kernel
+def test_loading_the_kernel_leaves_the_floating_point_mode_alone():
+    # a library linked with -ffast-math would set flush-to-zero for the whole process
+    load("paged_decode_cpu")
+    tiny = float("5e-324")  # the smallest subnormal double
+    assert tiny * 1.0 > 0.0
+    assert torch.tensor(1e-40, dtype=torch.float32).mul(1.0).item() > 0.0
