@@ -17,8 +17,6 @@ from pdserve.config import ModelConfig
 from pdserve.models.layers import Linear, RMSNorm, StackedLoader
 from pdserve.models.rope import RotaryEmbedding
 
-SMALL_BATCH_ROWS = 3  # see CausalLM.after_load
-
 
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, layers: list[nn.Module]) -> None:
@@ -42,7 +40,6 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._lm_head_t: torch.Tensor | None = None  # see after_load
 
     def shard_sizes(self) -> dict[str, list[int] | int]:
         return {}
@@ -67,8 +64,6 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32 logits for sampling."""
-        if self._lm_head_t is not None and hidden.shape[0] <= SMALL_BATCH_ROWS:
-            return torch.mm(hidden, self._lm_head_t).float()
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
@@ -92,10 +87,8 @@ class CausalLM(nn.Module):
         return int(name.split(".")[2]) >= self.config.num_layers
 
     def after_load(self) -> None:
-        """Derive inference-only tensors from loaded weights (after the final dtype/device)."""
-        weight = self.lm_head.weight
-        # On CPU, MKL multiplies a few rows by the [in, out] layout about twice as fast as by
-        # nn.Linear's [out, in] (SmolLM2's 49152 x 576 head, 2 cores: 6.3 vs 12.1 ms at
-        # 1 row, 17 vs 41 ms at 3), and slower from 4 rows on. Decode at small batch is bound
-        # by that head, so CPU models keep a transposed copy for small batches.
-        self._lm_head_t = weight.t().contiguous() if weight.device.type == "cpu" else None
+        """Derive inference-only tensors from loaded weights (after the final dtype/device):
+        fp32 CPU models lay every Linear's weight out for oneDNN (see layers.Linear)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
