@@ -46,6 +46,17 @@ def test_a_small_grid_reports_every_point_against_the_bandwidth_it_measured():
             r["bytes_read"] / 1e9 / report["read_bandwidth_gb_s"]
         )
         assert r["fraction_of_roofline"] == pytest.approx(r["roofline_s"] / r["step_s"])
+        # FLOPs: 2 per Linear weight element (the same elements as above but the norms and
+        # the embedding) per request, and per layer, query head and context token 2 x 16
+        # dims for the scores and 2 x 16 for the values
+        linear = 2 * (2 * (layer - 2 * h) + 384 * h)
+        attention = 2 * 4 * r["context"] * 2 * 16 * 2
+        assert r["flops"] == r["batch"] * (linear + attention)
+        assert r["compute_s"] == pytest.approx(r["flops"] / 1e9 / report["matmul_gflop_s"])
+        assert r["bound_s"] == max(r["roofline_s"], r["compute_s"])
+        assert r["bound_by"] == ("memory" if r["roofline_s"] >= r["compute_s"] else "compute")
+        assert r["fraction_of_bound"] == pytest.approx(r["bound_s"] / r["step_s"])
+    assert report["matmul_gflop_s"] > 0
     assert "(0." in format_table(report) or "(1." in format_table(report)
 
 

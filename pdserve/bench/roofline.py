@@ -9,6 +9,14 @@ benchmark times real decode steps of the engine's runner (pdserve/engine/model_r
 the path every role runs) and reports step time, roofline time and their ratio: the
 fraction of the roofline the step reaches (1.0 = as fast as reading the bytes once).
 
+A step also has a compute floor: its FLOPs (2 per weight element per request for the
+projections and the LM head, 2 per query head per context token per K and V dimension for
+attention) at the peak rate this machine's matrix multiply reaches, measured in the same run
+with the model's own Linear (the path its projections take) on a large fp32 product. The
+roofline bound is the larger of the two floors; where compute is the larger (batches of many
+requests on a CPU), no kernel reaches the memory floor, and the report says so per point
+(`bound_by`).
+
 The contexts are not prefilled (64 prompts of 2,048 tokens would take minutes on a CPU):
 each request's blocks are simply there, holding random KV, and its step is one token at
 position context-1, as a decode step at that context is. The time of a step does not
@@ -53,6 +61,42 @@ def read_bandwidth(device: torch.device, nbytes: int = BANDWIDTH_BYTES, reps: in
     return nbytes / best
 
 
+def matmul_flops(device: torch.device, dtype: torch.dtype, reps: int = 5) -> float:
+    """FLOP/s of the model's Linear (packed as the engine packs it) on a [512, 2048] x
+    [2048, 2048] product, at best (the torch threads set)."""
+    from pdserve.models.layers import Linear
+
+    with torch.device(device):
+        layer = Linear(2048, 2048, bias=False).to(dtype).requires_grad_(False)
+        x = torch.randn(512, 2048, dtype=dtype)
+    layer.pack_for_cpu()
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(reps + 1):  # the first pass is a warm-up
+            _sync(device)
+            start = time.perf_counter()
+            layer(x)
+            _sync(device)
+            best = min(best, time.perf_counter() - start)
+    return 2 * 512 * 2048 * 2048 / best
+
+
+def step_flops(model: torch.nn.Module, config, batch: int, context: int) -> int:
+    """Projections and LM head: 2 FLOPs per weight element of every Linear per request (an
+    MoE model counts every expert: too many). Attention: per layer, per query head, 2 per
+    context token for the scores and 2 for the weighted values per head dimension."""
+    from pdserve.models.layers import Linear
+
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
+    dims = (
+        config.head_dim * 2
+        if config.mla is None
+        else 2 * config.mla.kv_lora_rank + (config.mla.qk_rope_head_dim)
+    )
+    attention = 2 * config.num_layers * config.num_heads * context * dims
+    return batch * (2 * linear + attention)
+
+
 def weight_bytes_read(model: torch.nn.Module) -> int:
     """What one decode step reads of the weights: every parameter (shared ones once) but an
     untied input embedding table. For a mixture-of-experts model that counts every expert,
@@ -93,6 +137,7 @@ def bench_roofline(
         device = core.kv_pool.device
         core.kv_pool.normal_()  # touch every page: no first-touch faults in a timed step
         bandwidth = read_bandwidth(device, bandwidth_bytes)
+        flops_per_s = matmul_flops(device, core.kv_pool.dtype)
         weights = weight_bytes_read(core.runner.model)
         kv_per_token = core.model_config.kv_elements_per_token * core.kv_pool.element_size()
         vocab = core.model_config.vocab_size
@@ -125,14 +170,21 @@ def bench_roofline(
             step = statistics.median(times)
             nbytes = weights + batch * context * kv_per_token
             floor = nbytes / bandwidth
+            flops = step_flops(core.runner.model, core.model_config, batch, context)
+            compute = flops / flops_per_s
             rows.append(
                 {
                     "batch": batch,
                     "context": context,
                     "step_s": step,
                     "bytes_read": nbytes,
-                    "roofline_s": floor,
+                    "roofline_s": floor,  # the memory floor
                     "fraction_of_roofline": floor / step,
+                    "flops": flops,
+                    "compute_s": compute,  # the compute floor
+                    "bound_s": max(floor, compute),
+                    "fraction_of_bound": max(floor, compute) / step,
+                    "bound_by": "memory" if floor >= compute else "compute",
                     "tok_s": batch / step,
                 }
             )
@@ -143,6 +195,8 @@ def bench_roofline(
         "model": model,
         "device": str(device),
         "read_bandwidth_gb_s": bandwidth / 1e9,
+        "matmul_gflop_s": flops_per_s / 1e9,
+        "attention_backend": core.runner.backend.name,
         "weight_bytes_read": weights,
         "kv_bytes_per_token": kv_per_token,
         "steps": steps,
@@ -160,15 +214,21 @@ def format_table(report: dict) -> str:
         f"{report['read_bandwidth_gb_s']:.1f} GB/s (measured), weights read per step "
         f"{report['weight_bytes_read'] / 1e6:.0f} MB, KV {report['kv_bytes_per_token'] / 1e3:.1f}"
         " KB/token",
-        "step ms (fraction of the memory roofline) by batch and context:",
-        f"{'batch':>6} " + " ".join(f"{c:>15}" for c in contexts),
+        f"matmul {report['matmul_gflop_s']:.0f} GFLOP/s (measured), attention backend "
+        f"{report['attention_backend']}",
+        "step ms (fraction of the memory floor / of the larger of the memory and compute"
+        " floors, m or c: which is larger) by batch and context:",
+        f"{'batch':>6} " + " ".join(f"{c:>22}" for c in contexts),
     ]
     for b in batches:
         cells = []
         for c in contexts:
             r = at.get((b, c))
             cells.append(
-                f"{r['step_s'] * 1e3:>8.1f} ({r['fraction_of_roofline']:.2f})" if r else " " * 15
+                f"{r['step_s'] * 1e3:>7.1f} ({r['fraction_of_roofline']:.2f}/"
+                f"{r['fraction_of_bound']:.2f} {r['bound_by'][0]})"
+                if r
+                else ""
             )
-        lines.append(f"{b:>6} " + " ".join(f"{cell:>15}" for cell in cells))
+        lines.append(f"{b:>6} " + " ".join(f"{cell:>22}" for cell in cells))
     return "\n".join(lines)
