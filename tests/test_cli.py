@@ -278,6 +278,14 @@ def test_bench_tiers_round_trips_every_tier_bit_exact(tmp_path):
     for r in rows:
         assert r["bit_exact"] and r["spill_gb_s"] > 0 and r["reload_gb_s"] > 0
         assert r["raw_write_gb_s"] > 0 and r["raw_read_gb_s"] > 0
+        bound = r["bound_of_raw"]
+        if r["tier"] == "disk":  # passes in series with the raw move: below raw, always
+            assert set(bound) == {"spill", "spill_overlapped", "reload"}
+            assert 0 < bound["spill"] < 1 and 0 < bound["reload"] < 1
+            assert bound["spill_overlapped"] > bound["spill"]
+        else:
+            assert set(bound) == {"spill", "reload"} and min(bound.values()) > 0
+    assert "bound" in proc.stdout
 
 
 def test_bench_preempt_cost_reports_recompute_and_swap_in_decode_steps(tmp_path):
