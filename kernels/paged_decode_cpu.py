@@ -15,7 +15,7 @@ import torch
 
 from kernels._paged import check_cache
 from kernels.cpu_native import NativeUnavailable, load
-from kernels.paged_mla_decode import latent_as_kv_head
+from kernels.paged_mla_decode import mla_as_gqa
 
 _i64, _f32p, _i32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int32)
 
@@ -110,13 +110,5 @@ def paged_mla_decode_cpu(
 ) -> torch.Tensor:  # [B, H, r]
     """MLA in the absorbed form: the latent rows are one KV head shared by every query head
     (keys: whole rows, values: their first r columns, read in place)."""
-    check_cache("latent_cache", latent_cache, 3)
-    rank = q_latent.shape[-1]
-    if latent_cache.shape[-1] != rank + q_pe.shape[-1]:
-        raise ValueError(
-            f"latent_cache last dim {latent_cache.shape[-1]} != kv_lora_rank {rank} + "
-            f"rope_dim {q_pe.shape[-1]}"
-        )
-    k_cache, v_cache = latent_as_kv_head(latent_cache, rank)
-    q = torch.cat([q_latent, q_pe], dim=-1)
+    q, k_cache, v_cache = mla_as_gqa(q_latent, q_pe, latent_cache)
     return paged_gqa_decode_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)

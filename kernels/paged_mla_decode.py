@@ -210,6 +210,22 @@ def latent_as_kv_head(latent_cache: torch.Tensor, rank: int) -> tuple[torch.Tens
     return latent_cache.unsqueeze(2), latent_cache[..., :rank].unsqueeze(2)
 
 
+def mla_as_gqa(
+    q_latent: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Absorbed MLA as GQA with one KV head: the query [B, H, r + dr] and the latent cache's
+    keys and values (latent_as_kv_head), after checking the cache's width."""
+    check_cache("latent_cache", latent_cache, 3)
+    rank = q_latent.shape[-1]
+    if latent_cache.shape[-1] != rank + q_pe.shape[-1]:
+        raise ValueError(
+            f"latent_cache last dim {latent_cache.shape[-1]} != kv_lora_rank {rank} + "
+            f"rope_dim {q_pe.shape[-1]}"
+        )
+    k_cache, v_cache = latent_as_kv_head(latent_cache, rank)
+    return torch.cat([q_latent, q_pe], dim=-1), k_cache, v_cache
+
+
 def paged_mla_decode_ref(
     q_latent: torch.Tensor,
     q_pe: torch.Tensor,
@@ -219,15 +235,7 @@ def paged_mla_decode_ref(
     scale: float,
     max_context_len: int | None = None,
 ) -> torch.Tensor:
-    check_cache("latent_cache", latent_cache, 3)
-    rank = q_latent.shape[-1]
-    if latent_cache.shape[-1] != rank + q_pe.shape[-1]:
-        raise ValueError(
-            f"latent_cache last dim {latent_cache.shape[-1]} != kv_lora_rank {rank} + "
-            f"rope_dim {q_pe.shape[-1]}"
-        )
-    q = torch.cat([q_latent, q_pe], dim=-1)
-    k_cache, v_cache = latent_as_kv_head(latent_cache, rank)
+    q, k_cache, v_cache = mla_as_gqa(q_latent, q_pe, latent_cache)
     return paged_gqa_decode_ref(
         q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=max_context_len
     )
