@@ -7,8 +7,9 @@
  * a sequence's heads, so each block is read front to back; with few, one head each, so
  * that every thread has work. Within a KV head, up to four query heads go through a block
  * together, so that each key and value row is loaded once for all of them, in 8-lane
- * vectors (scores, then the softmax's exponentials, then the weighted values). Tasks are spread over OpenMP threads (the process's own
- * runtime: torch loads libgomp.so.1 first, and this library reuses it). fp32 throughout.
+ * vectors (scores, then the softmax's exponentials, then the weighted values). Tasks are
+ * spread over OpenMP threads (the process's own runtime: torch loads libgomp.so.1 first,
+ * and this library reuses it). fp32 throughout.
  *
  * Strides are in elements. The pool is [N, block_size, heads, dim] with any strides along
  * those axes but a unit stride along dim, which lets MLA pass its latent rows as keys and
