@@ -11,8 +11,6 @@ act as cluster members). TLS files and API keys are passed on as paths.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
 import queue
 import secrets
@@ -23,29 +21,13 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pdserve.lifetime import die_with
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving import auth
 from pdserve.serving.auth import TLS, Security
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _CREDENTIAL_ENV = frozenset({auth.CLUSTER_SECRET_ENV, auth.API_KEY_ENV})
-
-
-def _die_with(parent: int):
-    """A preexec_fn: the child gets SIGTERM when `parent` dies, however it dies (a SIGKILL
-    leaves no chance to run close()). Linux only; elsewhere None (close() still stops it).
-    libc is loaded here, in the parent: the child only makes the call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return functools.partial(_set_parent_death_signal, prctl, parent)
-
-
-def _set_parent_death_signal(prctl, parent: int) -> None:
-    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # the parent died before the call: nobody would signal us
-        os._exit(1)
 
 
 @dataclass(frozen=True)
@@ -176,7 +158,7 @@ class Cluster:
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,  # its own process group: close() reaches its children
-            preexec_fn=_die_with(os.getpid()),  # and a killed parent takes them along
+            preexec_fn=die_with(os.getpid()),  # and a killed parent takes them along
         )
         if index is None:
             self.procs.append(proc)

@@ -24,7 +24,8 @@ class LLM:
     Engine arguments: see pdserve.engine.args.EngineArgs (block_size, num_kv_blocks,
     kv_cache_memory, max_model_len, dtype, device, enable_prefix_caching, prefix_offload,
     preemption and the spill tier sizes, max_num_seqs, max_num_batched_tokens,
-    attention_backend, seed).
+    attention_backend, seed, tensor_parallel_size: the model sharded over that many
+    processes, this one rank 0, see docs/tensor-parallel.md).
 
     Requests wait in front of the engine until `admission` lets them in (greedy | kv-aware |
     cost-aware, pdserve/engine/admission.py); given no flags the colocated engine runs what a
@@ -121,6 +122,10 @@ class LLM:
         """Preemptions, recomputed tokens, spilled/reloaded bytes (`.spilled_bytes`), the
         pool and every tier."""
         return self.core.stats()
+
+    def memory(self):
+        """Per rank (one, or tensor_parallel_size): weight, packed-weight and KV pool bytes."""
+        return self.core.runner.memory()
 
     def check_integrity(self) -> None:
         self.core.check_integrity()

@@ -41,9 +41,18 @@ LEAVES = frozenset(
         "pdserve.outputs",
         "pdserve.trace",
         "pdserve.progress",
+        "pdserve.lifetime",
     }
 )
-_CORE = frozenset({"pdserve.attention", "pdserve.models", "pdserve.tokenizer", "pdserve.weights"})
+_CORE = frozenset(
+    {
+        "pdserve.attention",
+        "pdserve.models",
+        "pdserve.parallel",
+        "pdserve.tokenizer",
+        "pdserve.weights",
+    }
+)
 _EDGE = frozenset({"pdserve.serving", "pdserve.rpc", "pdserve.validation"})
 
 # component -> the components it may import (besides itself and the leaves)
@@ -52,7 +61,9 @@ ALLOWED: Mapping[str, frozenset[str]] = MappingProxyType(
         "kernels": frozenset(),
         "transfer": frozenset(),
         "pdserve.attention": frozenset({"kernels"}),
-        "pdserve.models": frozenset({"pdserve.attention"}),
+        # tensor parallelism's collectives and shard arithmetic (torch.distributed only)
+        "pdserve.parallel": frozenset(),
+        "pdserve.models": frozenset({"pdserve.attention", "pdserve.parallel"}),
         "pdserve.tokenizer": frozenset(),
         "pdserve.weights": frozenset({"pdserve.models", "pdserve.tokenizer"}),
         # the KV core: bookkeeping here, bytes moved by kernels (pack/unpack) and transfer.tiers

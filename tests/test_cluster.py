@@ -255,9 +255,9 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
     pidfile = tmp_path / "child.pid"
     launcher = (
         "import os, subprocess, sys\n"
-        "from pdserve.launch import _die_with\n"
+        "from pdserve.lifetime import die_with\n"
         "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],"
-        " preexec_fn=_die_with(os.getpid()), start_new_session=True)\n"
+        " preexec_fn=die_with(os.getpid()), start_new_session=True)\n"
         f"open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
         "import time; time.sleep(120)\n"
     )

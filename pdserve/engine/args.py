@@ -48,6 +48,8 @@ class EngineArgs:
     prefix_offload: bool = False
     cxl_bandwidth_gb_s: float = 32.0
     cxl_latency_us: float = 0.4
+    # Ranks the model is sharded over (one process each, this one rank 0: engine/tp_engine.py)
+    tensor_parallel_size: int = 1
     # fault injection at exact states (kv.spill, kv.reload, disk.write): pdserve/failpoints.py
     failpoints: Failpoints = NO_FAILPOINTS
 
@@ -58,6 +60,10 @@ class EngineArgs:
         PREEMPTION.check(self.preemption)
         if self.block_size <= 0:
             raise ValueError(f"block_size: must be > 0, got {self.block_size}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size: must be an integer >= 1, got {self.tensor_parallel_size!r}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks: must be > 0, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -22,7 +22,7 @@ from pdserve.engine.runner import Runner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv import BlockAllocator, KVCache
 from pdserve.kv.manager import KVManager
-from pdserve.kv.offload import OffloadedKV
+from pdserve.kv.offload import OffloadedKV, OffloadStore
 from pdserve.models import build_model
 from pdserve.tokenizer import Tokenizer
 from pdserve.validation import RequestValidator
@@ -36,6 +36,10 @@ def build_engine(model: str, args: EngineArgs | None = None) -> tuple[EngineCore
     config = source.config
     device = args.resolve_device()
     dtype = args.resolve_dtype(device)
+    if args.tensor_parallel_size > 1:
+        from pdserve.engine.tp_engine import build_tp_engine
+
+        return build_tp_engine(model, source, args, device, dtype), source
     backend = ATTENTION_BACKENDS[args.attention_backend](device)
     net = build_model(config, dtype, device, source.weights())
     cc = args.cache_config(config, dtype, device)
@@ -52,15 +56,19 @@ def assemble_engine(
     spill_tiers: list[Tier],
     runner: Runner,
     tokenizer: Tokenizer | None = None,
+    offload: OffloadStore | None = None,
 ) -> EngineCore:
     """The engine core over a given pool, tiers and runner: the real ones (build_engine) or
     a simulator's (pdserve/sim: a pool on the meta device, accounting-only tiers, a cost
-    model for a runner). Everything else is the same code either way."""
+    model for a runner). Everything else is the same code either way. `offload` replaces
+    the store made over `spill_tiers` (a tensor-parallel group's, over every rank's)."""
     scheduler_config = args.scheduler_config(config)
+    if offload is None and spill_tiers:
+        offload = OffloadedKV(cache, spill_tiers, args.failpoints)
     kv = KVManager(
         BlockAllocator(cache.num_blocks, cache.block_size, args.enable_prefix_caching),
         cache,
-        OffloadedKV(cache, spill_tiers, args.failpoints) if spill_tiers else None,
+        offload,
         prefix_offload=args.prefix_offload,
     )
     validator = RequestValidator(

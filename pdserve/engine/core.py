@@ -328,5 +328,7 @@ class EngineCore:
             assert req.status is RequestStatus.RUNNING, f"{req.request_id} runs as {req.status}"
 
     def close(self) -> None:
-        """Release the spill tiers (the disk tier's directory goes with them)."""
+        """Release the spill tiers (the disk tier's directory goes with them) and whatever
+        the runner started (a tensor-parallel group's other ranks)."""
         self.kv.close()
+        self.runner.close()

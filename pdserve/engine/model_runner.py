@@ -13,6 +13,7 @@ import torch
 
 from pdserve.attention import AttentionMetadata, TorchAttentionBackend
 from pdserve.engine.batch import RunResult, ScheduledChunk
+from pdserve.engine.memory import RankMemory, rank_memory
 from pdserve.engine.sampler import sample, top_logprobs
 from pdserve.kv import KVCache
 from pdserve.models import CausalLM
@@ -84,6 +85,13 @@ class ModelRunner:
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         return order, input_ids, pos_t, meta, sample_at
 
+    def close(self) -> None:
+        """Nothing to release: the pool and the model go with the runner."""
+
+    def memory(self) -> list[RankMemory]:
+        """The weights and the pool this process holds (one rank)."""
+        return [rank_memory(0, self.model, self.kv_cache)]
+
     @torch.inference_mode()
     def execute(
         self, chunks: Sequence[ScheduledChunk], on_layer_done: Callable[[int], None] | None = None
@@ -96,6 +104,8 @@ class ModelRunner:
         if not sample_at:
             return RunResult([])
         logits = self.model.compute_logits(hidden[sample_at])  # [S, vocab], packed order
+        if logits is None:
+            return RunResult([])  # a tensor-parallel rank other than 0: rank 0 samples
         packed = [chunks[i] for i in order if chunks[i].sample]
         # back to the caller's chunk order
         rank = {i: r for r, i in enumerate(i for i in order if chunks[i].sample)}

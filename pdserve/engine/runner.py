@@ -23,3 +23,7 @@ class Runner(Protocol):
         chunk with `sample` set. `on_layer_done(i)` is called once layer i's KV is in the
         pool (the prefill worker pushes it from there)."""
         ...
+
+    def close(self) -> None:
+        """Release what the runner started (a tensor-parallel group's other ranks)."""
+        ...

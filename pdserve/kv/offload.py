@@ -173,6 +173,9 @@ class OffloadedKV:
     def has_prefix(self, h: int) -> bool:
         return h in self._prefixes
 
+    def drop_prefix(self, h: int) -> None:
+        self._discard(Prefix(h))
+
     def load_prefix(self, h: int, block: int) -> bool:
         """Copy the offloaded block of hash h into `block` (the entry stays). False when it
         is not kept or fails its checksum (then it is forgotten: compute from here)."""

@@ -3,6 +3,11 @@
 A model works on a packed batch: `input_ids [T]` and `positions [T]` for all tokens of the
 step, `kv_caches[i]` the pool of layer i, and `AttentionMetadata` describing the sequences.
 Parameter names follow Hugging Face checkpoints, except the fusions `StackedLoader` maps.
+
+Under tensor parallelism (`comm` a group of several ranks) each rank builds its layers from
+its slice of the config (`local_config`) and loads its slice of every checkpoint tensor by
+the family's `tp_rules` (pdserve/parallel/shard.py); `compute_logits` then returns the full
+logits on rank 0 only (None on the others).
 """
 
 from __future__ import annotations
@@ -14,14 +19,26 @@ from torch import nn
 
 from pdserve.attention import AttentionMetadata, TorchAttentionBackend
 from pdserve.config import ModelConfig
-from pdserve.models.layers import Linear, RMSNorm, StackedLoader
+from pdserve.models.layers import Linear, RMSNorm, StackedLoader, VocabParallelEmbedding
 from pdserve.models.rope import RotaryEmbedding
+from pdserve.parallel.comm import SINGLE, TPComm
+from pdserve.parallel.shard import CheckpointSharder, ShardRule, local_config
+
+# Every family's embedding and head: slices of the vocabulary.
+VOCAB_RULES = (ShardRule("embed_tokens.", 0, "vocab"), ShardRule("lm_head.", 0, "vocab"))
+# Row-parallel projections: a slice of the input columns; the bias is added once (rank 0).
+ROW_PARALLEL_RULES = tuple(
+    rule
+    for proj in (".o_proj.", ".down_proj.")
+    for rule in (ShardRule(f"{proj}bias", 0, "first"), ShardRule(proj, 1))
+)
+MLP_RULES = (ShardRule(".gate_proj.", 0), ShardRule(".up_proj.", 0))
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, layers: list[nn.Module]) -> None:
+    def __init__(self, config: ModelConfig, layers: list[nn.Module], comm: TPComm) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -29,15 +46,23 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     # checkpoint sub-name -> (fused sub-name, shard); see StackedLoader
     stacked_rules: dict[str, tuple[str, int]] = {}
+    # how each checkpoint tensor is cut for a tensor-parallel rank (first match wins)
+    tp_rules: tuple[ShardRule, ...] = ()
 
     def __init__(
-        self, config: ModelConfig, layers: list[nn.Module], rotary: RotaryEmbedding
+        self,
+        config: ModelConfig,
+        layers: list[nn.Module],
+        rotary: RotaryEmbedding,
+        comm: TPComm = SINGLE,
     ) -> None:
         super().__init__()
         self.config = config
+        self.local = local_config(config, comm.size)  # what this rank's layers hold
+        self.comm = comm
         self.rotary = rotary  # shared by every layer's attention
-        self.model = DecoderModel(config, layers)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DecoderModel(config, layers, comm)
+        self.lm_head = Linear(config.hidden_size, self.model.embed_tokens.rows, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -62,13 +87,17 @@ class CausalLM(nn.Module):
                 on_layer_done(i)
         return self.model.norm(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] fp32 logits for sampling."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> [N, vocab] fp32 logits for sampling (None on ranks other than 0)."""
+        logits = self.comm.gather_cols(self.lm_head(hidden).float())
+        if logits is None or logits.shape[-1] == self.config.vocab_size:
+            return logits
+        return logits[:, : self.config.vocab_size]  # the last slice's padding rows
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loader = StackedLoader(self, self.stacked_rules, self.shard_sizes())
+        sharder = CheckpointSharder(self.tp_rules, self.config, self.comm.rank, self.comm.size)
+        loader = StackedLoader(self, self.stacked_rules, self.shard_sizes(), sharder)
         for name, tensor in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # shares model.embed_tokens.weight

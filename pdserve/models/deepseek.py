@@ -14,14 +14,23 @@ from torch import nn
 
 from pdserve.attention import AttentionMetadata, TorchAttentionBackend
 from pdserve.config import MLAConfig, ModelConfig, MoEConfig
-from pdserve.models.base import CausalLM
+from pdserve.models.base import MLP_RULES, ROW_PARALLEL_RULES, VOCAB_RULES, CausalLM
 from pdserve.models.layers import GatedMLP, Linear, RMSNorm
 from pdserve.models.rope import RopeTable, RotaryEmbedding, yarn_mscale
+from pdserve.parallel.comm import SINGLE, TPComm
+from pdserve.parallel.shard import ShardRule, local_config
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, config: ModelConfig, mla: MLAConfig, rotary: RotaryEmbedding) -> None:
+    """`config` is the rank's slice under tensor parallelism: its query heads (q, kv_b and
+    o_proj are sharded by head); the latent projection and the latent cache are whole on
+    every rank (one KV head, shared by all query heads)."""
+
+    def __init__(
+        self, config: ModelConfig, mla: MLAConfig, rotary: RotaryEmbedding, comm: TPComm
+    ) -> None:
         super().__init__()
+        self.comm = comm
         self.mla = mla
         self.num_heads = config.num_heads
         hidden = config.hidden_size
@@ -79,7 +88,7 @@ class MLAAttention(nn.Module):
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
         out_latent = backend.mla(q_latent, q_pe, latent_cache, meta, self.scale)  # [T, H, r]
         out = torch.bmm(out_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [T, H, v]
-        return self.o_proj(out.reshape(t, self.num_heads * m.v_head_dim))
+        return self.comm.all_reduce(self.o_proj(out.reshape(t, self.num_heads * m.v_head_dim)))
 
 
 class MoEGate(nn.Module):
@@ -126,15 +135,26 @@ class MoEGate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig, moe: MoEConfig) -> None:
+    """Under tensor parallelism every rank holds a slice of every expert (`moe` is the rank's
+    config): the router is replicated, the experts' partial sums are added over the ranks
+    once, after the shared experts."""
+
+    def __init__(self, config: ModelConfig, moe: MoEConfig, comm: TPComm) -> None:
         super().__init__()
         hidden = config.hidden_size
+        self.comm = comm
         self.gate = MoEGate(hidden, moe)
         self.experts = nn.ModuleList(
-            GatedMLP(hidden, moe.moe_intermediate_size) for _ in range(moe.n_routed_experts)
+            GatedMLP(hidden, moe.moe_intermediate_size, reduce=False)
+            for _ in range(moe.n_routed_experts)
         )
         self.shared_experts = (
-            GatedMLP(hidden, moe.moe_intermediate_size * moe.n_shared_experts, config.mlp_bias)
+            GatedMLP(
+                hidden,
+                moe.moe_intermediate_size * moe.n_shared_experts,
+                config.mlp_bias,
+                reduce=False,
+            )
             if moe.n_shared_experts
             else None
         )
@@ -148,19 +168,21 @@ class MoE(nn.Module):
             out.index_add_(0, token_idx, y.to(x.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.comm.all_reduce(out)
 
 
 class DeepseekLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, comm: TPComm
+    ) -> None:
         super().__init__()
         assert config.mla is not None
-        self.self_attn = MLAAttention(config, config.mla, rotary)
+        self.self_attn = MLAAttention(config, config.mla, rotary, comm)
         moe = config.moe
         if moe is not None and layer_idx >= moe.first_k_dense_replace:
-            self.mlp: nn.Module = MoE(config, moe)
+            self.mlp: nn.Module = MoE(config, moe, comm)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, comm)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -174,12 +196,21 @@ class DeepseekForCausalLM(CausalLM):
         ".gate_proj.": (".gate_up_proj.", 0),
         ".up_proj.": (".gate_up_proj.", 1),
     }
+    tp_rules = (
+        ShardRule(".q_proj.", 0),
+        ShardRule(".q_b_proj.", 0),
+        ShardRule(".kv_b_proj.", 0),
+        *ROW_PARALLEL_RULES,
+        *MLP_RULES,
+        *VOCAB_RULES,
+    )
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, comm: TPComm = SINGLE) -> None:
         assert config.mla is not None
         rotary = RotaryEmbedding(config.rope, config.mla.qk_rope_head_dim, config.max_position)
-        layers = [DeepseekLayer(config, i, rotary) for i in range(config.num_layers)]
-        super().__init__(config, layers, rotary)
+        local = local_config(config, comm.size)
+        layers = [DeepseekLayer(local, i, rotary, comm) for i in range(config.num_layers)]
+        super().__init__(config, layers, rotary, comm)
 
     def shard_sizes(self) -> dict[str, list[int] | int]:
         return {".gate_up_proj.": 2}  # dense, shared and routed MLPs: gate | up, equal halves

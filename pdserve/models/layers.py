@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.parallel.comm import SINGLE, TPComm
+from pdserve.parallel.shard import vocab_shard
+
 PAD_ROWS_BELOW = 64  # larger (prefill) batches are left alone
 PACK_ROWS_HINT = 16  # the batch oneDNN lays packed weights out for; any row count works
 
@@ -78,17 +81,50 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul.
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+    Under tensor parallelism `intermediate` is the rank's slice and down_proj is row-parallel:
+    its partial sums are added over the ranks here, or by the caller when `reduce` is False
+    (a mixture of experts sums all its experts first, then reduces once)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        bias: bool = False,
+        comm: TPComm = SINGLE,
+        reduce: bool = True,
+    ) -> None:
         super().__init__()
         self.intermediate = intermediate
+        self.comm = comm if reduce else SINGLE
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.comm.all_reduce(self.down_proj(F.silu(gate) * up))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding table, or under tensor parallelism the rank's slice of the vocabulary
+    (`vocab_shard` rows from rank * rows; the last slice is padded): a token outside the
+    slice embeds as zeros and the ranks' rows are summed."""
+
+    def __init__(self, vocab_size: int, hidden: int, comm: TPComm = SINGLE) -> None:
+        super().__init__()
+        self.comm = comm
+        self.rows = vocab_shard(vocab_size, comm.size)
+        self.start = comm.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.comm.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
 class StackedLoader:
@@ -99,6 +135,8 @@ class StackedLoader:
     `sum(sizes[:i]) : sum(sizes[:i + 1])` of dim 0, with `sizes = shard_sizes[fused sub-name]`
     (an int n instead of a list means n equal shards).
     `check_complete()` names every parameter (or shard) the checkpoint did not provide.
+    `sharder(name, tensor, shape)` cuts a global checkpoint tensor to this tensor-parallel
+    rank's `shape` (pdserve/parallel/shard.py); without one, tensors are taken whole.
     """
 
     def __init__(
@@ -106,10 +144,12 @@ class StackedLoader:
         module: nn.Module,
         rules: dict[str, tuple[str, int]],
         shard_sizes: dict[str, list[int] | int],
+        sharder=None,
     ) -> None:
         self.params = dict(module.named_parameters())
         self.rules = rules
         self.shard_sizes = shard_sizes
+        self.sharder = sharder
         self.loaded: set[str] = set()
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
@@ -119,11 +159,15 @@ class StackedLoader:
                 param = self._param(target, name)
                 sizes = self._sizes(dst, param)
                 rows = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
-                self._copy(rows, tensor, name)
+                self._copy(rows, self._shard(name, tensor, rows.shape), name)
                 self.loaded.add(f"{target}#{shard}")
                 return
-        self._copy(self._param(name, name).data, tensor, name)
+        param = self._param(name, name).data
+        self._copy(param, self._shard(name, tensor, param.shape), name)
         self.loaded.add(name)
+
+    def _shard(self, name: str, tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        return tensor if self.sharder is None else self.sharder(name, tensor, shape)
 
     def check_complete(self) -> None:
         missing = []

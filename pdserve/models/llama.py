@@ -7,14 +7,20 @@ from torch import nn
 
 from pdserve.attention import AttentionMetadata, TorchAttentionBackend
 from pdserve.config import ModelConfig
-from pdserve.models.base import CausalLM
+from pdserve.models.base import MLP_RULES, ROW_PARALLEL_RULES, VOCAB_RULES, CausalLM
 from pdserve.models.layers import GatedMLP, Linear, RMSNorm
 from pdserve.models.rope import RopeTable, RotaryEmbedding
+from pdserve.parallel.comm import SINGLE, TPComm
+from pdserve.parallel.shard import ShardRule, local_config
 
 
 class GQAAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    """`config` is the rank's slice under tensor parallelism (its query and KV heads);
+    o_proj is row-parallel and its partial sums are added over the ranks."""
+
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, comm: TPComm) -> None:
         super().__init__()
+        self.comm = comm
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -45,14 +51,14 @@ class GQAAttention(nn.Module):
         backend.write_kv(k_cache, k, meta)
         backend.write_kv(v_cache, v, meta)
         out = backend.gqa(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.comm.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, comm: TPComm) -> None:
         super().__init__()
-        self.self_attn = GQAAttention(config, rotary)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.self_attn = GQAAttention(config, rotary, comm)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, comm)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -69,14 +75,23 @@ class LlamaForCausalLM(CausalLM):
         ".gate_proj.": (".gate_up_proj.", 0),
         ".up_proj.": (".gate_up_proj.", 1),
     }
+    tp_rules = (
+        ShardRule(".q_proj.", 0),
+        ShardRule(".k_proj.", 0, "kv"),
+        ShardRule(".v_proj.", 0, "kv"),
+        *ROW_PARALLEL_RULES,
+        *MLP_RULES,
+        *VOCAB_RULES,
+    )
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, comm: TPComm = SINGLE) -> None:
         rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position)
-        layers = [LlamaLayer(config, rotary) for _ in range(config.num_layers)]
-        super().__init__(config, layers, rotary)
+        local = local_config(config, comm.size)
+        layers = [LlamaLayer(local, rotary, comm) for _ in range(config.num_layers)]
+        super().__init__(config, layers, rotary, comm)
 
     def shard_sizes(self) -> dict[str, list[int] | int]:
-        c = self.config
+        c = self.local
         kv = c.num_kv_heads * c.head_dim
         return {
             ".qkv_proj.": [c.num_heads * c.head_dim, kv, kv],

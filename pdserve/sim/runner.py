@@ -36,3 +36,6 @@ class SimRunner:
             if c.sample
         ]
         return RunResult(tokens)
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -1,0 +1,168 @@
+"""A tensor-parallel rank other than 0: its shard of the model, of the KV pool and of the
+spill tiers, driven by rank 0 over a pipe (pdserve/engine/tp_group.py).
+
+Each message is (op, args) and runs in order: a block copy, a park or a step lands between
+the same two steps as on rank 0. Ops that rank 0 `call`s are answered ("ok", value) or
+("error", message); an op that is only sent and fails is reported the same way and the rank
+exits, so rank 0's next collective or call fails at once instead of waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import traceback
+from dataclasses import asdict
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ANSWERED = frozenset(
+    {
+        "load",
+        "cache",
+        "park",
+        "unpark",
+        "keep_prefix",
+        "load_prefix",
+        "stats",
+        "check",
+        "memory",
+        "close",
+    }
+)
+
+
+class RankState:
+    """Everything rank r holds, built in two calls: "load" (weights), "cache" (the pool)."""
+
+    def __init__(self, spec) -> None:
+        from pdserve.parallel.comm import connect
+
+        self.spec = spec
+        self.device = torch.device(spec.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        from pdserve.engine.tp_group import COLLECTIVE_TIMEOUT_S, STORE_HOST
+
+        self.comm = connect(
+            STORE_HOST, spec.store_port, spec.rank, spec.size, self.device, COLLECTIVE_TIMEOUT_S
+        )
+        self.net = self.cache = self.runner = self.offload = None
+
+    # -- the ops --------------------------------------------------------------------------
+    def load(self) -> dict:
+        from pdserve.models import build_model
+        from pdserve.parallel.shard import local_config
+        from pdserve.weights import resolve
+
+        args = self.spec.args
+        source = resolve(self.spec.model)
+        self.config = source.config
+        self.local = local_config(source.config, self.spec.size)
+        self.dtype = args.resolve_dtype(self.device)
+        self.net = build_model(
+            self.config, self.dtype, self.device, source.weights(), comm=self.comm
+        )
+        budget = args.cache_config(self.local, self.dtype, self.device).num_blocks
+        return {"num_blocks": budget}
+
+    def make_cache(self, num_blocks: int) -> None:
+        from pdserve.attention import ATTENTION_BACKENDS
+        from pdserve.engine.build import tiers
+        from pdserve.engine.model_runner import ModelRunner
+        from pdserve.kv import KVCache
+        from pdserve.kv.offload import OffloadedKV
+
+        args = self.spec.args
+        self.cache = KVCache(self.local, num_blocks, args.block_size, self.dtype, self.device)
+        backend = ATTENTION_BACKENDS[args.attention_backend](self.device)
+        self.runner = ModelRunner(self.net, self.cache, backend, self.device, args.seed)
+        spill = tiers(args, self.cache)
+        self.offload = OffloadedKV(self.cache, spill, args.failpoints) if spill else None
+
+    def execute(self, chunks) -> None:
+        from pdserve.engine.batch import ScheduledChunk
+
+        self.runner.execute([ScheduledChunk(t, s, b, smp, None, None) for t, s, b, smp in chunks])
+
+    def memory(self) -> dict:
+        from pdserve.engine.memory import rank_memory
+
+        return asdict(rank_memory(self.spec.rank, self.net, self.cache))
+
+    def check(self, parked: list[str]) -> None:
+        if self.offload is not None:
+            self.offload.check_integrity(parked)
+        else:
+            assert not parked, "requests parked without a spill tier"
+
+    def dispatch(self, op: str, args: tuple):
+        if op == "load":
+            return self.load()
+        if op == "cache":
+            return self.make_cache(*args)
+        if op == "execute":
+            return self.execute(*args)
+        if op == "copy_blocks":
+            return self.cache.copy_blocks(*args)
+        if op == "memory":
+            return self.memory()
+        if op == "check":
+            return self.check(*args)
+        if op == "close":
+            if self.offload is not None:
+                self.offload.close()
+            return None
+        if op == "keep_prefix":
+            self.offload.keep_prefix(*args)
+            return self.offload.has_prefix(args[1])
+        if op in ("park", "unpark", "drop_parked", "load_prefix", "drop_prefix"):
+            return getattr(self.offload, op)(*args)
+        if op == "stats":
+            return self.offload.stats() if self.offload is not None else None
+        raise ValueError(f"unknown tensor-parallel op {op!r}")
+
+
+def rank_main(conn) -> None:
+    """The rank's process: its spec first, then its ops until "close" or EOF."""
+    spec = conn.recv()
+    logging.basicConfig(
+        level=logging.WARNING, format=f"tp-rank{spec.rank} %(levelname)s %(message)s"
+    )
+    if spec.threads > 0:
+        torch.set_num_threads(spec.threads)
+    try:
+        state = RankState(spec)
+    except Exception:
+        _report(conn, traceback.format_exc(limit=3))
+        sys.exit(1)
+    while True:
+        try:
+            op, args = conn.recv()
+        except (EOFError, OSError):  # rank 0 closed the pipe or died
+            return
+        try:
+            with torch.no_grad():
+                value = state.dispatch(op, args)
+        except Exception as e:
+            log.error("op %s failed: %s", op, e)
+            _report(conn, f"{type(e).__name__}: {e}")
+            sys.exit(1)
+        if op in ANSWERED:
+            conn.send(("ok", value))
+        if op == "close":
+            return
+
+
+def _report(conn, message: str) -> None:
+    with contextlib.suppress(OSError, EOFError):  # rank 0 is gone: nobody to tell
+        conn.send(("error", message))
+
+
+if __name__ == "__main__":
+    from multiprocessing.connection import Connection
+
+    rank_main(Connection(int(sys.argv[1])))
