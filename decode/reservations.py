@@ -45,6 +45,9 @@ class Reservations:
         self._arrived: set[str] = set()  # request ids whose push completed
         self._fenced: dict[int, Reservation] = {}  # fence -> ended before its push arrived
         self._fenced_done: set[int] = set()  # fenced ones whose push notification came
+        # fence -> the parts of its push whose notifications came (a push from a tensor
+        # parallel group is one WRITE stream per pair of ranks, each with its notification)
+        self._parts: dict[int, set[int]] = {}
         self._fences = itertools.count(1)
 
     def add(self, res: Reservation) -> int:
@@ -58,6 +61,12 @@ class Reservations:
 
     def pop(self, request_id: str) -> Reservation | None:
         """Take the reservation out to start it (its push arrived, or the caller knows)."""
+        res = self._take(request_id)
+        if res is not None:
+            self._parts.pop(res.fence, None)
+        return res
+
+    def _take(self, request_id: str) -> Reservation | None:
         self._arrived.discard(request_id)
         return self._held.pop(request_id, None)
 
@@ -69,19 +78,21 @@ class Reservations:
         ever posted). When its push may still land, it is fenced instead: its blocks come
         back from `unfenced()`."""
         arrived = request_id in self._arrived
-        res = self.pop(request_id)
+        res = self._take(request_id)
         if res is None and unpushed:  # ended and fenced before: the caller knows better now
             fence = next(
                 (f for f, r in self._fenced.items() if r.request.request_id == request_id), None
             )
             if fence is not None:
                 self._fenced_done.discard(fence)
+                self._parts.pop(fence, None)
                 return self._fenced.pop(fence), True
         if res is None:
             return None, False
         if arrived or unpushed or res.push_deadline <= now:
+            self._parts.pop(res.fence, None)
             return res, True
-        self._fenced[res.fence] = res
+        self._fenced[res.fence] = res  # its parts so far stay: the rest may still come
         return res, False
 
     def renew(self, request_id: str, fence: int, lease_s: float, now: float) -> bool:
@@ -119,21 +130,35 @@ class Reservations:
             if f in self._fenced_done or res.push_deadline <= now
         ]
         self._fenced_done.difference_update(free)
+        for f in free:
+            self._parts.pop(f, None)
         return [self._fenced.pop(f) for f in free]
 
     def note_arrivals(self, notes: Iterable[bytes]) -> None:
         """Push-complete notifications; only those carrying a held or fenced reservation's
-        own token count, the rest drop."""
+        own token count, the rest drop. A push in several parts has arrived when every
+        part's notification has."""
         for note in notes:
             parsed = parse_notification(note)
             if parsed is None:
                 continue
-            rid, fence = parsed
+            rid, fence, part, parts = parsed
             held = self._held.get(rid)
+            fenced = self._fenced.get(fence)
             if held is not None and held.fence == fence:
-                self._arrived.add(rid)
-            elif fence in self._fenced and self._fenced[fence].request.request_id == rid:
-                self._fenced_done.add(fence)
+                done = self._arrived
+                key: str | int = rid
+            elif fenced is not None and fenced.request.request_id == rid:
+                done, key = self._fenced_done, fence
+            else:
+                continue  # of no reservation here (an earlier one of the same id, or none)
+            if self._complete(fence, part, parts):
+                done.add(key)
+
+    def _complete(self, fence: int, part: int, parts: int) -> bool:
+        got = self._parts.setdefault(fence, set())
+        got.add(part)
+        return len(got) >= parts
 
     def arrived(self, request_id: str) -> bool:
         """Whether the push of this held reservation is in (kept until it starts or
@@ -153,6 +178,8 @@ class Reservations:
     def check_integrity(self) -> None:
         assert self._arrived <= set(self._held), "an arrival of no held reservation"
         assert self._fenced_done <= set(self._fenced), "a done fence of no fenced reservation"
+        live = {r.fence for r in self._held.values()} | set(self._fenced)
+        assert set(self._parts) <= live, "push parts kept for a reservation that is gone"
         assert len({r.fence for r in self._held.values()} | set(self._fenced)) == len(
             self._held
         ) + len(self._fenced), "a fencing token used twice"

@@ -39,10 +39,38 @@ def free(state: DecodeState) -> int:
 
 
 def test_notifications_name_their_reservation_and_token():
-    assert parse_notification(notification("req-1", 7)) == ("req-1", 7)
-    assert parse_notification(notification("a#b", 12)) == ("a#b", 12)  # the last '#' counts
-    for bad in (b"req-1", b"req-1#", b"req-1#x", b"#", b""):
+    assert parse_notification(notification("req-1", 7)) == ("req-1", 7, 0, 1)
+    assert parse_notification(notification("a#b", 12)) == ("a#b", 12, 0, 1)  # the last '#' counts
+    assert parse_notification(notification("a#b", 12, 2, 3)) == ("a#b", 12, 2, 3)
+    assert notification("r", 5) == b"r#5"  # one part: the notification of wire version 3
+    for bad in (b"req-1", b"req-1#", b"req-1#x", b"#", b"", b"r#5#2/2", b"r#1/2", b"r#x#0/2"):
         assert parse_notification(bad) is None
+
+
+def test_a_push_in_parts_arrives_with_its_last_part(books):
+    """A tensor-parallel push is one WRITE stream per pair of ranks: the reservation has
+    arrived when every part's notification has (a repeated part counts once)."""
+    state, _ = books
+    a = state.reserve("a", PROMPT, GREEDY, lease_s=5, push_window_s=20)
+    state.note_arrivals([notification("a", a.fence, 0, 3), notification("a", a.fence, 0, 3)])
+    state.note_arrivals([notification("a", a.fence, 2, 3)])
+    assert not state.reservations.arrived("a")
+    state.check_integrity()
+    state.note_arrivals([notification("a", a.fence, 1, 3)])
+    assert state.reservations.arrived("a")
+    state.check_integrity()
+
+
+def test_a_fenced_push_in_parts_frees_its_blocks_after_the_last_part(books):
+    state, _ = books
+    before = free(state)
+    a = state.reserve("a", PROMPT, GREEDY, lease_s=5, push_window_s=20)
+    state.note_arrivals([notification("a", a.fence, 0, 2)])
+    state.release("a")  # one part may still land: fenced
+    assert state.reservations.fenced == 1 and free(state) < before
+    state.note_arrivals([notification("a", a.fence, 1, 2)])
+    state.expire()
+    assert state.reservations.fenced == 0 and free(state) == before
 
 
 def test_only_the_reservations_own_token_counts_as_its_arrival(books):

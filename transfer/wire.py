@@ -17,25 +17,50 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-KV_WIRE_VERSION = 3  # 2: PoolLayout carries planes per layer; 3: fenced notifications
+# 2: PoolLayout carries planes per layer; 3: fenced notifications; 4: tensor-parallel pools
+# (each rank's KV heads in its layout, pushes in parts)
+KV_WIRE_VERSION = 4
 _FENCE_SEP = b"#"
 
 
-def notification(request_id: str, fence: int) -> bytes:
+class Note(NamedTuple):
+    request_id: str
+    fence: int
+    part: int  # which of the push's parts this notification ends
+    parts: int  # how many parts the push has (one per pair of prefill and decode ranks)
+
+
+def notification(request_id: str, fence: int, part: int = 0, parts: int = 1) -> bytes:
     """What a push's last WRITE carries: the KV of this reservation (`fence`, its fencing
-    token from Reserve) is in."""
-    return request_id.encode() + _FENCE_SEP + str(fence).encode()
+    token from Reserve) is in; between tensor-parallel groups, part `part` of `parts` of it
+    (one WRITE stream per pair of ranks)."""
+    note = request_id.encode() + _FENCE_SEP + str(fence).encode()
+    if parts != 1:
+        note += _FENCE_SEP + f"{part}/{parts}".encode()
+    return note
 
 
-def parse_notification(note: bytes) -> tuple[str, int] | None:
-    """-> (request id, fence), or None for anything else."""
-    rid, sep, fence = note.rpartition(_FENCE_SEP)
-    if not sep or not fence.isdigit():
+def parse_notification(note: bytes) -> Note | None:
+    """-> Note, or None for anything else."""
+    head, sep, tail = note.rpartition(_FENCE_SEP)
+    if not sep:
         return None
-    return rid.decode(errors="replace"), int(fence)
+    part, parts = 0, 1
+    k, slash, n = tail.partition(b"/")
+    if slash:
+        if not (k.isdigit() and n.isdigit()) or int(k) >= int(n):
+            return None
+        part, parts = int(k), int(n)
+        head, sep, tail = head.rpartition(_FENCE_SEP)
+        if not sep:
+            return None
+    if not tail.isdigit():
+        return None
+    return Note(head.decode(errors="replace"), int(tail), part, parts)
 
 
 class HandshakeRefused(RuntimeError):

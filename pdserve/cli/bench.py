@@ -31,6 +31,21 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     return print_report(report, format_table, args.json)
 
 
+def cmd_bench_tp(args: argparse.Namespace) -> int:
+    from pdserve.bench.tp import DEFAULT_MODEL, bench_tp, format_table
+
+    report = bench_tp(
+        args.model or DEFAULT_MODEL,
+        args.sizes,
+        args.batches,
+        context=args.context,
+        steps=args.steps,
+        rounds=args.rounds,
+        seed=args.seed,
+    )
+    return print_report(report, format_table, args.json)
+
+
 def cmd_bench_kernels(args: argparse.Namespace) -> int:
     from pdserve.bench.kernels import bench_kernels, format_table
 
@@ -267,6 +282,17 @@ def add_bench_parser(sub) -> None:
     off.add_argument("--seed", type=int, default=0)
     off.add_argument("--json", default=None, help="write the report here")
     off.set_defaults(func=cmd_bench_offline)
+
+    tp = bench_sub.add_parser("tp", help="decode step times at TP=1 vs TP=k (one process)")
+    tp.add_argument("--model", default=None, help="default: Qwen2.5-0.5B's shape, random weights")
+    tp.add_argument("--sizes", type=int_list, default=[1, 2])
+    tp.add_argument("--batches", type=int_list, default=[1, 8])
+    tp.add_argument("--context", type=int, default=256)
+    tp.add_argument("--steps", type=int, default=8, help="decode steps per request per round")
+    tp.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument("--json", default=None, help="write the report here")
+    tp.set_defaults(func=cmd_bench_tp)
 
     kern = bench_sub.add_parser("kernels", help="decode/KV kernels against the memory roofline")
     kern.add_argument("--quick", action="store_true", help="a small sweep (CPU-sized)")
