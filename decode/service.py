@@ -12,7 +12,7 @@ from decode.worker import DecodeWorker, KVNotArrived, ReservationError, UnknownR
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving.convert import sampling_from_proto, spans_to_proto
-from pdserve.serving.kv_pool import layout_to_proto
+from pdserve.serving.kv_pool import layout_to_proto, ranks_to_proto
 from pdserve.serving.server import health
 
 STREAM_FAILPOINT_AT = 4  # decode.stream strikes once a stream handed this many tokens over
@@ -45,6 +45,7 @@ class DecodeService(rpc.DecodeServicer):
             agent_metadata=endpoint.agent.metadata(),
             worker_id=self.worker.worker_id,
             fence=reserved.fence,
+            ranks=ranks_to_proto(endpoint),
         )
 
     def Renew(self, request: pb.RenewRequest, context) -> pb.RenewResponse:

@@ -172,9 +172,12 @@ class DecodeWorker:
             time.sleep(self.config.kv_arrival_poll_s)
 
     def _collect_notifications(self) -> None:
-        """Push notifications, for Start and for fenced blocks (under the lock)."""
-        for notes in self.endpoint.agent.notifications().values():
-            self.state.note_arrivals(notes)
+        """Push notifications, for Start and for fenced blocks (under the lock); a tensor
+        parallel worker's ranks each receive the parts of a push written into their pools."""
+        notes = [n for got in self.endpoint.agent.notifications().values() for n in got]
+        for more in self.core.rank_call("notifications"):
+            notes += more
+        self.state.note_arrivals(notes)
 
     def _run(self) -> None:
         """The step loop outlives any one step's failure (logged; the loop waits a moment

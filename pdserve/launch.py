@@ -70,10 +70,12 @@ def _read_ready(stream, lines: queue.Queue) -> None:
     _forward(stream)
 
 
-def worker_threads(prefill: int, decode: int) -> int:
-    """Torch threads of each worker of a local cluster: workers sharing one machine's CPUs
-    split them instead of oversubscribing (a role's --threads overrides it)."""
-    return max(1, (os.cpu_count() or 1) // max(1, prefill + decode))
+def worker_threads(prefill: int, decode: int, prefill_tp: int = 1, decode_tp: int = 1) -> int:
+    """Torch threads of each rank of a local cluster: workers sharing one machine's CPUs
+    split them instead of oversubscribing (a worker of tensor-parallel size k gets k times
+    this and splits it over its ranks; a role's --threads overrides it)."""
+    ranks = prefill * prefill_tp + decode * decode_tp
+    return max(1, (os.cpu_count() or 1) // max(1, ranks))
 
 
 class Cluster:
@@ -92,8 +94,12 @@ class Cluster:
         http_port: int | None = None,
         tls: TLSFiles | None = None,
         api_key_file: str | None = None,
+        prefill_tp: int = 1,
+        decode_tp: int = 1,
     ) -> None:
-        """`worker_args` go to every worker, `prefill_args`/`decode_args` to one role."""
+        """`worker_args` go to every worker, `prefill_args`/`decode_args` to one role;
+        `prefill_tp`/`decode_tp`: each worker of that role is a tensor-parallel group of
+        that many ranks (one process each, started by the worker)."""
         secret = secrets.token_urlsafe(32)
         tls_pem = TLS.from_files(tls.cert, tls.key, tls.ca) if tls else None
         self.security = Security(cluster_secret=secret, tls=tls_pem)
@@ -119,14 +125,18 @@ class Cluster:
                 at = self.argvs[0].index("--http-port") + 1
                 self.argvs[0][at] = self.http_address.rsplit(":", 1)[1]
             common = ["--model", model, "--router", self.address, "--transfer", transfer, *member]
-            common += ["--threads", str(worker_threads(prefill, decode))]
+            per_rank = worker_threads(prefill, decode, prefill_tp, decode_tp)
             # every worker starts at once (each loads the model and opens its transfer agent:
             # seconds apiece), then each READY line is read in turn
             started = []
-            for role, count in (("prefill", prefill), ("decode", decode)):
+            for role, count, tp in (
+                ("prefill", prefill, prefill_tp),
+                ("decode", decode, decode_tp),
+            ):
                 for _ in range(count):
                     extra = prefill_args if role == "prefill" else decode_args
-                    argv = ["serve", role, *common, *(worker_args or []), *(extra or [])]
+                    own = ["--threads", str(per_rank * tp), "--tp", str(tp)]
+                    argv = ["serve", role, *common, *own, *(worker_args or []), *(extra or [])]
                     started.append((self._start(argv), argv))
             for proc, argv in started:
                 self._ready(proc, argv)
@@ -324,6 +334,8 @@ def run_launch(args) -> int:
         http_port=args.http_port,
         tls=tls,
         api_key_file=args.api_key_file,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
     ) as c:
         print(f"cluster ready: router at {c.address}  (Ctrl-C stops everything)", flush=True)
         if c.http_address:

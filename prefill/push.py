@@ -10,6 +10,10 @@
 One descriptor per (plane, run of blocks consecutive on both sides): NIXL does not merge
 neighbouring prepared tiles, and a 12 KiB tile costs about as much to post as a 1 MiB run.
 When no two blocks line up, the prepared tiles are cheaper.
+
+Between tensor-parallel groups of different sizes a target carries its head route
+(transfer/heads.py): its WRITEs move the route's heads of each token's row, one descriptor
+per (plane, block, token), and its notification names its part of the push.
 """
 
 from __future__ import annotations
@@ -19,27 +23,54 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.serving.kv_pool import RankKV
 from pdserve.trace import Span, now
 from transfer import (
     Desc,
+    HeadSlice,
     PoolGeometry,
     PoolLayout,
+    Route,
     Tiles,
     Transfer,
     TransferAgent,
     TransferFailed,
     XferState,
+    route_descs,
 )
+from transfer.heads import whole_blocks
 
 
 @dataclass(frozen=True)
 class Destination:
     worker_id: str
     agent_metadata: bytes
-    pool: PoolLayout  # of the decode worker
+    pool: PoolLayout  # of the decode worker (its rank 0)
     block_ids: list[int]
     cached_blocks: int = 0  # leading blocks the decode worker already holds: not pushed
     fence: int = 0  # the reservation's fencing token: the notification carries it
+    ranks: tuple[RankKV, ...] = ()  # a tensor-parallel decode worker's ranks 1..n-1
+
+    @property
+    def pools(self) -> list[PoolLayout]:
+        return [self.pool, *(r.layout for r in self.ranks)]
+
+    def rank_metadata(self, rank: int) -> bytes:
+        return self.agent_metadata if rank == 0 else self.ranks[rank - 1].agent_metadata
+
+
+@dataclass(frozen=True)
+class HeadRoute:
+    """A target's share of the heads: its route and the two ranks' head slices."""
+
+    route: Route
+    src: HeadSlice
+    dst: HeadSlice
+    block_size: int
+
+    @property
+    def whole(self) -> bool:
+        return whole_blocks(self.route, self.src, self.dst)
 
 
 @dataclass(frozen=True)
@@ -66,6 +97,7 @@ class PushTarget:
     # the router's push window (which contains the caller's deadline) is over
     post_by: float = float("inf")
     done_by: float = float("inf")
+    heads: HeadRoute | None = None  # None: every head, whole blocks
 
     @property
     def runs(self) -> np.ndarray:
@@ -91,14 +123,26 @@ def write_layers(
     dst: PoolSide,
     blocks: tuple[np.ndarray, np.ndarray, np.ndarray],
     notif: bytes,
-) -> Transfer:
-    """Post one WRITE of `layers`' KV for one request; `blocks` = (src ids, dst ids, runs from
-    block_runs)."""
+    heads: HeadRoute | None = None,
+) -> tuple[Transfer, int]:
+    """Post one WRITE of `layers`' KV for one request -> (it, the bytes it moves); `blocks` =
+    (src ids, dst ids, runs from block_runs); `heads`: only that route's heads."""
     src_ids, dst_ids, runs = blocks
+    if heads is not None and not heads.whole:
+        local, remote = route_descs(
+            layers,
+            heads.route,
+            ((src.geometry, src.region, heads.src), (dst.geometry, dst.region, heads.dst)),
+            heads.block_size,
+            runs,
+        )
+        return agent.write(peer, local, remote, notif), sum(d.length for d in local)
+    nbytes = len(layers) * src_ids.size * src.geometry.planes_per_layer * src.geometry.block_bytes
     if len(runs) == len(src_ids):
         local_idx = np.concatenate([src.geometry.tile_indices(x, src_ids) for x in layers])
         remote_idx = np.concatenate([dst.geometry.tile_indices(x, dst_ids) for x in layers])
-        return agent.write_tiles(peer, src.tiles, local_idx, dst.tiles, remote_idx, notif)
+        xfer = agent.write_tiles(peer, src.tiles, local_idx, dst.tiles, remote_idx, notif)
+        return xfer, nbytes
     gs, gd = src.geometry, dst.geometry
     local, remote = [], []
     planes = range(layers.start * gs.planes_per_layer, layers.stop * gs.planes_per_layer)
@@ -106,7 +150,7 @@ def write_layers(
         for s, d, n in runs.tolist():
             local.append(Desc(src.region, gs.offset(plane, s), n * gs.block_bytes))
             remote.append(Desc(dst.region, gd.offset(plane, d), n * gd.block_bytes))
-    return agent.write(peer, local, remote, notif)
+    return agent.write(peer, local, remote, notif), nbytes
 
 
 class BatchPush:
@@ -134,25 +178,24 @@ class BatchPush:
         """Post one WRITE per request for `layers` (none for a request past its deadline,
         then or before: it is abandoned)."""
         last = layers.stop == self.num_layers
-        g = self.local.geometry
         posted = []
         t = time.monotonic()
         for i, (target, runs) in enumerate(zip(self.targets, self._runs)):
             if i in self.abandoned or target.post_by <= t:
                 self.abandoned.add(i)
                 continue
-            posted.append(
-                write_layers(
-                    self.agent,
-                    target.peer,
-                    layers,
-                    self.local,
-                    target.remote,
-                    (target.src, target.dst, runs),
-                    target.notif if last else b"",
-                )
+            xfer, nbytes = write_layers(
+                self.agent,
+                target.peer,
+                layers,
+                self.local,
+                target.remote,
+                (target.src, target.dst, runs),
+                target.notif if last else b"",
+                target.heads,
             )
-            self.nbytes += len(layers) * target.src.size * g.planes_per_layer * g.block_bytes
+            posted.append(xfer)
+            self.nbytes += nbytes
         self._posted.append((layers.start if len(layers) == 1 else -1, now(), posted))
         self.poll()
 

@@ -16,7 +16,7 @@ import grpc
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving.convert import sampling_from_proto, spans_to_proto
-from pdserve.serving.kv_pool import layout_from_proto
+from pdserve.serving.kv_pool import layout_from_proto, ranks_from_proto
 from pdserve.serving.server import health
 from prefill.push import Destination
 from prefill.worker import PrefillDeadline, PrefillWorker
@@ -36,6 +36,7 @@ class PrefillService(rpc.PrefillServicer):
                 block_ids=list(request.dest_block_ids),
                 cached_blocks=request.dest_cached_blocks,
                 fence=request.dest_fence,
+                ranks=ranks_from_proto(request.dest_ranks),
             )
             params = sampling_from_proto(request.sampling)
             # the caller's deadline is the one that counts (the router's, inside the push

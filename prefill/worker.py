@@ -23,14 +23,16 @@ from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
 from pdserve.engine.core import EngineCore
 from pdserve.sampling_params import SamplingParams
-from pdserve.serving.kv_pool import KVEndpoint, open_endpoint
+from pdserve.serving.kv_pool import KVEndpoint, heads_of, open_endpoint
 from pdserve.serving.registration import WorkerStats
 from pdserve.trace import Span, now
 from prefill.batcher import Batcher, PrefillJob, reserve_batch
 from prefill.config import PrefillConfig
 from prefill.metrics import PrefillMetrics
-from prefill.push import BatchPush, Destination, PoolSide, PushTarget
-from transfer import Tiles, TransferAgent, TransferFailed, notification
+from prefill.push import BatchPush, Destination, HeadRoute, PoolSide, PushTarget
+from transfer import Route, Tiles, TransferAgent, TransferFailed, notification
+
+RANK_EXTENSION = "prefill.rank:PrefillRank"  # what ranks 1..n-1 run (prefill/rank.py)
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,8 @@ class PrefillWorker:
             agent.prepare_tiles(None, endpoint.region, endpoint.geometry.block_bytes),
         )
         self.metrics = PrefillMetrics()
-        self.peers: dict[str, tuple[str, Tiles]] = {}  # decode id -> (agent name, its tiles)
+        # (decode id, its rank) -> (agent name, its tiles)
+        self.peers: dict[tuple[str, int], tuple[str, Tiles]] = {}
         cuda = core.kv_pool.device.type == "cuda"
         self.layerwise = config.kv_push == "layerwise" or (config.kv_push == "auto" and cuda)
         self.batcher = Batcher(core.token_budget)
@@ -78,7 +81,7 @@ class PrefillWorker:
     ) -> PrefillWorker:
         """A prefill worker on its own engine, its pool registered with `agent`."""
         core, _ = build_engine(model, args)
-        return cls(core, open_endpoint(core, model, agent), config)
+        return cls(core, open_endpoint(core, model, agent, RANK_EXTENSION), config)
 
     def submit(
         self,
@@ -90,7 +93,7 @@ class PrefillWorker:
     ) -> Future:
         """Validate and queue a prompt; the future resolves to a PrefillResult, or to
         PrefillDeadline when `deadline` (time.monotonic()) passed before its push was done."""
-        self.endpoint.check_peer(dest.pool)
+        self.endpoint.routes_to(dest.pools)  # the handshake: refused before anything queues
         req = self.core.make_request(prompt, params, request_id=request_id)
         if len(dest.block_ids) != self.core.blocks_needed(len(prompt)):
             raise ValueError(
@@ -167,14 +170,10 @@ class PrefillWorker:
         started, started_wall = time.monotonic(), now()
         num_layers = self.core.model_config.num_layers
         push = None
+        work_sent = False
         try:
-            push = BatchPush(
-                self.endpoint.agent,
-                self.local,
-                [self._target(job) for job in runnable],
-                num_layers,
-                self.worker_id,
-            )
+            targets, owners, work = self._plan(runnable)
+            push = BatchPush(self.endpoint.agent, self.local, targets, num_layers, self.worker_id)
 
             def post(layers: range) -> None:
                 if layers.start == 0:
@@ -184,11 +183,23 @@ class PrefillWorker:
                     self._failpoint("prefill.posted", runnable)
 
             on_layer = (lambda i: post(range(i, i + 1))) if self.layerwise else None
-            tokens = self.core.prefill([j.request for j in runnable], on_layer_done=on_layer)
+            work_sent = work is not None  # sent first thing: its answers must be read
+            tokens = self.core.prefill(
+                [j.request for j in runnable], on_layer_done=on_layer, rank_work=work
+            )
             computed, computed_wall = time.monotonic(), now()
             if not self.layerwise:  # every layer in one WRITE per request
                 post(range(num_layers))
             push.wait(self.config.push_timeout_s, self.config.push_poll_s)
+            abandoned = {owners[i] for i in push.abandoned}
+            nbytes = push.nbytes
+            if work_sent:
+                work_sent = False
+                for rank, answer in enumerate(self.core.rank_results(), 1):
+                    if answer["error"] is not None:
+                        raise TransferFailed(f"rank {rank}'s push failed: {answer['error']}")
+                    abandoned.update(answer["abandoned"])
+                    nbytes += answer["nbytes"]
             pushed, pushed_wall = time.monotonic(), now()
             shared = [
                 Span("prefill.compute", started_wall, computed_wall, self.worker_id),
@@ -197,9 +208,9 @@ class PrefillWorker:
             ]
             self.metrics.prefill.observe(computed - started)
             self.metrics.transfer_seconds.labels("sent").observe(pushed - computed)
-            self.metrics.transfer_bytes.labels("sent").inc(push.nbytes)
+            self.metrics.transfer_bytes.labels("sent").inc(nbytes)
             for i, (job, token) in enumerate(zip(runnable, tokens)):
-                if i in push.abandoned:
+                if i in abandoned:
                     job.done.set_exception(
                         PrefillDeadline("the caller's deadline passed before the push was done")
                     )
@@ -210,7 +221,7 @@ class PrefillWorker:
                         queue_s=started - job.enqueued,
                         prefill_s=computed - started,
                         transfer_s=pushed - computed,
-                        transfer_bytes=push.nbytes // len(runnable),
+                        transfer_bytes=nbytes // len(runnable),
                         spans=(
                             Span("prefill.queue", job.enqueued_wall, started_wall, self.worker_id),
                             *shared,
@@ -224,6 +235,11 @@ class PrefillWorker:
                 if not job.done.done():
                     job.done.set_exception(e)
         finally:
+            if work_sent:  # the batch failed after the step went out: read its answers
+                try:
+                    self.core.rank_results()
+                except Exception:  # noqa: BLE001 - the batch has failed already
+                    log.warning("the other ranks' push answers are lost with the batch")
             if push is not None:
                 push.release()  # never raises (transfer/nixl_backend.py)
             for job in runnable:  # COMPUTED -> FREE (computed blocks stay in the prefix cache)
@@ -235,24 +251,83 @@ class PrefillWorker:
         detail = "\n".join(f"{j.request.request_id} {j.dest.worker_id}" for j in jobs)
         self.config.failpoints.hit(point, detail)
 
-    def _target(self, job: PrefillJob) -> PushTarget:
+    def _plan(self, jobs: list[PrefillJob]) -> tuple[list[PushTarget], list[int], list | None]:
+        """The batch's routes (transfer/heads.py): ours as push targets, with the job each
+        belongs to, and the other ranks' as their step work (None without other ranks).
+        Every route of a job ends with its own notification, part k of the job's routes."""
+        size = self.core.tp_size
+        targets, owners = [], []
+        work = [self._rank_work() for _ in range(size - 1)] if size > 1 else None
+        ours = self.endpoint.layouts
+        for i, job in enumerate(jobs):
+            dest = job.dest
+            pools = dest.pools
+            routes = self.endpoint.routes_to(pools)
+            skip = dest.cached_blocks  # the blocks the decode worker already holds
+            src = job.request.block_ids[skip : len(dest.block_ids)]
+            dst = dest.block_ids[skip:]
+            for k, route in enumerate(routes):
+                heads = self._heads(route, ours[route.src], pools[route.dst])
+                notif = notification(job.request.request_id, dest.fence, k, len(routes))
+                if route.src == 0:
+                    targets.append(self._target(job, route.dst, src, dst, notif, heads))
+                    owners.append(i)
+                    continue
+                work[route.src - 1]["targets"].append(
+                    {
+                        "job": i,
+                        "peer_key": (dest.worker_id, route.dst),
+                        "metadata": dest.rank_metadata(route.dst),
+                        "pool": pools[route.dst],
+                        "src": list(src),
+                        "dst": list(dst),
+                        "heads": heads,
+                        "notif": notif,
+                        "post_by": job.post_by,
+                        "done_by": job.deadline,
+                    }
+                )
+        return targets, owners, work
+
+    def _rank_work(self) -> dict:
+        return {
+            "targets": [],
+            "layerwise": self.layerwise,
+            "num_layers": self.core.model_config.num_layers,
+            "timeout_s": self.config.push_timeout_s,
+            "poll_s": self.config.push_poll_s,
+            "worker": self.worker_id,
+        }
+
+    def _heads(self, route: Route, ours, theirs) -> HeadRoute | None:
+        spec = self.endpoint.spec
+        src, dst = heads_of(ours, spec), heads_of(theirs, spec)
+        heads = HeadRoute(route, src, dst, self.core.block_size)
+        return None if heads.whole else heads
+
+    def _target(
+        self, job: PrefillJob, rank: int, src: list[int], dst: list[int], notif: bytes, heads
+    ) -> PushTarget:
         dest = job.dest
-        peer, tiles = self._peer(dest)
-        skip = dest.cached_blocks  # the blocks the decode worker already holds
+        pool = dest.pools[rank]
+        peer, tiles = self._peer(dest, rank)
         return PushTarget(
             peer=peer,
-            remote=PoolSide(dest.pool.geometry, dest.pool.region, tiles),
-            src=np.asarray(job.request.block_ids[skip : len(dest.block_ids)]),
-            dst=np.asarray(dest.block_ids[skip:]),
-            notif=notification(job.request.request_id, dest.fence),
+            remote=PoolSide(pool.geometry, pool.region, tiles),
+            src=np.asarray(src),
+            dst=np.asarray(dst),
+            notif=notif,
             post_by=job.post_by,
             done_by=job.deadline,
+            heads=heads,
         )
 
-    def _peer(self, dest: Destination) -> tuple[str, Tiles]:
-        if dest.worker_id not in self.peers:
+    def _peer(self, dest: Destination, rank: int = 0) -> tuple[str, Tiles]:
+        key = (dest.worker_id, rank)
+        if key not in self.peers:
             agent = self.endpoint.agent
-            peer = agent.add_peer(dest.agent_metadata)
-            tiles = agent.prepare_tiles(peer, dest.pool.region, dest.pool.geometry.block_bytes)
-            self.peers[dest.worker_id] = (peer, tiles)
-        return self.peers[dest.worker_id]
+            pool = dest.pools[rank]
+            peer = agent.add_peer(dest.rank_metadata(rank))
+            tiles = agent.prepare_tiles(peer, pool.region, pool.geometry.block_bytes)
+            self.peers[key] = (peer, tiles)
+        return self.peers[key]

@@ -75,7 +75,9 @@ ALLOWED: Mapping[str, frozenset[str]] = MappingProxyType(
         "pdserve.rpc": frozenset(),
         # process-edge plumbing shared by every role: proto conversion, servers, registration,
         # the KV pool as the transfer layer sees it
-        "pdserve.serving": frozenset({"pdserve.rpc", "pdserve.engine", "pdserve.kv", "transfer"}),
+        "pdserve.serving": frozenset(
+            {"pdserve.rpc", "pdserve.engine", "pdserve.kv", "pdserve.parallel", "transfer"}
+        ),
         # the roles: the core, the edge and the data plane, never each other
         "prefill": _EDGE | {"pdserve.engine", "pdserve.kv", "transfer"},
         "decode": _EDGE | {"pdserve.engine", "pdserve.kv", "transfer"},

@@ -45,12 +45,12 @@ def test_write_layers_moves_exactly_those_layers_blocks(backend, src_ids, dst_id
         dst_side = PoolSide(gd, rb, a.prepare_tiles(peer, rb, bb))
         s, d = np.array(src_ids), np.array(dst_ids)
         blocks = (s, d, block_runs(s, d))
-        write_layers(a, peer, range(1, 2), src_side, dst_side, blocks, b"l1").wait()
+        write_layers(a, peer, range(1, 2), src_side, dst_side, blocks, b"l1")[0].wait()
         expected = torch.zeros_like(dst_pool)
         for plane in (2, 3):  # layer 1's K and V planes only
             expected[plane, d] = src_pool[plane, s]
         assert torch.equal(dst_pool, expected)
-        write_layers(a, peer, range(0, 3), src_side, dst_side, blocks, b"all").wait()
+        write_layers(a, peer, range(0, 3), src_side, dst_side, blocks, b"all")[0].wait()
         expected[:, d] = src_pool[:, s]  # every layer
         assert torch.equal(dst_pool, expected)
     finally:

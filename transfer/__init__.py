@@ -23,6 +23,7 @@ from transfer.agent import (
     XferState,
     make_agent,
 )
+from transfer.heads import HeadSlice, Route, head_routes, route_descs
 from transfer.wire import (
     KV_WIRE_VERSION,
     HandshakeRefused,
@@ -40,6 +41,8 @@ __all__ = [
     "PROCESS_BACKENDS",
     "Desc",
     "HandshakeRefused",
+    "HeadSlice",
+    "Route",
     "KVLayoutSpec",
     "PoolGeometry",
     "PoolLayout",
@@ -49,7 +52,9 @@ __all__ = [
     "TransferFailed",
     "XferState",
     "check_handshake",
+    "head_routes",
     "make_agent",
     "notification",
     "parse_notification",
+    "route_descs",
 ]

@@ -106,6 +106,9 @@ class PoolLayout:
     layout_hash: str
     geometry: PoolGeometry
     region: int  # the pool's region id in the owner's agent metadata
+    # the KV heads of every block it holds (a tensor-parallel rank's: transfer/heads.py);
+    # None: every head (no tensor parallelism)
+    heads: object = None
 
 
 def check_handshake(ours: KVLayoutSpec, wire_version: int, layout_hash: str) -> None:

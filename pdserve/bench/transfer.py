@@ -131,7 +131,9 @@ def handoff_vs_raw(model: str, counts: list[int], backend: str, reps: int) -> li
                     if layerwise
                     else [range(config.num_layers)]
                 )
-                return [write_layers(src, peer, g, src_side, dst_side, blocks, b"") for g in groups]
+                return [
+                    write_layers(src, peer, g, src_side, dst_side, blocks, b"")[0] for g in groups
+                ]
 
             posts = {"raw": raw}
             for name, ids in layouts.items():

@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--model", required=True)
     launch.add_argument("--prefill", type=int, default=1)
     launch.add_argument("--decode", type=int, default=1)
+    launch.add_argument(
+        "--prefill-tp", type=int, default=1, help="tensor-parallel ranks of each prefill worker"
+    )
+    launch.add_argument(
+        "--decode-tp", type=int, default=1, help="tensor-parallel ranks of each decode worker"
+    )
     launch.add_argument("--port", type=int, default=0)
     launch.add_argument("--transfer", default="nixl", choices=PROCESS_BACKENDS)
     launch.add_argument(

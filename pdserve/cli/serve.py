@@ -83,6 +83,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         cxl_path=getattr(args, "cxl_path", None),
         prefix_offload=args.prefix_offload,
         failpoints=Failpoints(args.failpoints),
+        tensor_parallel_size=args.tp,
     )
 
 
@@ -190,6 +191,9 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         worker = PrefillWorker.build(args.model, engine_args(args), config, agent)
         service = PrefillService(worker)
         add = lambda s: rpc.add_PrefillServicer_to_server(service, s)  # noqa: E731
+    # a rank of the group gone: out of service at once (the router stops routing to a
+    # worker that does not answer; the launcher restarts it; the other ranks die with us)
+    worker.core.on_rank_failure(_exit_on_rank_failure)
     server, port = start_server(add, args.host, args.port, security=security)
     metrics_port = serve_metrics(worker.metrics.registry, args.host, args.metrics_port)
     info = pb.WorkerInfo(
@@ -207,6 +211,14 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
     server.stop(grace=2).wait()
     worker.close()
     return 0
+
+
+RANK_FAILED_EXIT = 70  # EX_SOFTWARE
+
+
+def _exit_on_rank_failure(error: Exception) -> None:
+    print(f"pdserve: {error}; this worker leaves service", file=sys.stderr, flush=True)
+    os._exit(RANK_FAILED_EXIT)
 
 
 def run_prefill(args: argparse.Namespace) -> int:
@@ -302,6 +314,13 @@ def add_serve_parser(sub) -> None:
             p.add_argument("--device", default="auto")
             p.add_argument("--max-num-batched-tokens", type=int, default=2048)
             p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+            p.add_argument(
+                "--tp",
+                type=int,
+                default=1,
+                help="tensor-parallel ranks: this process is rank 0 and starts the others "
+                "(one GPU each from --device; on CPU they split --threads)",
+            )
             p.add_argument(
                 "--failpoints",
                 default=None,

@@ -143,10 +143,15 @@ class EngineCore:
             request.committed_blocks = 0
 
     def prefill(
-        self, requests: list[Request], on_layer_done: Callable[[int], None] | None = None
+        self,
+        requests: list[Request],
+        on_layer_done: Callable[[int], None] | None = None,
+        rank_work: list | None = None,
     ) -> list[int]:
         """One forward pass over reserved prompts (after their cached tokens) -> the first
-        token of each. Their KV is in their blocks afterwards; release() frees them."""
+        token of each. Their KV is in their blocks afterwards; release() frees them.
+        `rank_work`: under tensor parallelism, what each other rank's extension does during
+        the pass (rank_results() then has their answers)."""
         chunks = []
         for req in requests:
             start = req.num_computed_tokens
@@ -160,7 +165,10 @@ class EngineCore:
                     generator=req.generator,
                 )
             )
-        result = self.runner.execute(chunks, on_layer_done=on_layer_done)
+        if rank_work is None:
+            result = self.runner.execute(chunks, on_layer_done=on_layer_done)
+        else:
+            result = self.runner.execute(chunks, on_layer_done=on_layer_done, rank_work=rank_work)
         for req in requests:
             req.num_computed_tokens = req.num_tokens
         return result.tokens
@@ -259,6 +267,29 @@ class EngineCore:
             parked=tuple(map(_request_id, batch.parked)),
             unparked=tuple(map(_request_id, batch.unparked)),
         )
+
+    # -- tensor-parallel ranks ----------------------------------------------------------
+    @property
+    def tp_size(self) -> int:
+        """Ranks the model runs on (1 without tensor parallelism)."""
+        return getattr(self.runner, "tp_size", 1)
+
+    def rank_call(self, op: str, *args) -> list:
+        """Run `op` on every rank but this one (rank 0) -> their answers, rank order. The
+        ops of a role's extension (`rank_call("extend", "module:Class")` installs it):
+        pdserve/engine/tp_rank.py."""
+        if self.tp_size == 1:
+            return []
+        return self.runner.group.call(op, *args)
+
+    def rank_results(self) -> list:
+        """The other ranks' answers to the last prefill() given rank_work."""
+        return self.runner.collect()
+
+    def on_rank_failure(self, callback) -> None:
+        """`callback(error)` once when a rank of the group dies or stops answering."""
+        if self.tp_size > 1:
+            self.runner.group.on_failure(callback)
 
     # -- views ----------------------------------------------------------------------------
     @property

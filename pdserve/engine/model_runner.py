@@ -85,6 +85,8 @@ class ModelRunner:
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         return order, input_ids, pos_t, meta, sample_at
 
+    tp_size = 1
+
     def close(self) -> None:
         """Nothing to release: the pool and the model go with the runner."""
 

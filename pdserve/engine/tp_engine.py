@@ -32,14 +32,28 @@ class TPRunner:
         self.local = local
         self.group = group
 
+    @property
+    def tp_size(self) -> int:
+        return self.group.size
+
     def execute(
         self,
         chunks: Sequence[ScheduledChunk],
         on_layer_done: Callable[[int], None] | None = None,
+        rank_work: list | None = None,
     ) -> RunResult:
+        """`rank_work[r - 1]`: what rank r's extension does during this step (its answers:
+        `collect()` afterwards)."""
         plain = [(c.token_ids, c.start, c.block_ids, c.sample) for c in chunks]
-        self.group.send("execute", plain)
+        if rank_work is None:
+            self.group.send("execute", plain)
+        else:
+            self.group.send_each("execute", [(plain, work) for work in rank_work])
         return self.local.execute(chunks, on_layer_done)
+
+    def collect(self) -> list:
+        """The other ranks' answers to the last step sent with work."""
+        return self.group.collect("execute")
 
     def memory(self) -> list[RankMemory]:
         own = rank_memory(0, self.local.model, self.local.kv_cache)

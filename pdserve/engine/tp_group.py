@@ -8,6 +8,7 @@ re-run the user's main script) that die with it, and drives them with plain mess
 a socket pair each, in order:
 
     send(op, *args)    every other rank runs it; no answer (a step, a block copy)
+    send_each(op, a)   the same, each rank its own arguments (a step with per-rank work)
     call(op, *args)    every other rank runs it and answers; -> their answers, rank order
     collect(op)        the answers to an op sent earlier (rank 0 worked meanwhile)
 
@@ -126,6 +127,9 @@ class TPGroup:
                 env=env,
                 stdin=subprocess.DEVNULL,
                 preexec_fn=die_with(os.getpid()),  # a killed rank 0 takes its ranks along
+                # out of rank 0's process group: a signal to the group (Ctrl-C, a launcher
+                # stopping its children) reaches rank 0, which stops its ranks in order
+                start_new_session=True,
             )
         finally:
             theirs.close()
@@ -178,6 +182,15 @@ class TPGroup:
             except (OSError, EOFError) as e:
                 raise self._fail(f"rank {rank} is gone ({e})") from e
 
+    def send_each(self, op: str, args: list[tuple]) -> None:
+        """`op` with its own arguments for each other rank (args[0] for rank 1, ...)."""
+        self._check()
+        for rank, (conn, own) in enumerate(zip(self.conns, args, strict=True), 1):
+            try:
+                conn.send((op, own))
+            except (OSError, EOFError) as e:
+                raise self._fail(f"rank {rank} is gone ({e})") from e
+
     def call(self, op: str, *args, timeout_s: float = CALL_TIMEOUT_S) -> list:
         """Run `op` on every other rank -> their answers in rank order (1, 2, ...)."""
         self.send(op, *args)
@@ -185,6 +198,7 @@ class TPGroup:
 
     def collect(self, op: str, timeout_s: float = CALL_TIMEOUT_S) -> list:
         """The answers to an `op` sent earlier (rank 0 did its own share meanwhile)."""
+        self._check()
         deadline = time.monotonic() + timeout_s
         answers = []
         for rank, conn in enumerate(self.conns, 1):

@@ -1,6 +1,13 @@
 """A tensor-parallel rank other than 0: its shard of the model, of the KV pool and of the
 spill tiers, driven by rank 0 over a pipe (pdserve/engine/tp_group.py).
 
+A role adds its own per-rank work with `extend("module:Class")`: the class is built with the
+rank's RankState, its `op_NAME(*args)` methods answer op NAME (a worker's transfer agent and
+its notifications), and a step sent with work (`execute(chunks, work)`) runs
+`begin(work)` -> the step with the layer callback it returns -> `end()`, whose value is the
+step's answer (a prefill rank's push of its own KV heads). The engine imports no role: the
+role names its module.
+
 Each message is (op, args) and runs in order: a block copy, a park or a step lands between
 the same two steps as on rank 0. Ops that rank 0 `call`s are answered ("ok", value) or
 ("error", message); an op that is only sent and fails is reported the same way and the rank
@@ -19,10 +26,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# ops answered by ("ok", value); the others are only sent (a step without work, a block copy)
 ANSWERED = frozenset(
     {
         "load",
         "cache",
+        "extend",
         "park",
         "unpark",
         "keep_prefix",
@@ -50,7 +59,7 @@ class RankState:
         self.comm = connect(
             STORE_HOST, spec.store_port, spec.rank, spec.size, self.device, COLLECTIVE_TIMEOUT_S
         )
-        self.net = self.cache = self.runner = self.offload = None
+        self.net = self.cache = self.runner = self.offload = self.ext = None
 
     # -- the ops --------------------------------------------------------------------------
     def load(self) -> dict:
@@ -83,10 +92,20 @@ class RankState:
         spill = tiers(args, self.cache)
         self.offload = OffloadedKV(self.cache, spill, args.failpoints) if spill else None
 
-    def execute(self, chunks) -> None:
+    def execute(self, chunks, work=None):
         from pdserve.engine.batch import ScheduledChunk
 
-        self.runner.execute([ScheduledChunk(t, s, b, smp, None, None) for t, s, b, smp in chunks])
+        on_layer = self.ext.begin(work) if work is not None else None
+        self.runner.execute(
+            [ScheduledChunk(t, s, b, smp, None, None) for t, s, b, smp in chunks], on_layer
+        )
+        return self.ext.end() if work is not None else None
+
+    def extend(self, target: str) -> None:
+        import importlib
+
+        module, _, name = target.partition(":")
+        self.ext = getattr(importlib.import_module(module), name)(self)
 
     def memory(self) -> dict:
         from pdserve.engine.memory import rank_memory
@@ -99,13 +118,22 @@ class RankState:
         else:
             assert not parked, "requests parked without a spill tier"
 
-    def dispatch(self, op: str, args: tuple):
+    def dispatch(self, op: str, args: tuple) -> tuple[bool, object]:
+        """-> (whether rank 0 waits for an answer, the answer)."""
+        if op == "execute":
+            work = args[1] if len(args) > 1 else None
+            return work is not None, self.execute(*args)
+        if self.ext is not None and hasattr(self.ext, f"op_{op}"):
+            return True, getattr(self.ext, f"op_{op}")(*args)
+        return op in ANSWERED, self._core_op(op, args)
+
+    def _core_op(self, op: str, args: tuple):
         if op == "load":
             return self.load()
         if op == "cache":
             return self.make_cache(*args)
-        if op == "execute":
-            return self.execute(*args)
+        if op == "extend":
+            return self.extend(*args)
         if op == "copy_blocks":
             return self.cache.copy_blocks(*args)
         if op == "memory":
@@ -113,6 +141,8 @@ class RankState:
         if op == "check":
             return self.check(*args)
         if op == "close":
+            if self.ext is not None and hasattr(self.ext, "close"):
+                self.ext.close()
             if self.offload is not None:
                 self.offload.close()
             return None
@@ -146,12 +176,12 @@ def rank_main(conn) -> None:
             return
         try:
             with torch.no_grad():
-                value = state.dispatch(op, args)
+                answered, value = state.dispatch(op, args)
         except Exception as e:
             log.error("op %s failed: %s", op, e)
             _report(conn, f"{type(e).__name__}: {e}")
             sys.exit(1)
-        if op in ANSWERED:
+        if answered:
             conn.send(("ok", value))
         if op == "close":
             return

@@ -190,6 +190,7 @@ class Handoff:
                     dest_layout=reserved.layout,
                     dest_agent_metadata=reserved.agent_metadata,
                     dest_fence=reserved.fence,
+                    dest_ranks=reserved.ranks,
                 ),
                 timeout=max(0.001, budget),
             )

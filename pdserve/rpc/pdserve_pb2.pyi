@@ -187,20 +187,38 @@ class RegisterResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("wire_version", "layout_hash", "num_blocks", "block_bytes", "planes_per_layer", "region")
+    __slots__ = ("wire_version", "layout_hash", "num_blocks", "block_bytes", "planes_per_layer", "region", "head_start", "head_stop", "total_heads", "tp_rank", "tp_size")
     WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     PLANES_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_STOP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_HEADS_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     wire_version: int
     layout_hash: str
     num_blocks: int
     block_bytes: int
     planes_per_layer: int
     region: int
-    def __init__(self, wire_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., planes_per_layer: _Optional[int] = ..., region: _Optional[int] = ...) -> None: ...
+    head_start: int
+    head_stop: int
+    total_heads: int
+    tp_rank: int
+    tp_size: int
+    def __init__(self, wire_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., planes_per_layer: _Optional[int] = ..., region: _Optional[int] = ..., head_start: _Optional[int] = ..., head_stop: _Optional[int] = ..., total_heads: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+
+class RankKV(_message.Message):
+    __slots__ = ("layout", "agent_metadata")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    layout: KVLayout
+    agent_metadata: bytes
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_s", "push_window_s")
@@ -217,7 +235,7 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., lease_s: _Optional[float] = ..., push_window_s: _Optional[float] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("block_ids", "layout", "agent_metadata", "worker_id", "cached_blocks", "headroom_cost_blocks", "fence")
+    __slots__ = ("block_ids", "layout", "agent_metadata", "worker_id", "cached_blocks", "headroom_cost_blocks", "fence", "ranks")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +243,7 @@ class ReserveResponse(_message.Message):
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HEADROOM_COST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     layout: KVLayout
     agent_metadata: bytes
@@ -232,7 +251,8 @@ class ReserveResponse(_message.Message):
     cached_blocks: int
     headroom_cost_blocks: int
     fence: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., headroom_cost_blocks: _Optional[int] = ..., fence: _Optional[int] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[RankKV]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., headroom_cost_blocks: _Optional[int] = ..., fence: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankKV, _Mapping]]] = ...) -> None: ...
 
 class RenewRequest(_message.Message):
     __slots__ = ("request_id", "fence", "lease_s")
@@ -273,7 +293,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., tpot_s: _Optional[float] = ..., spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "dest_worker_id", "dest_block_ids", "dest_layout", "dest_agent_metadata", "dest_cached_blocks", "dest_fence")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "dest_worker_id", "dest_block_ids", "dest_layout", "dest_agent_metadata", "dest_cached_blocks", "dest_fence", "dest_ranks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +303,7 @@ class PrefillRequest(_message.Message):
     DEST_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     DEST_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEST_FENCE_FIELD_NUMBER: _ClassVar[int]
+    DEST_RANKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -292,7 +313,8 @@ class PrefillRequest(_message.Message):
     dest_agent_metadata: bytes
     dest_cached_blocks: int
     dest_fence: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., dest_worker_id: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., dest_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dest_agent_metadata: _Optional[bytes] = ..., dest_cached_blocks: _Optional[int] = ..., dest_fence: _Optional[int] = ...) -> None: ...
+    dest_ranks: _containers.RepeatedCompositeFieldContainer[RankKV]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., dest_worker_id: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., dest_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dest_agent_metadata: _Optional[bytes] = ..., dest_cached_blocks: _Optional[int] = ..., dest_fence: _Optional[int] = ..., dest_ranks: _Optional[_Iterable[_Union[RankKV, _Mapping]]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "queue_s", "prefill_s", "transfer_s", "transfer_bytes", "worker_id", "spans")
