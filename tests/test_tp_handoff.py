@@ -1,0 +1,215 @@
+"""KV handoff between tensor-parallel groups: which heads go where (exact routes), the
+bytes of every route land in exactly the decode rank's head slice of exactly the reserved
+blocks, layouts that cannot be mapped are refused, and launched clusters P(TP=2)->D(TP=1),
+P(TP=1)->D(TP=2), P(TP=2)->D(TP=2) give the colocated engine's greedy tokens and free every
+block; a decode rank that dies takes its worker out of service."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from prefill.push import HeadRoute, PoolSide, block_runs, write_layers
+from transfer import HandshakeRefused, HeadSlice, PoolGeometry, Route, head_routes, make_agent
+from transfer.loopback import LoopbackFabric
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_cluster import MAX_NEW, PROMPTS, colocated, wait_all_blocks_free  # noqa: E402
+
+DEADLINE_S = 60.0
+
+
+def group(total: int, size: int) -> list[HeadSlice]:
+    """Ranks of a group of `size` over `total` KV heads, split or replicated as the engine
+    does (pdserve/parallel/shard.py)."""
+    out = []
+    for r in range(size):
+        if size <= total:
+            per = total // size
+            start = r * per
+            stop = start + per
+        else:
+            start = r // (size // total)
+            stop = start + 1
+        out.append(HeadSlice(start, stop, total, r, size))
+    return out
+
+
+# -- routes ----------------------------------------------------------------------------------
+def test_routes_pair_equal_groups_rank_by_rank():
+    assert head_routes(group(2, 2), group(2, 2)) == [Route(0, 0, 0, 1), Route(1, 1, 1, 1)]
+
+
+def test_routes_between_unequal_groups():
+    assert head_routes(group(4, 1), group(4, 2)) == [Route(0, 0, 0, 2), Route(0, 1, 2, 2)]
+    assert head_routes(group(4, 2), group(4, 1)) == [Route(0, 0, 0, 2), Route(1, 0, 2, 2)]
+    assert head_routes(group(4, 4), group(4, 2)) == [
+        Route(0, 0, 0, 1),
+        Route(1, 0, 1, 1),
+        Route(2, 1, 2, 1),
+        Route(3, 1, 3, 1),
+    ]
+
+
+def test_replicated_heads_are_sent_once_and_received_by_every_replica():
+    # prefill TP=4 over 2 KV heads: ranks 0, 1 hold head 0 and ranks 2, 3 head 1
+    assert head_routes(group(2, 4), group(2, 1)) == [Route(0, 0, 0, 1), Route(2, 0, 1, 1)]
+    # decode TP=4 over 2 KV heads: every replica gets its head
+    assert head_routes(group(2, 1), group(2, 4)) == [
+        Route(0, 0, 0, 1),
+        Route(0, 1, 0, 1),
+        Route(0, 2, 1, 1),
+        Route(0, 3, 1, 1),
+    ]
+
+
+def test_mla_latent_goes_whole_from_the_first_prefill_rank_to_every_decode_rank():
+    latent = [HeadSlice(0, 1, 1, r, 2) for r in range(2)]
+    assert head_routes(latent, latent) == [Route(0, 0, 0, 1), Route(0, 1, 0, 1)]
+
+
+def test_layouts_that_cannot_be_mapped_are_refused():
+    with pytest.raises(HandshakeRefused, match="4 KV heads per token, the decode side 2"):
+        head_routes(group(4, 2), group(2, 2))
+    with pytest.raises(HandshakeRefused, match="rank 1 says it is rank 0 of 2"):
+        head_routes([HeadSlice(0, 1, 2, 0, 2), HeadSlice(1, 2, 2, 0, 2)], group(2, 1))
+    with pytest.raises(HandshakeRefused, match="no prefill rank holds KV head 1"):
+        head_routes([HeadSlice(0, 1, 2, 0, 1)], group(2, 1))
+    with pytest.raises(HandshakeRefused, match="describes no rank"):
+        head_routes([], group(2, 1))
+
+
+# -- bytes ------------------------------------------------------------------------------------
+LAYERS, HEAD_DIM = 3, 4
+
+
+def pool_of(heads: HeadSlice, full: torch.Tensor | None, blocks: int, bs: int) -> torch.Tensor:
+    """A rank's GQA pool [layers, 2, blocks, bs, its heads, D]: its slice of `full`, or
+    zeros (a decode rank's)."""
+    if full is not None:
+        return full[..., heads.start : heads.stop, :].contiguous()
+    return torch.zeros(LAYERS, 2, blocks, bs, heads.count, HEAD_DIM)
+
+
+def geometry(pool: torch.Tensor) -> PoolGeometry:
+    block_bytes = pool[0, 0, 0].numel() * pool.element_size()
+    return PoolGeometry(pool.shape[2], block_bytes, 2)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(
+    "heads,p,d", [(2, 1, 2), (2, 2, 1), (2, 2, 2), (4, 4, 2), (4, 1, 4), (2, 4, 1), (2, 1, 4)]
+)
+def test_each_route_writes_exactly_its_heads_of_the_reserved_blocks(heads, p, d, block_size):
+    g = torch.Generator().manual_seed(heads * 100 + p * 10 + d)
+    src_blocks, dst_blocks = 9, 11
+    full = torch.randn(LAYERS, 2, src_blocks, block_size, heads, HEAD_DIM, generator=g)
+    src_heads, dst_heads = group(heads, p), group(heads, d)
+    src_pools = [pool_of(h, full, src_blocks, block_size) for h in src_heads]
+    dst_pools = [pool_of(h, None, dst_blocks, block_size) for h in dst_heads]
+    fabric = LoopbackFabric()
+    senders = [make_agent("loopback", f"p{i}", fabric=fabric) for i in range(p)]
+    receivers = [make_agent("loopback", f"d{j}", fabric=fabric) for j in range(d)]
+    src_ids, dst_ids = np.array([3, 4, 5, 8, 0]), np.array([1, 2, 3, 7, 10])
+    blocks = (src_ids, dst_ids, block_runs(src_ids, dst_ids))
+    try:
+        src_regions = [a.register(t) for a, t in zip(senders, src_pools)]
+        dst_regions = [b.register(t) for b, t in zip(receivers, dst_pools)]
+        routes = head_routes(src_heads, dst_heads)
+        for k, route in enumerate(routes):
+            a, i, j = senders[route.src], route.src, route.dst
+            peer = a.add_peer(receivers[j].metadata())
+            gs, gd = geometry(src_pools[i]), geometry(dst_pools[j])
+            local = PoolSide(
+                gs, src_regions[i], a.prepare_tiles(None, src_regions[i], gs.block_bytes)
+            )
+            remote = PoolSide(
+                gd, dst_regions[j], a.prepare_tiles(peer, dst_regions[j], gd.block_bytes)
+            )
+            hr = HeadRoute(route, src_heads[i], dst_heads[j], block_size)
+            xfer, nbytes = write_layers(
+                a, peer, range(LAYERS), local, remote, blocks, f"n{k}".encode(), hr
+            )
+            xfer.wait()
+            assert nbytes == LAYERS * 2 * len(src_ids) * block_size * route.count * HEAD_DIM * 4
+        for j, h in enumerate(dst_heads):
+            expected = torch.zeros_like(dst_pools[j])
+            expected[:, :, dst_ids] = full[:, :, src_ids][..., h.start : h.stop, :]
+            assert torch.equal(dst_pools[j], expected), f"decode rank {j}"
+    finally:
+        for agent in senders + receivers:
+            agent.close()
+
+
+# -- launched clusters ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "model,prefill_tp,decode_tp,push",
+    [
+        ("tiny-llama", 2, 1, "layerwise"),
+        ("tiny-llama", 1, 2, "after"),
+        ("tiny-llama", 2, 2, "layerwise"),
+        ("tiny-deepseek", 2, 2, "after"),
+    ],
+)
+def test_tensor_parallel_clusters_match_the_colocated_engine(model, prefill_tp, decode_tp, push):
+    from pdserve.client import Client
+    from pdserve.launch import Cluster
+
+    expected = colocated(model)
+    with Cluster(
+        model,
+        worker_args=["--num-kv-blocks", "64"],
+        prefill_args=["--kv-push", push],
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+    ) as cluster:
+        pids = [p.pid for p in cluster.procs]
+        ranks = [int(x) for pid in pids for x in _children(pid)]
+        assert len(ranks) == (prefill_tp - 1) + (decode_tp - 1)
+        client = Client(cluster.address)
+        got = [
+            client.generate(p, max_tokens=MAX_NEW, temperature=0, ignore_eos=True).token_ids
+            for p in PROMPTS
+        ]
+        assert got == expected
+        # a cancelled stream frees its blocks on every rank too (one allocator: rank 0's)
+        stream = client.stream(PROMPTS[2], max_tokens=400, temperature=0, ignore_eos=True)
+        next(stream)
+        stream.close()  # cancels the RPC: router -> decode Release
+        wait_all_blocks_free(client)
+        client.close()
+    for pid in pids + ranks:
+        _wait_gone(pid)
+
+
+def _children(pid: int) -> list[str]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return out.stdout.split()
+
+
+def _wait_gone(pid: int) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs")
+
+
+def test_a_dead_decode_rank_takes_its_worker_out_of_service():
+    from pdserve.launch import Cluster
+
+    with Cluster("tiny-llama", worker_args=["--num-kv-blocks", "32"], decode_tp=2) as cluster:
+        decode = cluster.procs[cluster.names.index("decode-0")]
+        (rank1,) = _children(decode.pid)
+        os.kill(int(rank1), 9)
+        assert decode.wait(DEADLINE_S) == 70  # out of service at once, and says why
+        _wait_gone(int(rank1))
