@@ -125,7 +125,7 @@ class LLM:
 
     def memory(self):
         """Per rank (one, or tensor_parallel_size): weight, packed-weight and KV pool bytes."""
-        return self.core.runner.memory()
+        return self.core.memory()
 
     def check_integrity(self) -> None:
         self.core.check_integrity()

@@ -178,6 +178,10 @@ def test_tensor_parallel_clusters_match_the_colocated_engine(model, prefill_tp, 
             for p in PROMPTS
         ]
         assert got == expected
+        for name, ranks_of in (("prefill-0", prefill_tp), ("decode-0", decode_tp)):
+            text = _metrics(cluster.metrics[name])
+            held = [line for line in text.splitlines() if line.startswith("pdserve_rank_memory")]
+            assert len(held) == 3 * ranks_of, held  # weights, packed, kv of every rank
         # a cancelled stream frees its blocks on every rank too (one allocator: rank 0's)
         stream = client.stream(PROMPTS[2], max_tokens=400, temperature=0, ignore_eos=True)
         next(stream)
@@ -186,6 +190,13 @@ def test_tensor_parallel_clusters_match_the_colocated_engine(model, prefill_tp, 
         client.close()
     for pid in pids + ranks:
         _wait_gone(pid)
+
+
+def _metrics(address: str) -> str:
+    from urllib.request import urlopen
+
+    with urlopen(f"http://{address}/metrics", timeout=10) as r:
+        return r.read().decode()
 
 
 def _children(pid: int) -> list[str]:

@@ -94,7 +94,7 @@ def run_router(args: argparse.Namespace) -> int:
     from pdserve.rpc import pdserve_pb2_grpc as rpc
     from pdserve.serving import auth
     from pdserve.serving.auth import Security
-    from pdserve.serving.metrics import serve_metrics
+    from pdserve.serving.metrics import rank_memory_metrics, serve_metrics
     from pdserve.serving.server import start_server
     from pdserve.weights import resolve
 
@@ -156,7 +156,7 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
 
     from pdserve.rpc import pdserve_pb2 as pb
     from pdserve.rpc import pdserve_pb2_grpc as rpc
-    from pdserve.serving.metrics import serve_metrics
+    from pdserve.serving.metrics import rank_memory_metrics, serve_metrics
     from pdserve.serving.registration import Registration
     from pdserve.serving.server import start_server
     from transfer import make_agent
@@ -195,6 +195,7 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
     # worker that does not answer; the launcher restarts it; the other ranks die with us)
     worker.core.on_rank_failure(_exit_on_rank_failure)
     server, port = start_server(add, args.host, args.port, security=security)
+    rank_memory_metrics(worker.metrics.registry, worker.core.memory())
     metrics_port = serve_metrics(worker.metrics.registry, args.host, args.metrics_port)
     info = pb.WorkerInfo(
         worker_id=worker_id,

@@ -286,6 +286,10 @@ class EngineCore:
         """The other ranks' answers to the last prefill() given rank_work."""
         return self.runner.collect()
 
+    def memory(self) -> list:
+        """Per rank: weight, packed-weight and KV pool bytes (pdserve/engine/memory.py)."""
+        return self.runner.memory()
+
     def on_rank_failure(self, callback) -> None:
         """`callback(error)` once when a rank of the group dies or stops answering."""
         if self.tp_size > 1:

@@ -4,7 +4,7 @@ over HTTP at /metrics."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -42,3 +42,18 @@ class Advancing:
         if delta > 0:
             counter.inc(delta)
             self._seen[counter] = total
+
+
+def rank_memory_metrics(registry: CollectorRegistry, ranks) -> None:
+    """pdserve_rank_memory_bytes{rank, kind}: what each rank of the worker holds (kind:
+    weights, packed_weights, kv), once at start; ranks: EngineCore.memory()."""
+    gauge = Gauge(
+        "pdserve_rank_memory_bytes",
+        "bytes each tensor-parallel rank holds",
+        ["rank", "kind"],
+        registry=registry,
+    )
+    for m in ranks:
+        gauge.labels(str(m.rank), "weights").set(m.weight_bytes)
+        gauge.labels(str(m.rank), "packed_weights").set(m.packed_weight_bytes)
+        gauge.labels(str(m.rank), "kv").set(m.kv_bytes)
