@@ -94,7 +94,7 @@ def run_router(args: argparse.Namespace) -> int:
     from pdserve.rpc import pdserve_pb2_grpc as rpc
     from pdserve.serving import auth
     from pdserve.serving.auth import Security
-    from pdserve.serving.metrics import rank_memory_metrics, serve_metrics
+    from pdserve.serving.metrics import serve_metrics
     from pdserve.serving.server import start_server
     from pdserve.weights import resolve
 
