@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from procs import wait_gone
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import ModelConfig
@@ -182,15 +183,6 @@ def test_tp2_parks_each_ranks_shard_and_resumes_exactly():
 
 
 # -- failures -----------------------------------------------------------------------------------
-def _wait_gone(pid: int) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"process {pid} still runs")
 
 
 def test_a_dead_rank_fails_the_group_at_once():
@@ -235,7 +227,7 @@ def test_ranks_die_with_a_killed_rank_zero(tmp_path):
         rank1 = int(line)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(DEADLINE_S)
-        _wait_gone(rank1)
+        wait_gone(rank1)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -20,6 +20,7 @@ from transfer import HandshakeRefused, HeadSlice, PoolGeometry, Route, head_rout
 from transfer.loopback import LoopbackFabric
 
 sys.path.insert(0, os.path.dirname(__file__))
+from procs import wait_gone  # noqa: E402
 from test_cluster import MAX_NEW, PROMPTS, colocated, wait_all_blocks_free  # noqa: E402
 
 DEADLINE_S = 60.0
@@ -189,7 +190,7 @@ def test_tensor_parallel_clusters_match_the_colocated_engine(model, prefill_tp, 
         wait_all_blocks_free(client)
         client.close()
     for pid in pids + ranks:
-        _wait_gone(pid)
+        wait_gone(pid)
 
 
 def _metrics(address: str) -> str:
@@ -204,17 +205,6 @@ def _children(pid: int) -> list[str]:
     return out.stdout.split()
 
 
-def _wait_gone(pid: int) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"process {pid} still runs")
-
-
 def test_a_dead_decode_rank_takes_its_worker_out_of_service():
     from pdserve.launch import Cluster
 
@@ -223,4 +213,60 @@ def test_a_dead_decode_rank_takes_its_worker_out_of_service():
         (rank1,) = _children(decode.pid)
         os.kill(int(rank1), 9)
         assert decode.wait(DEADLINE_S) == 70  # out of service at once, and says why
-        _wait_gone(int(rank1))
+        wait_gone(int(rank1))
+
+
+# -- in-process workers (their ranks are processes), real NIXL -------------------------------
+def _blocks_of_every_rank(core, block_ids: list[int]) -> list[torch.Tensor]:
+    """[layers, 2, n, bs, heads of the rank, D] of each rank, rank order."""
+    ids = torch.tensor(block_ids)
+    own = core.kv_pool.index_select(core.kv_block_dim, ids)
+    return [own, *(torch.from_numpy(b) for b in core.rank_call("blocks", block_ids))]
+
+
+@pytest.mark.parametrize("p,d", [(2, 1), (1, 2), (2, 2)])
+def test_pushed_kv_lands_byte_for_byte_in_each_decode_ranks_head_slice(p, d):
+    from workers import decode_worker, destination, drain, prefill_worker
+
+    from pdserve import LLM, SamplingParams
+    from pdserve.engine.args import EngineArgs
+
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    base = dict(block_size=16, num_kv_blocks=32)
+    prefill = prefill_worker(
+        "tiny-llama", f"p-tp{p}{d}", "nixl", EngineArgs(**base, tensor_parallel_size=p)
+    )
+    decode = decode_worker(
+        "tiny-llama", f"d-tp{p}{d}", "nixl", EngineArgs(**base, tensor_parallel_size=d)
+    )
+    try:
+        prompt = list(range(3, 60))  # 57 tokens: 4 blocks, the last one partial
+        reserved = decode.reserve("r1", prompt, greedy, lease_s=30)
+        result = prefill.submit("r1", prompt, greedy, destination(decode, reserved)).result(60)
+        assert result.transfer_bytes == 4 * decode.endpoint.bytes_per_block
+        src_ids = prefill.core.shared_blocks(prompt)  # its blocks stay cached after the push
+        assert len(src_ids) == 3  # the full ones (the partial last is not cached)
+        heads = decode.endpoint.layouts
+        # the prefill group's KV, every head: its ranks' slices side by side
+        sent = torch.cat(_blocks_of_every_rank(prefill.core, src_ids), dim=-2)
+        got = _blocks_of_every_rank(decode.core, reserved.block_ids[:3])
+        for j, (layout, blocks) in enumerate(zip(heads, got)):
+            h = layout.heads
+            want = sent[..., h.start : h.stop, :]
+            assert torch.equal(blocks, want), f"decode rank {j} (heads {h.start}..{h.stop})"
+        tokens, reason = drain(decode.start("r1", result.first_token))
+        expected = LLM("tiny-llama", block_size=16).generate([prompt], greedy)[0].token_ids
+        assert (tokens, reason) == (expected, "length")
+        decode.check_integrity()
+        assert decode.stats().free_blocks == 32
+        # a reservation whose lease runs out after its push arrived frees its blocks at once
+        again = decode.reserve("r2", prompt, greedy, lease_s=0.3, push_window_s=30)
+        prefill.submit("r2", prompt, greedy, destination(decode, again)).result(60)
+        deadline = time.monotonic() + DEADLINE_S
+        while decode.stats().free_blocks < 32 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert decode.stats().free_blocks == 32
+        decode.check_integrity()
+    finally:
+        prefill.close()
+        decode.close()

@@ -36,6 +36,7 @@ def destination(decode: DecodeWorker, reserved: Reserved) -> Destination:
         reserved.block_ids,
         reserved.cached_blocks,
         reserved.fence,
+        endpoint.ranks,
     )
 
 

@@ -48,7 +48,7 @@ class TPRunner:
         if rank_work is None:
             self.group.send("execute", plain)
         else:
-            self.group.send_each("execute", [(plain, work) for work in rank_work])
+            self.group.send_each("execute", [(plain, work) for work in rank_work], answered=True)
         return self.local.execute(chunks, on_layer_done)
 
     def collect(self) -> list:
@@ -150,7 +150,7 @@ def build_tp_engine(model: str, source, args, device: torch.device, dtype: torch
         torch.set_num_threads(threads)
     group = TPGroup(model, args, device, threads)
     try:
-        group.send("load")  # every rank loads its shard at once
+        group.send_each("load", [()] * (size - 1), answered=True)  # all ranks load at once
         net = build_model(config, dtype, device, source.weights(), comm=group.comm)
         local = local_config(config, size)
         own = args.cache_config(local, dtype, device).num_blocks

@@ -12,6 +12,10 @@ a socket pair each, in order:
     call(op, *args)    every other rank runs it and answers; -> their answers, rank order
     collect(op)        the answers to an op sent earlier (rank 0 worked meanwhile)
 
+Sends and calls are serialised (a lock), so any thread may use the group. Messages are
+plain data (lists, numbers, bytes, dataclasses, numpy arrays): never torch tensors, which
+pickle as shared-memory handles only multiprocessing's own children can open.
+
 Collectives inside a step (all-reduce, the logits gather) go over torch.distributed's own
 process group (pdserve/parallel/comm.py); the pipes only carry what to do next, so an idle
 group waits in a blocking read (no polling, no collective with a timeout to outlive).
@@ -84,7 +88,11 @@ class TPGroup:
         self.failure: RankFailed | None = None
         self._callbacks: list[Callable[[RankFailed], None]] = []
         self._closing = False
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the failure
+        # the pipes: one message (and a call's answers) at a time, whichever thread sends
+        # (a decode worker's step loop and its Start handlers both reach the ranks)
+        self._io = threading.RLock()
+        self._owed: str | None = None  # an op sent whose answers are not collected yet
         if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + self.size:
             raise ValueError(
                 f"tensor_parallel_size: {self.size} ranks need as many GPUs from {device}, "
@@ -175,35 +183,39 @@ class TPGroup:
 
     # -- driving the ranks ----------------------------------------------------------------
     def send(self, op: str, *args) -> None:
-        self._check()
-        for rank, conn in enumerate(self.conns, 1):
-            try:
-                conn.send((op, args))
-            except (OSError, EOFError) as e:
-                raise self._fail(f"rank {rank} is gone ({e})") from e
+        self.send_each(op, [args] * len(self.conns))
 
-    def send_each(self, op: str, args: list[tuple]) -> None:
-        """`op` with its own arguments for each other rank (args[0] for rank 1, ...)."""
-        self._check()
-        for rank, (conn, own) in enumerate(zip(self.conns, args, strict=True), 1):
-            try:
-                conn.send((op, own))
-            except (OSError, EOFError) as e:
-                raise self._fail(f"rank {rank} is gone ({e})") from e
+    def send_each(self, op: str, args: list[tuple], answered: bool = False) -> None:
+        """`op` with its own arguments for each other rank (args[0] for rank 1, ...);
+        `answered`: the ranks will answer it, and collect(op) must read their answers
+        before any other call."""
+        with self._io:
+            self._check()
+            if self._owed is not None:
+                raise RuntimeError(f"the answers to {self._owed!r} were never collected")
+            for rank, (conn, own) in enumerate(zip(self.conns, args, strict=True), 1):
+                try:
+                    conn.send((op, own))
+                except (OSError, EOFError) as e:
+                    raise self._fail(f"rank {rank} is gone ({e})") from e
+            if answered:
+                self._owed = op
 
     def call(self, op: str, *args, timeout_s: float = CALL_TIMEOUT_S) -> list:
         """Run `op` on every other rank -> their answers in rank order (1, 2, ...)."""
-        self.send(op, *args)
-        return self.collect(op, timeout_s)
+        with self._io:
+            self.send_each(op, [args] * len(self.conns), answered=True)
+            return self.collect(op, timeout_s)
 
     def collect(self, op: str, timeout_s: float = CALL_TIMEOUT_S) -> list:
         """The answers to an `op` sent earlier (rank 0 did its own share meanwhile)."""
-        self._check()
-        deadline = time.monotonic() + timeout_s
-        answers = []
-        for rank, conn in enumerate(self.conns, 1):
-            answers.append(self._answer(rank, conn, op, deadline))
-        return answers
+        with self._io:
+            if self._owed != op:
+                raise RuntimeError(f"no answers to {op!r} are owed (owed: {self._owed!r})")
+            self._owed = None  # read now, or lost with a failed group
+            self._check()
+            deadline = time.monotonic() + timeout_s
+            return [self._answer(r, conn, op, deadline) for r, conn in enumerate(self.conns, 1)]
 
     def _answer(self, rank: int, conn: mpc.Connection, op: str, deadline: float):
         try:
@@ -252,7 +264,8 @@ class TPGroup:
             return
         self._closing = True  # from here on a rank's exit is expected
         if self.failure is None:
-            with contextlib.suppress(RankFailed):  # a rank gone already: killed below anyway
+            # a rank gone already, or a step's answers never read: killed below anyway
+            with contextlib.suppress(RankFailed, RuntimeError):
                 self.call("close", timeout_s=STOP_TIMEOUT_S)
         self._kill()
 

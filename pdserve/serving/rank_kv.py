@@ -30,6 +30,16 @@ class RankEndpoint:
         )
         return self.agent.metadata(), self.layout
 
+    def op_blocks(self, block_ids: list[int]):
+        """A copy of these blocks of this rank's pool, every layer (diagnostics, tests), as
+        a numpy array: a torch tensor would travel as a shared-memory handle, which only
+        multiprocessing's own children may open."""
+        import torch
+
+        pool, dim = self.state.cache.pool, self.state.cache.block_dim
+        ids = torch.tensor(block_ids, dtype=torch.long, device=pool.device)
+        return pool.index_select(dim, ids).cpu().numpy()
+
     def op_notifications(self) -> list[bytes]:
         """Every notification this rank's agent received since the last call."""
         if self.agent is None:
