@@ -208,6 +208,29 @@ def test_a_dead_rank_fails_the_group_at_once():
     assert rank1.poll() is not None
 
 
+def test_a_frozen_rank_fails_the_group_after_its_timeout():
+    llm = LLM(
+        "tiny-llama",
+        tensor_parallel_size=2,
+        num_kv_blocks=32,
+        preemption="recompute",
+        tp_timeout_s=3.0,
+    )
+    rank1 = llm.core.runner.group.procs[0]
+    try:
+        assert llm.generate([[5, 6, 7]], _greedy(2))[0].token_ids
+        os.kill(rank1.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(RankFailed):
+            llm.generate([[5, 6, 7]], _greedy(2))
+        assert time.monotonic() - started < 3.0 + 10.0  # its timeout, not a hang
+        assert llm.core.runner.group.failure is not None
+    finally:
+        os.kill(rank1.pid, signal.SIGCONT)
+        llm.close()
+    assert rank1.poll() is not None
+
+
 def test_ranks_die_with_a_killed_rank_zero(tmp_path):
     script = textwrap.dedent(
         """

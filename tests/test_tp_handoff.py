@@ -206,14 +206,38 @@ def _children(pid: int) -> list[str]:
 
 
 def test_a_dead_decode_rank_takes_its_worker_out_of_service():
+    """The group goes (its worker exits 70, its other ranks die with it) and the router
+    serves every request on the other decode worker."""
+    from pdserve.client import Client
     from pdserve.launch import Cluster
 
-    with Cluster("tiny-llama", worker_args=["--num-kv-blocks", "32"], decode_tp=2) as cluster:
+    expected = colocated("tiny-llama")[:3]
+    with Cluster("tiny-llama", 1, 2, worker_args=["--num-kv-blocks", "32"], decode_tp=2) as cluster:
         decode = cluster.procs[cluster.names.index("decode-0")]
         (rank1,) = _children(decode.pid)
         os.kill(int(rank1), 9)
         assert decode.wait(DEADLINE_S) == 70  # out of service at once, and says why
         wait_gone(int(rank1))
+        with Client(cluster.address) as client:
+            got = [
+                client.generate(p, max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+                for p in PROMPTS[:3]
+            ]
+        assert [r.token_ids for r in got] == expected
+        assert {r.timings["decode_worker"] for r in got} == {_worker_id(cluster, "decode-1")}
+
+
+def _worker_id(cluster, name: str) -> str:
+    """The worker id a launched process registered with (its --worker-id or its default)."""
+    pid = cluster.procs[cluster.names.index(name)].pid
+    return next(w for w in _registered(cluster) if f"-{pid}-" in w)
+
+
+def _registered(cluster) -> list[str]:
+    from pdserve.client import Client
+
+    with Client(cluster.address) as client:
+        return [w.worker_id for w in client.workers()]
 
 
 # -- in-process workers (their ranks are processes), real NIXL -------------------------------

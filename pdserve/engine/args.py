@@ -50,6 +50,8 @@ class EngineArgs:
     cxl_latency_us: float = 0.4
     # Ranks the model is sharded over (one process each, this one rank 0: engine/tp_engine.py)
     tensor_parallel_size: int = 1
+    # A rank that does not answer a collective or a call this long fails its group (frozen)
+    tp_timeout_s: float = 120.0
     # fault injection at exact states (kv.spill, kv.reload, disk.write): pdserve/failpoints.py
     failpoints: Failpoints = NO_FAILPOINTS
 
@@ -64,6 +66,8 @@ class EngineArgs:
             raise ValueError(
                 f"tensor_parallel_size: must be an integer >= 1, got {self.tensor_parallel_size!r}"
             )
+        if not self.tp_timeout_s > 0:
+            raise ValueError(f"tp_timeout_s: must be > 0, got {self.tp_timeout_s}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks: must be > 0, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

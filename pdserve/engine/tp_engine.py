@@ -25,6 +25,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.tp_group import START_TIMEOUT_S, TPGroup
 from pdserve.kv import KVCache
 from pdserve.kv.offload import OffloadedKV, OffloadStats
+from pdserve.parallel.comm import RankFailed
 
 
 class TPRunner:
@@ -49,7 +50,10 @@ class TPRunner:
             self.group.send("execute", plain)
         else:
             self.group.send_each("execute", [(plain, work) for work in rank_work], answered=True)
-        return self.local.execute(chunks, on_layer_done)
+        try:
+            return self.local.execute(chunks, on_layer_done)
+        except RankFailed as e:  # a collective of the step: the whole group is out
+            raise self.group.fail(str(e)) from e
 
     def collect(self) -> list:
         """The other ranks' answers to the last step sent with work."""

@@ -49,9 +49,9 @@ log = logging.getLogger(__name__)
 
 STORE_HOST = "127.0.0.1"  # every rank runs on this node
 START_TIMEOUT_S = 600.0  # to join the group and load a shard of the weights
-CALL_TIMEOUT_S = 120.0  # for any other answer (a park of a large request to disk)
-COLLECTIVE_TIMEOUT_S = 120.0  # a rank that stops answering inside a step (frozen)
 STOP_TIMEOUT_S = 10.0
+# Any other answer (a park of a large request to disk) and each collective inside a step
+# (a frozen rank) wait EngineArgs.tp_timeout_s.
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,7 @@ class TPGroup:
         timeout_s: float = START_TIMEOUT_S,
     ) -> None:
         self.size = args.tensor_parallel_size
+        self.timeout_s = args.tp_timeout_s
         self.failure: RankFailed | None = None
         self._callbacks: list[Callable[[RankFailed], None]] = []
         self._closing = False
@@ -153,7 +154,7 @@ class TPGroup:
 
         def join() -> None:
             try:
-                result.append(first_rank(store, self.size, device, COLLECTIVE_TIMEOUT_S))
+                result.append(first_rank(store, self.size, device, timeout_s, self.timeout_s))
             except Exception as e:  # noqa: BLE001 (handed to the waiting thread)
                 result.append(e)
 
@@ -201,20 +202,20 @@ class TPGroup:
             if answered:
                 self._owed = op
 
-    def call(self, op: str, *args, timeout_s: float = CALL_TIMEOUT_S) -> list:
+    def call(self, op: str, *args, timeout_s: float | None = None) -> list:
         """Run `op` on every other rank -> their answers in rank order (1, 2, ...)."""
         with self._io:
             self.send_each(op, [args] * len(self.conns), answered=True)
             return self.collect(op, timeout_s)
 
-    def collect(self, op: str, timeout_s: float = CALL_TIMEOUT_S) -> list:
+    def collect(self, op: str, timeout_s: float | None = None) -> list:
         """The answers to an `op` sent earlier (rank 0 did its own share meanwhile)."""
         with self._io:
             if self._owed != op:
                 raise RuntimeError(f"no answers to {op!r} are owed (owed: {self._owed!r})")
             self._owed = None  # read now, or lost with a failed group
             self._check()
-            deadline = time.monotonic() + timeout_s
+            deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
             return [self._answer(r, conn, op, deadline) for r, conn in enumerate(self.conns, 1)]
 
     def _answer(self, rank: int, conn: mpc.Connection, op: str, deadline: float):
@@ -232,6 +233,11 @@ class TPGroup:
         """`callback(error)` once, when a rank dies or fails (a worker takes itself out of
         service: the router then stops routing to it)."""
         self._callbacks.append(callback)
+
+    def fail(self, why: str) -> RankFailed:
+        """Mark the group failed (a collective of a step failed) -> the error to raise;
+        the on_failure callbacks run, once."""
+        return self._fail(why)
 
     def _check(self) -> None:
         if self.failure is not None:

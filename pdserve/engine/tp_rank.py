@@ -54,10 +54,16 @@ class RankState:
         self.device = torch.device(spec.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        from pdserve.engine.tp_group import COLLECTIVE_TIMEOUT_S, STORE_HOST
+        from pdserve.engine.tp_group import START_TIMEOUT_S, STORE_HOST
 
         self.comm = connect(
-            STORE_HOST, spec.store_port, spec.rank, spec.size, self.device, COLLECTIVE_TIMEOUT_S
+            STORE_HOST,
+            spec.store_port,
+            spec.rank,
+            spec.size,
+            self.device,
+            START_TIMEOUT_S,
+            spec.args.tp_timeout_s,
         )
         self.net = self.cache = self.runner = self.offload = self.ext = None
 

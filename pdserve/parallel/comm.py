@@ -9,7 +9,7 @@ life (tests build and close many). `SINGLE` is the group of one: every call is t
 and a model built without tensor parallelism runs exactly the code it always ran.
 
 A collective that fails (a peer died: gloo reports the reset connection at once; a frozen
-peer: the group's timeout) raises `RankFailed`: the group is out of service and a retry on
+peer: each collective's timeout) raises `RankFailed`: the group is out of service and a retry on
 it cannot help.
 """
 
@@ -29,10 +29,11 @@ class RankFailed(RuntimeError):
 
 
 class TPComm:
-    def __init__(self, rank: int = 0, size: int = 1, group=None) -> None:
+    def __init__(self, rank: int = 0, size: int = 1, group=None, timeout_s: float = 120.0) -> None:
         self.rank = rank
         self.size = size
         self._group = group
+        self._timeout = datetime.timedelta(seconds=timeout_s)  # of each collective
 
     @property
     def first(self) -> bool:
@@ -41,7 +42,9 @@ class TPComm:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
-        self._wait(self._group.allreduce([x]), "all_reduce")
+        opts = dist.AllreduceOptions()
+        opts.timeout = self._timeout
+        self._wait(self._group.allreduce([x], opts), "all_reduce")
         return x
 
     def gather_cols(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -52,6 +55,7 @@ class TPComm:
         x = x.contiguous()
         opts = dist.GatherOptions()
         opts.rootRank = 0
+        opts.timeout = self._timeout
         out = [[torch.empty_like(x) for _ in range(self.size)]] if self.first else []
         self._wait(self._group.gather(out, [x], opts), "gather")
         return torch.cat(out[0], dim=-1) if self.first else None
@@ -67,12 +71,19 @@ SINGLE = TPComm()
 
 
 def connect(
-    host: str, port: int, rank: int, size: int, device: torch.device, timeout_s: float
+    host: str,
+    port: int,
+    rank: int,
+    size: int,
+    device: torch.device,
+    start_timeout_s: float,
+    timeout_s: float,
 ) -> TPComm:
-    """Join group `size` over the TCP store at host:port (rank 0 made it: `make_store`)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
+    """Join group `size` over the TCP store at host:port (rank 0 made it: `make_store`):
+    `start_timeout_s` to meet the others, `timeout_s` for each collective after."""
+    timeout = datetime.timedelta(seconds=start_timeout_s)
     store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
-    return TPComm(rank, size, _group(store, rank, size, device, timeout))
+    return TPComm(rank, size, _group(store, rank, size, device, timeout), timeout_s)
 
 
 def make_store(host: str, size: int, timeout_s: float) -> dist.TCPStore:
@@ -81,9 +92,15 @@ def make_store(host: str, size: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
 
 
-def first_rank(store: dist.TCPStore, size: int, device: torch.device, timeout_s: float) -> TPComm:
-    timeout = datetime.timedelta(seconds=timeout_s)
-    return TPComm(0, size, _group(store, 0, size, device, timeout))
+def first_rank(
+    store: dist.TCPStore,
+    size: int,
+    device: torch.device,
+    start_timeout_s: float,
+    timeout_s: float,
+) -> TPComm:
+    timeout = datetime.timedelta(seconds=start_timeout_s)
+    return TPComm(0, size, _group(store, 0, size, device, timeout), timeout_s)
 
 
 def _group(store, rank: int, size: int, device: torch.device, timeout: datetime.timedelta):
