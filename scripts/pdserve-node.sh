@@ -10,7 +10,9 @@
 #   PDSERVE_METRICS_PORT  Prometheus port (0 = any)                  (default 0)
 #   PDSERVE_TRANSFER  nixl | loopback                                (default nixl)
 #   PDSERVE_KV_BYTES  KV pool bytes per worker                       (default: half of free GPU memory)
-#   CUDA_VISIBLE_DEVICES  which GPU this worker uses
+#   CUDA_VISIBLE_DEVICES  which GPU(s) this worker uses: with PDSERVE_TP=k, k of them
+#                     (rank r on the r-th; e.g. CUDA_VISIBLE_DEVICES=4,5,6,7 PDSERVE_TP=4)
+#   PDSERVE_TP        tensor-parallel ranks of this worker           (default 1)
 #   PDSERVE_SECRET_FILE   the cluster secret, one file readable only by this user, the same
 #                     on every node (or PDSERVE_CLUSTER_SECRET; docs/security.md)
 #   PDSERVE_TLS_DIR   a directory from `pdserve certs` (member.pem, member-key.pem, ca.pem):
@@ -35,6 +37,7 @@ if [[ $PDSERVE_ROLE != router ]]; then
   : "${PDSERVE_ROUTER:?workers need PDSERVE_ROUTER=host:port}"
   args+=(--router "$PDSERVE_ROUTER" --transfer "${PDSERVE_TRANSFER:-nixl}")
   [[ -n ${PDSERVE_KV_BYTES:-} ]] && args+=(--kv-cache-memory "$PDSERVE_KV_BYTES")
+  args+=(--tp "${PDSERVE_TP:-1}")
 fi
 # shellcheck disable=SC2086
 exec pdserve "${args[@]}" ${PDSERVE_EXTRA:-}
