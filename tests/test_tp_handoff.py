@@ -6,6 +6,7 @@ block; a decode rank that dies takes its worker out of service."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.serving.kv_pool import head_slice
+from pdserve.weights.presets import TINY_CONFIGS
 from prefill.push import HeadRoute, PoolSide, block_runs, write_layers
 from transfer import HandshakeRefused, HeadSlice, PoolGeometry, Route, head_routes, make_agent
 from transfer.loopback import LoopbackFabric
@@ -27,19 +30,11 @@ DEADLINE_S = 60.0
 
 
 def group(total: int, size: int) -> list[HeadSlice]:
-    """Ranks of a group of `size` over `total` KV heads, split or replicated as the engine
-    does (pdserve/parallel/shard.py)."""
-    out = []
-    for r in range(size):
-        if size <= total:
-            per = total // size
-            start = r * per
-            stop = start + per
-        else:
-            start = r // (size // total)
-            stop = start + 1
-        out.append(HeadSlice(start, stop, total, r, size))
-    return out
+    """Ranks of a group of `size` over `total` KV heads, as the engine cuts them."""
+    config = dataclasses.replace(
+        TINY_CONFIGS["tiny-llama"], num_heads=4 * total, num_kv_heads=total
+    )
+    return [head_slice(config, r, size) for r in range(size)]
 
 
 # -- routes ----------------------------------------------------------------------------------

@@ -68,10 +68,6 @@ class KVEndpoint:
         per_layer = sum(g.geometry.block_bytes * g.geometry.planes_per_layer for g in self.layouts)
         return per_layer * self.spec.num_layers
 
-    def check_peer(self, peer: PoolLayout) -> None:
-        """HandshakeRefused unless the peer's pool holds what ours holds, in the same bytes."""
-        self.routes_to([peer])
-
     def routes_to(self, peers: Sequence[PoolLayout]) -> list[Route]:
         """Which of our ranks sends which heads to which of the peer's ranks (transfer/
         heads.py); HandshakeRefused when a peer speaks another wire version, holds another
@@ -79,14 +75,13 @@ class KVEndpoint:
         contradicts its own head slice."""
         for peer in peers:
             check_handshake(self.spec, peer.wire_version, peer.layout_hash)
-        ours = self.layouts
         routes = head_routes(
-            [heads_of(p, self.spec) for p in ours], [heads_of(p, self.spec) for p in peers]
+            [heads_of(p, self.spec) for p in self.layouts], [heads_of(p, self.spec) for p in peers]
         )
+        mine = heads_of(self.layout, self.spec)
         for j, peer in enumerate(peers):
             if peer.geometry.planes_per_layer != self.geometry.planes_per_layer:
                 raise ValueError("dest_layout.planes_per_layer: differs from ours")
-            mine = heads_of(self.layout, self.spec)
             theirs = heads_of(peer, self.spec)
             if peer.geometry.block_bytes * mine.count != self.geometry.block_bytes * theirs.count:
                 raise ValueError(
