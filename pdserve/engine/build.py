@@ -5,13 +5,16 @@
 Loads the weights (preset, checkpoint directory or GGUF), sizes the KV pool, builds the spill
 tiers the preemption policy names (plus the host tier for `prefix_offload`), and hands the
 scheduler, the KV manager and the model runner to the core. Every role builds its engine
-here, so the colocated `LLM`, the prefill worker and the decode worker run the same code.
+here, so the colocated `LLM`, the prefill worker and the decode worker run the same code;
+a tensor-parallel engine too (build_tp_engine: the same pieces over a group of ranks).
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+
+import torch
 
 from pdserve.attention import ATTENTION_BACKENDS
 from pdserve.config import PREEMPTION, ModelConfig
@@ -37,8 +40,6 @@ def build_engine(model: str, args: EngineArgs | None = None) -> tuple[EngineCore
     device = args.resolve_device()
     dtype = args.resolve_dtype(device)
     if args.tensor_parallel_size > 1:
-        from pdserve.engine.tp_engine import build_tp_engine
-
         return build_tp_engine(model, source, args, device, dtype), source
     backend = ATTENTION_BACKENDS[args.attention_backend](device)
     net = build_model(config, dtype, device, source.weights())
@@ -47,6 +48,42 @@ def build_engine(model: str, args: EngineArgs | None = None) -> tuple[EngineCore
     runner = ModelRunner(net, cache, backend, device, args.seed)
     core = assemble_engine(config, args, cache, tiers(args, cache), runner, source.tokenizer)
     return core, source
+
+
+def build_tp_engine(model: str, source, args, device: torch.device, dtype: torch.dtype):
+    """The engine core of a group of `args.tensor_parallel_size` ranks, this process rank 0.
+    On CPU the ranks share this process's threads (each gets threads // size, at least 1)."""
+    from pdserve.engine.tp_engine import TPCache, TPOffload, TPRunner
+    from pdserve.engine.tp_group import START_TIMEOUT_S, TPGroup
+    from pdserve.parallel.shard import check_shardable, local_config
+
+    size = args.tensor_parallel_size
+    config = source.config
+    check_shardable(config, size)  # before any process starts
+    threads = 0
+    if device.type == "cpu":
+        threads = max(1, torch.get_num_threads() // size)
+        torch.set_num_threads(threads)
+    group = TPGroup(model, args, device, threads)
+    try:
+        group.send_each("load", [()] * (size - 1), answered=True)  # all ranks load at once
+        net = build_model(config, dtype, device, source.weights(), comm=group.comm)
+        local = local_config(config, size)
+        own = args.cache_config(local, dtype, device).num_blocks
+        budgets = group.collect("load", START_TIMEOUT_S)
+        num_blocks = min([own, *(b["num_blocks"] for b in budgets)])  # the tightest rank
+        group.call("cache", num_blocks)
+        cache = KVCache(local, num_blocks, args.block_size, dtype, device)
+        backend = ATTENTION_BACKENDS[args.attention_backend](device)
+        runner = TPRunner(ModelRunner(net, cache, backend, device, args.seed), group)
+        spill = tiers(args, cache)
+        offload = TPOffload(OffloadedKV(cache, spill, args.failpoints), group) if spill else None
+        return assemble_engine(
+            config, args, TPCache(cache, group), [], runner, source.tokenizer, offload=offload
+        )
+    except BaseException:
+        group.close()
+        raise
 
 
 def assemble_engine(

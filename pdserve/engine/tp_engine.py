@@ -17,12 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-import torch
-
 from pdserve.engine.batch import RunResult, ScheduledChunk
 from pdserve.engine.memory import RankMemory, rank_memory
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.tp_group import START_TIMEOUT_S, TPGroup
+from pdserve.engine.tp_group import TPGroup
 from pdserve.kv import KVCache
 from pdserve.kv.offload import OffloadedKV, OffloadStats
 from pdserve.parallel.comm import RankFailed
@@ -135,40 +133,3 @@ class TPOffload:
 
     def close(self) -> None:
         self.local.close()
-
-
-def build_tp_engine(model: str, source, args, device: torch.device, dtype: torch.dtype):
-    """The engine core of a group of `args.tensor_parallel_size` ranks, this process rank 0.
-    On CPU the ranks share this process's threads (each gets threads // size, at least 1)."""
-    from pdserve.attention import ATTENTION_BACKENDS
-    from pdserve.engine.build import assemble_engine, tiers
-    from pdserve.models import build_model
-    from pdserve.parallel.shard import check_shardable, local_config
-
-    size = args.tensor_parallel_size
-    config = source.config
-    check_shardable(config, size)  # before any process starts
-    threads = 0
-    if device.type == "cpu":
-        threads = max(1, torch.get_num_threads() // size)
-        torch.set_num_threads(threads)
-    group = TPGroup(model, args, device, threads)
-    try:
-        group.send_each("load", [()] * (size - 1), answered=True)  # all ranks load at once
-        net = build_model(config, dtype, device, source.weights(), comm=group.comm)
-        local = local_config(config, size)
-        own = args.cache_config(local, dtype, device).num_blocks
-        budgets = group.collect("load", START_TIMEOUT_S)
-        num_blocks = min([own, *(b["num_blocks"] for b in budgets)])  # the tightest rank
-        group.call("cache", num_blocks)
-        cache = KVCache(local, num_blocks, args.block_size, dtype, device)
-        backend = ATTENTION_BACKENDS[args.attention_backend](device)
-        runner = TPRunner(ModelRunner(net, cache, backend, device, args.seed), group)
-        spill = tiers(args, cache)
-        offload = TPOffload(OffloadedKV(cache, spill, args.failpoints), group) if spill else None
-        return assemble_engine(
-            config, args, TPCache(cache, group), [], runner, source.tokenizer, offload=offload
-        )
-    except BaseException:
-        group.close()
-        raise
