@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.core import EngineCore
 from pdserve.engine.request import Request
+from pdserve.serving.destination import Destination
 from pdserve.trace import now
-from prefill.push import Destination
 
 
 @dataclass

@@ -1,19 +1,14 @@
 """Pushing a batch's KV into the decode workers' reserved blocks over the transfer agent.
 
-    Destination     where one request's KV goes: the decode worker's pool (PoolLayout), its
-                    agent metadata and the reserved blocks (the first `cached_blocks` of
-                    which it already holds: they are not pushed)
+    PushTarget      one request of a batch: whose blocks go where (a Destination,
+                    pdserve/serving/destination.py, in the pushing agent's terms)
     BatchPush       the WRITEs of one batch: `layers(range)` posts one WRITE per request for
                     those layers (the last carries the request id as its notification),
                     `wait()` until all are DONE, `spans()` for the trace, `release()`
 
-One descriptor per (plane, run of blocks consecutive on both sides): NIXL does not merge
-neighbouring prepared tiles, and a 12 KiB tile costs about as much to post as a 1 MiB run.
-When no two blocks line up, the prepared tiles are cheaper.
-
-Between tensor-parallel groups of different sizes a target carries its head route
-(transfer/heads.py): its WRITEs move the route's heads of each token's row, one descriptor
-per (plane, block, token), and its notification names its part of the push.
+The WRITEs themselves are transfer/writes.py's. Between tensor-parallel groups of
+different sizes a target carries its head route (transfer/heads.py) and its notification
+names its part of the push.
 """
 
 from __future__ import annotations
@@ -23,64 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.serving.kv_pool import RankKV
 from pdserve.trace import Span, now
-from transfer import (
-    Desc,
-    HeadSlice,
-    PoolGeometry,
-    PoolLayout,
-    Route,
-    Tiles,
-    Transfer,
-    TransferAgent,
-    TransferFailed,
-    XferState,
-    route_descs,
-)
-from transfer.heads import whole_blocks
+from transfer import Transfer, TransferAgent, TransferFailed, XferState
+from transfer.writes import HeadRoute, PoolSide, block_runs, write_layers
 
-
-@dataclass(frozen=True)
-class Destination:
-    worker_id: str
-    agent_metadata: bytes
-    pool: PoolLayout  # of the decode worker (its rank 0)
-    block_ids: list[int]
-    cached_blocks: int = 0  # leading blocks the decode worker already holds: not pushed
-    fence: int = 0  # the reservation's fencing token: the notification carries it
-    ranks: tuple[RankKV, ...] = ()  # a tensor-parallel decode worker's ranks 1..n-1
-
-    @property
-    def pools(self) -> list[PoolLayout]:
-        return [self.pool, *(r.layout for r in self.ranks)]
-
-    def rank_metadata(self, rank: int) -> bytes:
-        return self.agent_metadata if rank == 0 else self.ranks[rank - 1].agent_metadata
-
-
-@dataclass(frozen=True)
-class HeadRoute:
-    """A target's share of the heads: its route and the two ranks' head slices."""
-
-    route: Route
-    src: HeadSlice
-    dst: HeadSlice
-    block_size: int
-
-    @property
-    def whole(self) -> bool:
-        return whole_blocks(self.route, self.src, self.dst)
-
-
-@dataclass(frozen=True)
-class PoolSide:
-    """One end of a push in the pushing agent's terms (the peer's region and tiles for the
-    remote side)."""
-
-    geometry: PoolGeometry
-    region: int
-    tiles: Tiles
+__all__ = ["BatchPush", "PushTarget"]
 
 
 @dataclass(frozen=True)
@@ -102,55 +44,6 @@ class PushTarget:
     @property
     def runs(self) -> np.ndarray:
         return block_runs(self.src, self.dst)
-
-
-def block_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-    """Pairs of block lists cut where either side stops being consecutive ->
-    rows (src start, dst start, length). One row when both sides are single runs."""
-    if src.size == 0:
-        return np.zeros((0, 3), dtype=np.int64)
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [src.size])))
-    return np.stack([src[starts], dst[starts], lengths], axis=1).astype(np.int64)
-
-
-def write_layers(
-    agent: TransferAgent,
-    peer: str,
-    layers: range,
-    src: PoolSide,
-    dst: PoolSide,
-    blocks: tuple[np.ndarray, np.ndarray, np.ndarray],
-    notif: bytes,
-    heads: HeadRoute | None = None,
-) -> tuple[Transfer, int]:
-    """Post one WRITE of `layers`' KV for one request -> (it, the bytes it moves); `blocks` =
-    (src ids, dst ids, runs from block_runs); `heads`: only that route's heads."""
-    src_ids, dst_ids, runs = blocks
-    if heads is not None and not heads.whole:
-        local, remote = route_descs(
-            layers,
-            heads.route,
-            ((src.geometry, src.region, heads.src), (dst.geometry, dst.region, heads.dst)),
-            heads.block_size,
-            runs,
-        )
-        return agent.write(peer, local, remote, notif), sum(d.length for d in local)
-    nbytes = len(layers) * src_ids.size * src.geometry.planes_per_layer * src.geometry.block_bytes
-    if len(runs) == len(src_ids):
-        local_idx = np.concatenate([src.geometry.tile_indices(x, src_ids) for x in layers])
-        remote_idx = np.concatenate([dst.geometry.tile_indices(x, dst_ids) for x in layers])
-        xfer = agent.write_tiles(peer, src.tiles, local_idx, dst.tiles, remote_idx, notif)
-        return xfer, nbytes
-    gs, gd = src.geometry, dst.geometry
-    local, remote = [], []
-    planes = range(layers.start * gs.planes_per_layer, layers.stop * gs.planes_per_layer)
-    for plane in planes:
-        for s, d, n in runs.tolist():
-            local.append(Desc(src.region, gs.offset(plane, s), n * gs.block_bytes))
-            remote.append(Desc(dst.region, gd.offset(plane, d), n * gd.block_bytes))
-    return agent.write(peer, local, remote, notif), nbytes
 
 
 class BatchPush:

@@ -14,8 +14,9 @@ import logging
 import numpy as np
 
 from pdserve.serving.rank_kv import RankEndpoint
-from prefill.push import BatchPush, PoolSide, PushTarget
+from prefill.push import BatchPush, PushTarget
 from transfer import Tiles
+from transfer.writes import PoolSide
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ import grpc
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving.convert import sampling_from_proto, spans_to_proto
+from pdserve.serving.destination import Destination
 from pdserve.serving.kv_pool import layout_from_proto, ranks_from_proto
 from pdserve.serving.server import health
-from prefill.push import Destination
 from prefill.worker import PrefillDeadline, PrefillWorker
 from transfer import HandshakeRefused, TransferFailed
 

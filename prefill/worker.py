@@ -23,14 +23,16 @@ from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
 from pdserve.engine.core import EngineCore
 from pdserve.sampling_params import SamplingParams
+from pdserve.serving.destination import Destination
 from pdserve.serving.kv_pool import KVEndpoint, heads_of, open_endpoint
 from pdserve.serving.registration import WorkerStats
 from pdserve.trace import Span, now
 from prefill.batcher import Batcher, PrefillJob, reserve_batch
 from prefill.config import PrefillConfig
 from prefill.metrics import PrefillMetrics
-from prefill.push import BatchPush, Destination, HeadRoute, PoolSide, PushTarget
+from prefill.push import BatchPush, PushTarget
 from transfer import Route, Tiles, TransferAgent, TransferFailed, notification
+from transfer.writes import HeadRoute, PoolSide
 
 RANK_EXTENSION = "prefill.rank:PrefillRank"  # what ranks 1..n-1 run (prefill/rank.py)
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from prefill.push import PoolSide, block_runs, write_layers
 from transfer import PoolGeometry, make_agent
 from transfer.loopback import LoopbackFabric
+from transfer.writes import PoolSide, block_runs, write_layers
 
 
 def test_block_runs_cut_where_either_side_breaks():

@@ -18,9 +18,9 @@ import torch
 
 from pdserve.serving.kv_pool import head_slice
 from pdserve.weights.presets import TINY_CONFIGS
-from prefill.push import HeadRoute, PoolSide, block_runs, write_layers
 from transfer import HandshakeRefused, HeadSlice, PoolGeometry, Route, head_routes, make_agent
 from transfer.loopback import LoopbackFabric
+from transfer.writes import HeadRoute, PoolSide, block_runs, write_layers
 
 sys.path.insert(0, os.path.dirname(__file__))
 from procs import wait_gone  # noqa: E402

@@ -6,8 +6,8 @@ from decode.config import DecodeConfig
 from decode.streams import EndEvent, Stream
 from decode.worker import DecodeWorker, Reserved
 from pdserve.engine.args import EngineArgs
+from pdserve.serving.destination import Destination
 from prefill.config import PrefillConfig
-from prefill.push import Destination
 from prefill.worker import PrefillWorker
 from transfer import make_agent
 

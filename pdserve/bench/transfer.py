@@ -35,8 +35,8 @@ from pdserve.progress import progress
 from pdserve.sampling_params import SamplingParams
 from pdserve.serving.kv_pool import pool_geometry
 from pdserve.weights import resolve
-from prefill.push import PoolSide, block_runs, write_layers
 from transfer import Desc, make_agent
+from transfer.writes import PoolSide, block_runs, write_layers
 
 LAYOUTS = ("contiguous", "allocator", "scattered")
 
@@ -178,8 +178,8 @@ def handoff_vs_raw(model: str, counts: list[int], backend: str, reps: int) -> li
 def ttft_layerwise(model: str, prompt_lens: list[int], backend: str, reps: int) -> list[dict]:
     from decode.config import DecodeConfig
     from decode.worker import DecodeWorker
+    from pdserve.serving.destination import Destination
     from prefill.config import PrefillConfig
-    from prefill.push import Destination
     from prefill.worker import PrefillWorker
 
     args = EngineArgs(

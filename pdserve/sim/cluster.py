@@ -38,12 +38,12 @@ from pdserve.progress import progress
 from pdserve.router.config import RouterConfig
 from pdserve.router.registry import WorkerRecord, WorkerRegistry
 from pdserve.sampling_params import SamplingParams
+from pdserve.serving.destination import Destination
 from pdserve.serving.registration import WorkerStats
 from pdserve.sim.clock import VirtualClock
 from pdserve.sim.engine import SimEngine, sim_engine
 from pdserve.sim.load import Arrivals, Record, Series
 from prefill.batcher import Batcher, PrefillJob, reserve_batch
-from prefill.push import Destination
 
 
 @dataclass

@@ -1,0 +1,99 @@
+"""Posting one request's KV as WRITEs: the two pools' sides and the block runs between them.
+
+    PoolSide        one end of a push in the pushing agent's terms (geometry, region, tiles)
+    HeadRoute       between tensor-parallel groups of different sizes: the heads one pair
+                    of ranks moves
+    block_runs      pairs of block lists cut into runs consecutive on both sides
+    write_layers    one WRITE of some layers' KV of some blocks -> (the transfer, its bytes)
+
+One descriptor per (plane, run of blocks consecutive on both sides): NIXL does not merge
+neighbouring prepared tiles, and a 12 KiB tile costs about as much to post as a 1 MiB run.
+When no two blocks line up, the prepared tiles are cheaper. A head route's WRITEs move the
+route's heads of each token's row, one descriptor per (plane, block, token).
+
+Prefill pushes (prefill/push.py) and decode-to-decode migrations (decode/migrate.py) both
+post through here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from transfer.agent import Desc, Tiles, Transfer, TransferAgent
+from transfer.heads import HeadSlice, Route, route_descs, whole_blocks
+from transfer.wire import PoolGeometry
+
+
+@dataclass(frozen=True)
+class HeadRoute:
+    """A target's share of the heads: its route and the two ranks' head slices."""
+
+    route: Route
+    src: HeadSlice
+    dst: HeadSlice
+    block_size: int
+
+    @property
+    def whole(self) -> bool:
+        return whole_blocks(self.route, self.src, self.dst)
+
+
+@dataclass(frozen=True)
+class PoolSide:
+    """One end of a push in the pushing agent's terms (the peer's region and tiles for the
+    remote side)."""
+
+    geometry: PoolGeometry
+    region: int
+    tiles: Tiles
+
+
+def block_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Pairs of block lists cut where either side stops being consecutive ->
+    rows (src start, dst start, length). One row when both sides are single runs."""
+    if src.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [src.size])))
+    return np.stack([src[starts], dst[starts], lengths], axis=1).astype(np.int64)
+
+
+def write_layers(
+    agent: TransferAgent,
+    peer: str,
+    layers: range,
+    src: PoolSide,
+    dst: PoolSide,
+    blocks: tuple[np.ndarray, np.ndarray, np.ndarray],
+    notif: bytes,
+    heads: HeadRoute | None = None,
+) -> tuple[Transfer, int]:
+    """Post one WRITE of `layers`' KV for one request -> (it, the bytes it moves); `blocks` =
+    (src ids, dst ids, runs from block_runs); `heads`: only that route's heads."""
+    src_ids, dst_ids, runs = blocks
+    if heads is not None and not heads.whole:
+        local, remote = route_descs(
+            layers,
+            heads.route,
+            ((src.geometry, src.region, heads.src), (dst.geometry, dst.region, heads.dst)),
+            heads.block_size,
+            runs,
+        )
+        return agent.write(peer, local, remote, notif), sum(d.length for d in local)
+    nbytes = len(layers) * src_ids.size * src.geometry.planes_per_layer * src.geometry.block_bytes
+    if len(runs) == len(src_ids):
+        local_idx = np.concatenate([src.geometry.tile_indices(x, src_ids) for x in layers])
+        remote_idx = np.concatenate([dst.geometry.tile_indices(x, dst_ids) for x in layers])
+        xfer = agent.write_tiles(peer, src.tiles, local_idx, dst.tiles, remote_idx, notif)
+        return xfer, nbytes
+    gs, gd = src.geometry, dst.geometry
+    local, remote = [], []
+    planes = range(layers.start * gs.planes_per_layer, layers.stop * gs.planes_per_layer)
+    for plane in planes:
+        for s, d, n in runs.tolist():
+            local.append(Desc(src.region, gs.offset(plane, s), n * gs.block_bytes))
+            remote.append(Desc(dst.region, gd.offset(plane, d), n * gd.block_bytes))
+    return agent.write(peer, local, remote, notif), nbytes
