@@ -22,10 +22,25 @@ class DecodeConfig:
     # holds, is ended DEADLINE_EXCEEDED (one waiting for room to run is alive)
     stream_idle_s: float = 60.0
     idle_wait_s: float = 0.05  # the step loop's sleep when nothing runs (woken on Start)
+    # live migration (decode/migrate.py): pre-copy rounds at most (the last stops the
+    # request), the last one comes as soon as at most `migrate_final_blocks` blocks changed
+    # since the previous round, and every WRITE of a move is done within the timeout
+    migrate_max_rounds: int = 4
+    migrate_final_blocks: int = 2
+    migrate_timeout_s: float = 30.0
     failpoints: Failpoints = NO_FAILPOINTS  # decode.reserve, decode.stream (pdserve/failpoints.py)
 
     def __post_init__(self) -> None:
         check_admission(self.admission, self.admission_margin)
-        for name in ("default_lease_s", "kv_arrival_timeout_s", "stream_idle_s", "idle_wait_s"):
+        for name in ("migrate_max_rounds", "migrate_final_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in (
+            "default_lease_s",
+            "kv_arrival_timeout_s",
+            "stream_idle_s",
+            "idle_wait_s",
+            "migrate_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")

@@ -9,6 +9,11 @@ pdserve_decode_reloaded_bytes_total{tier}, pdserve_decode_spill_used_blocks{tier
 pdserve_decode_reservations{state="held"|"fenced"} (reservations waiting for their push, and
 ended ones whose blocks wait until their push can no longer land: decode/reservations.py)
 
+Live migration, on the worker a request leaves (decode/migrate.py):
+pdserve_decode_migrations_total{outcome="completed"|"failed"}, pdserve_decode_migrated_bytes_total,
+pdserve_decode_migration_rounds (pre-copy rounds per move, the last included),
+pdserve_decode_migration_stall_seconds (the request stopped here -> its last WRITE complete).
+
 Every gauge is set after each change of the books (reserve, release, a step, an expiry).
 
 The cost-aware admission policy's inputs at its last look (pdserve/engine/admission.py; -1 while
@@ -22,7 +27,7 @@ pdserve_decode_policy_longest_stall_steps.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from decode.reservations import Reservations
 from pdserve.engine.admission import PolicyInputs
@@ -70,6 +75,26 @@ class DecodeMetrics:
             "blocks held in each spill tier",
             ["tier"],
             registry=r,
+        )
+        self.migrations = Counter(
+            "pdserve_decode_migrations",
+            "requests moved to another decode worker, by outcome",
+            ["outcome"],
+            registry=r,
+        )
+        self.migrated_bytes = Counter(
+            "pdserve_decode_migrated_bytes", "KV bytes moved by migrations", registry=r
+        )
+        self.migration_rounds = Histogram(
+            "pdserve_decode_migration_rounds",
+            "pre-copy rounds of a completed migration",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16),
+            registry=r,
+        )
+        self.migration_stall = latency(
+            r,
+            "pdserve_decode_migration_stall_seconds",
+            "a migrating request stopped here -> its last WRITE complete",
         )
         self._totals = Advancing()
         self.policy: dict[str, Gauge] = {}  # made on first use: a cost-aware worker only

@@ -1,4 +1,5 @@
-"""The decode worker's gRPC face: Reserve, Renew, Start (token stream), Release, Health."""
+"""The decode worker's gRPC face: Reserve, Renew, Start (token stream), Release, Health,
+Migrate (move a running request's KV to another decode worker)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,21 @@ import time
 import grpc
 
 from decode.streams import EndEvent
-from decode.worker import DecodeWorker, KVNotArrived, ReservationError, UnknownRequest
+from decode.worker import (
+    DecodeWorker,
+    KVNotArrived,
+    MigrationFailed,
+    ReservationError,
+    UnknownRequest,
+)
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving.convert import sampling_from_proto, spans_to_proto
+from pdserve.serving.destination import destination_from_proto
 from pdserve.serving.kv_pool import layout_to_proto, ranks_to_proto
 from pdserve.serving.server import health
 
+_NOT_NOW = grpc.StatusCode.FAILED_PRECONDITION
 STREAM_FAILPOINT_AT = 4  # decode.stream strikes once a stream handed this many tokens over
 
 
@@ -31,6 +40,7 @@ class DecodeService(rpc.DecodeServicer):
                 params,
                 request.lease_s,
                 request.push_window_s,
+                request.extra_tokens,
             )
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -58,9 +68,16 @@ class DecodeService(rpc.DecodeServicer):
     def Start(self, request: pb.StartRequest, context):
         worker, rid = self.worker, request.request_id
         try:
-            stream = worker.start(rid, request.first_token)
+            stream = worker.start(
+                rid,
+                request.first_token,
+                list(request.more_token_ids),
+                request.first_token_sent,
+            )
         except UnknownRequest as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except ValueError as e:  # a migration's tokens outgrew its reservation (now ended)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except KVNotArrived as e:
             worker.release(rid)
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
@@ -94,6 +111,26 @@ class DecodeService(rpc.DecodeServicer):
             yield pb.TokenChunk(token_ids=[event.token])
             if produced == STREAM_FAILPOINT_AT:
                 worker.config.failpoints.hit("decode.stream", rid)
+
+    def Migrate(self, request: pb.MigrateRequest, context) -> pb.MigrateResponse:
+        try:
+            dest = destination_from_proto(request)
+            moved = self.worker.migrate(
+                request.request_id, dest, request.dest_request_id, request.max_rounds
+            )
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except MigrationFailed as e:
+            code = (
+                grpc.StatusCode.UNAVAILABLE if e.retryable else grpc.StatusCode.FAILED_PRECONDITION
+            )
+            context.abort(code, str(e))
+        return pb.MigrateResponse(
+            rounds=moved.rounds,
+            bytes=moved.nbytes,
+            num_tokens=moved.num_tokens,
+            stall_s=moved.stall_s,
+        )
 
     def Release(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.worker.release(request.request_id, request.unpushed))

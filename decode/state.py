@@ -85,12 +85,16 @@ class DecodeState:
         params: SamplingParams,
         lease_s: float = 0.0,
         push_window_s: float = 0.0,
+        extra_tokens: int = 0,
     ) -> Reserved:
         """Raises ValueError (bad input: never servable) or ReservationError (no room now).
         `lease_s` and `push_window_s` of 0 mean the configured lease (and a push window as
-        long as the lease: a caller that names none never renews either)."""
+        long as the lease: a caller that names none never renews either). `extra_tokens`:
+        blocks for that many tokens more than the prompt (a migration's, decode/migrate.py)."""
         check_window("lease_s", lease_s)
         check_window("push_window_s", push_window_s)
+        if not 0 <= extra_tokens <= params.max_tokens:
+            raise ValueError(f"extra_tokens: must be in [0, max_tokens], got {extra_tokens}")
         req = self.core.make_request(prompt, params, request_id=request_id)
         if request_id in self.reservations or self.core.holds(request_id):
             raise ValueError(f"request_id: {request_id!r} is already known here")
@@ -98,7 +102,10 @@ class DecodeState:
         if refused is not None:
             raise ReservationError(refused)
         cost = self.admission.cost(req.token_ids, params.max_tokens)
-        cached_blocks = self.core.reserve(req) // self.core.block_size
+        try:
+            cached_blocks = self.core.reserve(req, extra_tokens) // self.core.block_size
+        except MemoryError as e:
+            raise ReservationError(str(e)) from None
         lease = lease_s or self.config.default_lease_s
         t = self.clock()
         fence = self.reservations.add(
@@ -121,14 +128,26 @@ class DecodeState:
         self.reservations.note_arrivals(notes)
 
     def start(
-        self, request_id: str, first_token: int
+        self, request_id: str, first_token: int, more: list[int] | tuple = ()
     ) -> tuple[Reservation, FinishedRequest | None]:
         """The prompt's KV is in the reserved blocks -> (the reservation, the request's output
-        if its first token already finished it)."""
+        if its first token already finished it). `more`: tokens after the reserved prompt
+        whose KV came in too (a migrated request's, generated while its KV moved); ValueError
+        (the reservation ended) when its blocks cannot hold them."""
         res = self.reservations.pop(request_id)
         if res is None:
             raise UnknownRequest(f"no reservation for {request_id!r} (expired or released)")
-        return res, self.core.admit_prefilled(res.request, first_token)
+        req = res.request
+        if more:
+            req.token_ids.extend(more)
+            req.num_prompt_tokens += len(more)
+            if self.core.blocks_needed(req.num_tokens) > len(req.block_ids):
+                self.core.release(req)
+                raise ValueError(
+                    f"more_token_ids: {req.num_tokens} tokens do not fit the "
+                    f"{len(req.block_ids)} blocks reserved for {request_id!r}"
+                )
+        return res, self.core.admit_prefilled(req, first_token)
 
     def release(
         self, request_id: str, unpushed: bool = False

@@ -20,24 +20,37 @@ import dataclasses
 import logging
 import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from decode.config import DecodeConfig
 from decode.metrics import DecodeMetrics
+from decode.migrate import Migrated, MigrationFailed, Migrator
 from decode.state import DecodeState, ReservationError, Reserved, UnknownRequest
 from decode.streams import Stream
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
 from pdserve.engine.core import EngineCore
 from pdserve.engine.output import FinishedRequest, StepOutput
+from pdserve.engine.request import Request
 from pdserve.sampling_params import SamplingParams
+from pdserve.serving.destination import Destination
 from pdserve.serving.kv_pool import KVEndpoint, open_endpoint
 from pdserve.serving.registration import WorkerStats
-from pdserve.trace import now
+from pdserve.trace import Span, now
 from transfer import TransferAgent
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecodeWorker", "KVNotArrived", "ReservationError", "Reserved", "UnknownRequest"]
+__all__ = [
+    "DecodeWorker",
+    "KVNotArrived",
+    "MigrationFailed",
+    "Migrated",
+    "ReservationError",
+    "Reserved",
+    "UnknownRequest",
+]
 
 
 class KVNotArrived(TimeoutError):
@@ -56,6 +69,8 @@ class DecodeWorker:
         self.streams: dict[str, Stream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self.migrator = Migrator(self)
+        self._detaching: dict[str, Future] = {}  # taken out at the next step boundary
         self._loop = threading.Thread(target=self._run, name="decode-loop", daemon=True)
         self._loop.start()
 
@@ -86,13 +101,17 @@ class DecodeWorker:
         params: SamplingParams,
         lease_s: float = 0.0,
         push_window_s: float = 0.0,
+        extra_tokens: int = 0,
     ) -> Reserved:
-        """-> blocks for the prompt's KV. Raises ValueError (bad input) or ReservationError."""
+        """-> blocks for the prompt's KV (and `extra_tokens` more: a migration's). Raises
+        ValueError (bad input) or ReservationError."""
         with self.lock:
             if request_id in self.streams:
                 raise ValueError(f"request_id: {request_id!r} is already known here")
             try:
-                reserved = self.state.reserve(request_id, prompt, params, lease_s, push_window_s)
+                reserved = self.state.reserve(
+                    request_id, prompt, params, lease_s, push_window_s, extra_tokens
+                )
             except ReservationError:
                 self.metrics.refused.inc()
                 raise
@@ -105,12 +124,20 @@ class DecodeWorker:
         with self.lock:
             return self.state.renew(request_id, fence, lease_s)
 
-    def start(self, request_id: str, first_token: int) -> Stream:
-        """The prompt's KV has been pushed: decode from `first_token` on."""
+    def start(
+        self,
+        request_id: str,
+        first_token: int,
+        more: list[int] | tuple = (),
+        first_token_sent: bool = False,
+    ) -> Stream:
+        """The prompt's KV has been pushed: decode from `first_token` on. A migrated request
+        (decode/migrate.py) brings `more` tokens whose KV came with the prompt's, and its
+        `first_token` was sent to the client by the worker it left: not streamed again."""
         start_wall = now()
         self._await_kv(request_id)
         with self.lock:
-            res, done = self.state.start(request_id, first_token)
+            res, done = self.state.start(request_id, first_token, more)
             pushed = len(res.request.block_ids) - res.cached_blocks
             self.metrics.transfer_bytes.labels("received").inc(
                 pushed * self.endpoint.bytes_per_block
@@ -121,8 +148,8 @@ class DecodeWorker:
             stream = Stream(self.worker_id, received=start_wall)
             self.streams[request_id] = stream
             if done is not None:  # its first token ended it: one message with the end
-                self._close(done, last_token=first_token)
-            else:
+                self._close(done, last_token=None if first_token_sent else first_token)
+            elif not first_token_sent:
                 stream.token(first_token)
         self._wake.set()
         return stream
@@ -136,6 +163,49 @@ class DecodeWorker:
                 self._close(done)
             self._account()
             return found
+
+    def migrate(
+        self, request_id: str, dest: Destination, dest_request_id: str, max_rounds: int = 0
+    ) -> Migrated:
+        """Move a running request's KV into `dest` while it decodes, then stop it here: its
+        stream ends "migrated" (decode/migrate.py). Raises MigrationFailed (it goes on here)."""
+        return self.migrator.move(request_id, dest, dest_request_id, max_rounds)
+
+    def detach(self, request_id: str, timeout_s: float) -> Request | None:
+        """Take a running request out of the batch with its blocks at a step boundary (the
+        step loop's, when a step is under way) -> it, or None when it is not running by then
+        (finished in that step, say). Raises TimeoutError."""
+        with self.lock:
+            request = self.core.detach(request_id)
+            if request is not None or self.core.kv_of(request_id) is None:
+                return request
+            future = self._detaching.setdefault(request_id, Future())
+        self._wake.set()
+        try:
+            return future.result(timeout=timeout_s)
+        except FutureTimeout:
+            with self.lock:
+                if self._detaching.get(request_id) is future:
+                    del self._detaching[request_id]
+            if future.done():  # detached as the wait ran out: it is ours
+                return future.result()
+            raise TimeoutError(f"{request_id!r} did not leave a step in {timeout_s}s") from None
+
+    def _detach_waiting(self) -> None:
+        """(Under the lock, no step in flight.) The detaches asked for during a step."""
+        for request_id, future in self._detaching.items():
+            future.set_result(self.core.detach(request_id))
+        self._detaching.clear()
+
+    def handed_over(self, request: Request, span: Span) -> None:
+        """(Under the lock.) A detached request's KV is at its destination: its blocks come
+        back and its stream ends "migrated"."""
+        self.core.release(request)
+        stream = self.streams.pop(request.request_id, None)
+        if stream is not None:
+            stream.spans.append(span)
+            stream.end("migrated")
+        self._account()
 
     def is_pending(self, request_id: str) -> bool:
         """Whether the engine still holds the request (running, waiting after a preemption,
@@ -199,6 +269,7 @@ class DecodeWorker:
         with self.lock:
             self._collect_notifications()
             self.state.expire()
+            self._detach_waiting()
             plan = core.begin_step()
             if plan is None:
                 self._account()

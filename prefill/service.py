@@ -16,8 +16,7 @@ import grpc
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving.convert import sampling_from_proto, spans_to_proto
-from pdserve.serving.destination import Destination
-from pdserve.serving.kv_pool import layout_from_proto, ranks_from_proto
+from pdserve.serving.destination import destination_from_proto
 from pdserve.serving.server import health
 from prefill.worker import PrefillDeadline, PrefillWorker
 from transfer import HandshakeRefused, TransferFailed
@@ -29,15 +28,7 @@ class PrefillService(rpc.PrefillServicer):
 
     def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         try:
-            dest = Destination(
-                worker_id=request.dest_worker_id,
-                agent_metadata=request.dest_agent_metadata,
-                pool=layout_from_proto(request.dest_layout),
-                block_ids=list(request.dest_block_ids),
-                cached_blocks=request.dest_cached_blocks,
-                fence=request.dest_fence,
-                ranks=ranks_from_proto(request.dest_ranks),
-            )
+            dest = destination_from_proto(request)
             params = sampling_from_proto(request.sampling)
             # the caller's deadline is the one that counts (the router's, inside the push
             # window the decode worker fences for): nothing is pushed after it

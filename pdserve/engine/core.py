@@ -7,6 +7,8 @@
                                        batch), and giving them back
     prefill(requests, on_layer_done)   one forward pass over reserved prompts -> first tokens
     admit_prefilled(request, token)    the prompt's KV is in its blocks: decode from here
+    detach(request_id) / admit_detached  a running request leaves with its blocks (its KV
+                                       migrates), or comes back when the move failed
     step() -> StepOutput               = begin_step(), run(plan), end_step(plan, result)
     abort(request_id)
     stats(), held(), check_integrity()
@@ -116,12 +118,21 @@ class EngineCore:
     def can_reserve(self, token_ids: list[int]) -> bool:
         return self.kv.can_allocate(token_ids)
 
-    def reserve(self, request: Request) -> int:
-        """Blocks for the request's prompt, held outside the scheduler -> the leading tokens
+    def reserve(self, request: Request, extra_tokens: int = 0) -> int:
+        """Blocks for the request's prompt (and `extra_tokens` more: a migrated request's
+        context grows while its KV moves), held outside the scheduler -> the leading tokens
         whose KV they already hold (shared or reloaded prefix blocks, whole blocks only;
-        never the block of the prompt's last token)."""
+        never the block of the prompt's last token). Raises MemoryError (nothing held
+        then) when the pool cannot give the extra blocks."""
         assert not request.block_ids, f"{request.request_id} holds blocks already"
         request.block_ids, cached = self.kv.allocate_prompt(request.token_ids, request.block_hashes)
+        if extra_tokens > 0:
+            grown = self.kv.grow(request.block_ids, request.num_tokens, extra_tokens)
+            if grown is None:
+                self.kv.free(request.block_ids)
+                request.block_ids = []
+                raise MemoryError(f"no room for {extra_tokens} more tokens")
+            self.kv.copy_blocks(list(grown))
         request.num_computed_tokens = cached
         request.committed_blocks = cached // self.kv.block_size
         request.metrics.cached_prompt_tokens = cached
@@ -195,6 +206,27 @@ class EngineCore:
             return None
         req = self.scheduler.abort(request_id)
         return FinishedRequest.of(req) if req is not None else None
+
+    def kv_of(self, request_id: str) -> tuple[list[int], int] | None:
+        """A running request's (block ids, tokens whose KV they hold), or None when it is
+        not running (waiting, parked, finished or unknown)."""
+        req = self.scheduler.find(request_id)
+        if req is None or req.status is not RequestStatus.RUNNING:
+            return None
+        return list(req.block_ids), req.num_computed_tokens
+
+    def detach(self, request_id: str) -> Request | None:
+        """Take a running request out of the engine with its blocks, at a step boundary (its
+        KV moves to another worker; the caller gives the blocks back with release()) ->
+        it, or None when it is not running now or is in the step under way."""
+        plan = self._in_flight
+        if plan is not None and any(r.request_id == request_id for r in plan.batch.requests):
+            return None
+        return self.scheduler.detach(request_id)
+
+    def admit_detached(self, request: Request) -> None:
+        """A detached request whose move failed runs here again (its blocks kept)."""
+        self.scheduler.admit_running(request)
 
     def is_aborting(self, request_id: str) -> bool:
         return request_id in self._abort_after_step

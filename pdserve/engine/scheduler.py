@@ -258,6 +258,15 @@ class Scheduler:
                     return req
         return None
 
+    def detach(self, request_id: str) -> Request | None:
+        """Take a running request out of the batch with its blocks (its KV moves to another
+        worker: the caller frees them) -> it, or None when it is not running now."""
+        for req in self.running:
+            if req.request_id == request_id:
+                self.running.remove(req)
+                return req
+        return None
+
     def _release(self, req: Request, now: float) -> None:
         if req.block_ids:
             self.kv.free(req.block_ids)

@@ -95,7 +95,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., continuation: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "transfer_s", "ttft_s", "tpot_s", "e2e_s", "prefill_worker", "decode_worker", "arrival_unix", "end_unix", "resumes")
+    __slots__ = ("queue_s", "prefill_s", "transfer_s", "ttft_s", "tpot_s", "e2e_s", "prefill_worker", "decode_worker", "arrival_unix", "end_unix", "resumes", "migrations")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class Timings(_message.Message):
     ARRIVAL_UNIX_FIELD_NUMBER: _ClassVar[int]
     END_UNIX_FIELD_NUMBER: _ClassVar[int]
     RESUMES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     transfer_s: float
@@ -118,7 +119,8 @@ class Timings(_message.Message):
     arrival_unix: float
     end_unix: float
     resumes: int
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., arrival_unix: _Optional[float] = ..., end_unix: _Optional[float] = ..., resumes: _Optional[int] = ...) -> None: ...
+    migrations: int
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., arrival_unix: _Optional[float] = ..., end_unix: _Optional[float] = ..., resumes: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "finished", "finish_reason", "timings", "text", "trace", "prompt_tokens")
@@ -186,6 +188,24 @@ class RegisterResponse(_message.Message):
     heartbeat_interval_s: float
     def __init__(self, accepted: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
+class DrainRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DrainProgress(_message.Message):
+    __slots__ = ("moved", "failed", "remaining", "done")
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    moved: int
+    failed: int
+    remaining: int
+    done: bool
+    def __init__(self, moved: _Optional[int] = ..., failed: _Optional[int] = ..., remaining: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
+
 class KVLayout(_message.Message):
     __slots__ = ("wire_version", "layout_hash", "num_blocks", "block_bytes", "planes_per_layer", "region", "head_start", "head_stop", "total_heads", "tp_rank", "tp_size")
     WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -221,18 +241,20 @@ class RankKV(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_s", "push_window_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_s", "push_window_s", "extra_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     PUSH_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     lease_s: float
     push_window_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., lease_s: _Optional[float] = ..., push_window_s: _Optional[float] = ...) -> None: ...
+    extra_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., lease_s: _Optional[float] = ..., push_window_s: _Optional[float] = ..., extra_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("block_ids", "layout", "agent_metadata", "worker_id", "cached_blocks", "headroom_cost_blocks", "fence", "ranks")
@@ -271,12 +293,52 @@ class RenewResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class StartRequest(_message.Message):
-    __slots__ = ("request_id", "first_token")
+    __slots__ = ("request_id", "first_token", "more_token_ids", "first_token_sent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MORE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_SENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ...) -> None: ...
+    more_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token_sent: bool
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., more_token_ids: _Optional[_Iterable[int]] = ..., first_token_sent: _Optional[bool] = ...) -> None: ...
+
+class MigrateRequest(_message.Message):
+    __slots__ = ("request_id", "dest_request_id", "dest_worker_id", "dest_block_ids", "dest_layout", "dest_agent_metadata", "dest_cached_blocks", "dest_fence", "dest_ranks", "max_rounds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEST_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEST_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DEST_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    DEST_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEST_FENCE_FIELD_NUMBER: _ClassVar[int]
+    DEST_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    dest_request_id: str
+    dest_worker_id: str
+    dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    dest_layout: KVLayout
+    dest_agent_metadata: bytes
+    dest_cached_blocks: int
+    dest_fence: int
+    dest_ranks: _containers.RepeatedCompositeFieldContainer[RankKV]
+    max_rounds: int
+    def __init__(self, request_id: _Optional[str] = ..., dest_request_id: _Optional[str] = ..., dest_worker_id: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., dest_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dest_agent_metadata: _Optional[bytes] = ..., dest_cached_blocks: _Optional[int] = ..., dest_fence: _Optional[int] = ..., dest_ranks: _Optional[_Iterable[_Union[RankKV, _Mapping]]] = ..., max_rounds: _Optional[int] = ...) -> None: ...
+
+class MigrateResponse(_message.Message):
+    __slots__ = ("rounds", "bytes", "num_tokens", "stall_s")
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STALL_S_FIELD_NUMBER: _ClassVar[int]
+    rounds: int
+    bytes: int
+    num_tokens: int
+    stall_s: float
+    def __init__(self, rounds: _Optional[int] = ..., bytes: _Optional[int] = ..., num_tokens: _Optional[int] = ..., stall_s: _Optional[float] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "finished", "finish_reason", "tpot_s", "spans")

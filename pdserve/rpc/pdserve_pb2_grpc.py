@@ -59,6 +59,11 @@ class RouterStub:
                 request_serializer=pdserve__pb2.RegisterRequest.SerializeToString,
                 response_deserializer=pdserve__pb2.RegisterResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_stream(
+                '/pdserve.v1.Router/Drain',
+                request_serializer=pdserve__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pdserve__pb2.DrainProgress.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -95,6 +100,14 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Move every request off a decode worker (live KV migration to the others) and give it
+        no new ones; one message per request moved, the last with done set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +135,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Register,
                     request_deserializer=pdserve__pb2.RegisterRequest.FromString,
                     response_serializer=pdserve__pb2.RegisterResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_stream_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=pdserve__pb2.DrainRequest.FromString,
+                    response_serializer=pdserve__pb2.DrainProgress.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +287,33 @@ class Router:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Router/Drain',
+            pdserve__pb2.DrainRequest.SerializeToString,
+            pdserve__pb2.DrainProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeStub:
     """Missing associated documentation comment in .proto file."""
@@ -303,6 +348,11 @@ class DecodeStub:
                 '/pdserve.v1.Decode/Health',
                 request_serializer=pdserve__pb2.Empty.SerializeToString,
                 response_deserializer=pdserve__pb2.HealthResponse.FromString,
+                _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/pdserve.v1.Decode/Migrate',
+                request_serializer=pdserve__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=pdserve__pb2.MigrateResponse.FromString,
                 _registered_method=True)
 
 
@@ -340,6 +390,12 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Migrate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -367,6 +423,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=pdserve__pb2.Empty.FromString,
                     response_serializer=pdserve__pb2.HealthResponse.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=pdserve__pb2.MigrateRequest.FromString,
+                    response_serializer=pdserve__pb2.MigrateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -504,6 +565,33 @@ class Decode:
             '/pdserve.v1.Decode/Health',
             pdserve__pb2.Empty.SerializeToString,
             pdserve__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/Migrate',
+            pdserve__pb2.MigrateRequest.SerializeToString,
+            pdserve__pb2.MigrateResponse.FromString,
             options,
             channel_credentials,
             insecure,

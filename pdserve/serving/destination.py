@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.serving.kv_pool import RankKV
+from pdserve.serving.kv_pool import RankKV, layout_from_proto, ranks_from_proto
 from transfer import PoolLayout
 
 
@@ -25,3 +25,16 @@ class Destination:
 
     def rank_metadata(self, rank: int) -> bytes:
         return self.agent_metadata if rank == 0 else self.ranks[rank - 1].agent_metadata
+
+
+def destination_from_proto(msg) -> Destination:
+    """The `dest_*` fields of a PrefillRequest or a MigrateRequest."""
+    return Destination(
+        worker_id=msg.dest_worker_id,
+        agent_metadata=msg.dest_agent_metadata,
+        pool=layout_from_proto(msg.dest_layout),
+        block_ids=list(msg.dest_block_ids),
+        cached_blocks=msg.dest_cached_blocks,
+        fence=msg.dest_fence,
+        ranks=ranks_from_proto(msg.dest_ranks),
+    )

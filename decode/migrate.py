@@ -1,0 +1,234 @@
+"""Live migration, the side a request leaves: its KV moves into blocks another decode worker
+reserved for it (the router's Reserve there, with room to grow), while it keeps decoding.
+
+    round 1..n-1   WRITE every block written since the previous round (the first: all of
+                   them, after the ones the destination holds already); the request decodes
+                   on meanwhile, so its last block (partial, still being written) goes again
+    last round     once at most `migrate_final_blocks` blocks changed since the previous
+                   round (or at `migrate_max_rounds`, or before the request outgrows the
+                   destination's blocks): stop the request at a step boundary (detached
+                   from the engine with its blocks), WRITE what changed since, notify
+    then           its blocks come back here and its stream ends "migrated": the router
+                   starts it on the destination with the tokens it was sent
+
+Full blocks never change again (a sequence only appends; a block shared by prefix caching
+is copied before it is written), so what a round moved stays true unless the request was
+preempted meanwhile (its blocks dropped or parked): then the move fails and the request
+goes on here. A move that fails at any point before the request stopped leaves it running
+here untouched; one whose last round fails runs here again (admitted back with its blocks).
+Either way the destination's reservation is the router's to release (its blocks stay fenced
+until the push window is over, decode/reservations.py), so there is never a second owner.
+
+Every call on the transfer agent is made under the worker's lock: the step loop polls the
+same agent for notifications.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdserve.serving.destination import Destination
+from pdserve.trace import Span, now
+from transfer import HandshakeRefused, Tiles, TransferFailed, XferState, notification
+from transfer.writes import PoolSide, block_runs, write_layers
+
+
+class MigrationFailed(RuntimeError):
+    """The request was not moved and goes on here (FAILED_PRECONDITION at the edge when it
+    cannot be moved now: not running, or finished; UNAVAILABLE when the transfer failed)."""
+
+    def __init__(self, message: str, retryable: bool) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+@dataclass(frozen=True)
+class Migrated:
+    rounds: int
+    nbytes: int
+    num_tokens: int  # the request's tokens when it stopped here (the last one's KV not computed)
+    stall_s: float  # stopped here -> its last WRITE complete
+
+
+class Migrator:
+    """The moves out of one decode worker (`worker`: decode/worker.py's DecodeWorker)."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        endpoint = worker.endpoint
+        self.local = PoolSide(
+            endpoint.geometry,
+            endpoint.region,
+            endpoint.agent.prepare_tiles(None, endpoint.region, endpoint.geometry.block_bytes),
+        )
+        self.peers: dict[str, tuple[str, Tiles]] = {}  # destination worker id -> agent, tiles
+
+    def move(
+        self, request_id: str, dest: Destination, dest_request_id: str, max_rounds: int = 0
+    ) -> Migrated:
+        """Move `request_id` into `dest` (reserved as `dest_request_id`) in at most
+        `max_rounds` rounds (0: the configured) -> what it took. Raises MigrationFailed
+        (the request goes on here)."""
+        if max_rounds < 0:
+            raise ValueError(f"max_rounds: must be >= 0, got {max_rounds}")
+        try:
+            return self._move(request_id, dest, dest_request_id, max_rounds)
+        except MigrationFailed:
+            with self.worker.lock:
+                self.worker.metrics.migrations.labels("failed").inc()
+            raise
+
+    def _move(
+        self, request_id: str, dest: Destination, dest_request_id: str, max_rounds: int
+    ) -> Migrated:
+        worker = self.worker
+        if worker.core.tp_size > 1 or dest.ranks:
+            raise MigrationFailed("migration between tensor-parallel workers is not built", False)
+        with worker.lock:
+            try:
+                worker.endpoint.routes_to(dest.pools)  # the same model and pool layout
+            except HandshakeRefused as e:
+                raise MigrationFailed(f"destination: {e}", False) from None
+            peer, tiles = self._peer(dest)
+        remote = PoolSide(dest.pool.geometry, dest.pool.region, tiles)
+        bs = worker.core.block_size
+        deadline = time.monotonic() + worker.config.migrate_timeout_s
+        sent = dest.cached_blocks  # blocks [0, sent) are there and final
+        rounds, nbytes, growth = 0, 0, bs
+        limit = max_rounds or worker.config.migrate_max_rounds
+        while True:
+            request, blocks, computed = self._next(
+                request_id, sent, rounds >= limit - 1, growth, dest, deadline
+            )
+            if request is None:  # a pre-copy round: the request decodes on meanwhile
+                nbytes += self._write(peer, remote, blocks, dest, sent, computed, deadline, b"")
+                rounds += 1
+                now_computed = self._unmoved(request_id, blocks)
+                growth = max(growth, now_computed - computed)
+                sent = computed // bs  # the partial last block goes again
+                continue
+            stopped, stopped_wall = time.monotonic(), now()
+            notif = notification(dest_request_id, dest.fence, 0, 1)
+            try:
+                nbytes += self._write(peer, remote, blocks, dest, sent, computed, deadline, notif)
+            except MigrationFailed:
+                with worker.lock:
+                    worker.core.admit_detached(request)  # it goes on here
+                raise
+            rounds += 1
+            stall = time.monotonic() - stopped
+            with worker.lock:
+                worker.handed_over(
+                    request, Span("decode.migrate", stopped_wall, now(), worker.worker_id)
+                )
+                m = worker.metrics
+                m.migrations.labels("completed").inc()
+                m.migrated_bytes.inc(nbytes)
+                m.migration_rounds.observe(rounds)
+                m.migration_stall.observe(stall)
+            return Migrated(rounds, nbytes, len(request.token_ids), stall)
+
+    def _next(self, request_id: str, sent: int, final: bool, growth: int, dest, deadline: float):
+        """The next round (`final`: the last allowed) -> (None, blocks, tokens with KV) for a
+        pre-copy round, or (the request detached from the engine at a step boundary, its
+        blocks, tokens with KV) for the last."""
+        worker = self.worker
+        config, bs = worker.config, worker.core.block_size
+        capacity = len(dest.block_ids) * bs
+        with worker.lock:
+            kv = worker.core.kv_of(request_id)
+        if kv is None:
+            raise MigrationFailed(f"{request_id!r} is not running here", False)
+        blocks, computed = kv
+        dirty = -(-computed // bs) - sent
+        room = capacity - computed - bs  # a block of slack: the stop lands a step or two late
+        last = final or dirty <= config.migrate_final_blocks or 2 * growth > room
+        if not last:
+            return None, blocks, computed
+        try:
+            request = worker.detach(request_id, max(0.0, deadline - time.monotonic()))
+        except TimeoutError as e:
+            raise MigrationFailed(str(e), True) from None
+        if request is None:
+            raise MigrationFailed(f"{request_id!r} ended before it could stop here", False)
+        return request, list(request.block_ids), request.num_computed_tokens
+
+    def _unmoved(self, request_id: str, blocks: list[int]) -> int:
+        """After a pre-copy round: the request's tokens with KV now. Raises MigrationFailed
+        when it ended, or was preempted (what moved may no longer be its KV)."""
+        with self.worker.lock:
+            kv = self.worker.core.kv_of(request_id)
+        if kv is None:
+            raise MigrationFailed(f"{request_id!r} ended or was preempted while it moved", False)
+        now_blocks, computed = kv
+        if now_blocks[: len(blocks)] != blocks[: len(now_blocks)]:
+            raise MigrationFailed(f"{request_id!r} was preempted while its KV moved", True)
+        return computed
+
+    def _write(
+        self,
+        peer: str,
+        remote: PoolSide,
+        blocks: list[int],
+        dest: Destination,
+        sent: int,
+        computed: int,
+        deadline: float,
+        notif: bytes,
+    ) -> int:
+        """WRITE blocks [sent, the one holding token `computed` - 1] of every layer, with
+        `notif` (the last round's) -> bytes moved."""
+        worker = self.worker
+        upto = -(-computed // worker.core.block_size)
+        if upto > len(dest.block_ids):
+            raise MigrationFailed(
+                f"{computed} tokens outgrew the {len(dest.block_ids)} blocks reserved", True
+            )
+        if notif and sent >= upto:  # nothing changed: the last block carries the notification
+            sent = upto - 1
+        src = np.asarray(blocks[sent:upto], dtype=np.int64)
+        dst = np.asarray(dest.block_ids[sent:upto], dtype=np.int64)
+        if src.size == 0 and not notif:
+            return 0
+        layers = range(worker.core.model_config.num_layers)
+        with worker.lock:
+            xfer, nbytes = write_layers(
+                worker.endpoint.agent,
+                peer,
+                layers,
+                self.local,
+                remote,
+                (src, dst, block_runs(src, dst)),
+                notif,
+            )
+        try:
+            while True:
+                with worker.lock:
+                    state = xfer.state()
+                if state is XferState.DONE:
+                    return nbytes
+                if state is XferState.FAILED:
+                    raise MigrationFailed("a WRITE of the move failed", True)
+                if time.monotonic() > deadline:
+                    raise MigrationFailed("the move was not done by its deadline", True)
+                time.sleep(worker.config.kv_arrival_poll_s)
+        except TransferFailed as e:
+            raise MigrationFailed(f"a WRITE of the move failed: {e}", True) from None
+        finally:
+            with worker.lock:
+                xfer.release()
+
+    def _peer(self, dest: Destination) -> tuple[str, Tiles]:
+        if dest.worker_id not in self.peers:
+            agent = self.worker.endpoint.agent
+            pool = dest.pool
+            try:
+                peer = agent.add_peer(dest.agent_metadata)
+                tiles = agent.prepare_tiles(peer, pool.region, pool.geometry.block_bytes)
+            except (ValueError, RuntimeError) as e:  # metadata it cannot use
+                raise MigrationFailed(f"destination {dest.worker_id}: {e}", True) from None
+            self.peers[dest.worker_id] = (peer, tiles)
+        return self.peers[dest.worker_id]

@@ -1,0 +1,187 @@
+"""Live KV migration between two decode workers in one process (real NIXL agents): a request
+prefilled into A decodes there, its KV moves to B in pre-copy rounds while it keeps
+decoding, and B finishes it. The tokens are the colocated engine's, none lost or repeated;
+B's blocks hold A's bytes; every block of every worker is free at the end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from workers import decode_worker, destination, drain, prefill_worker
+
+from decode.migrate import MigrationFailed
+from decode.streams import EndEvent
+from pdserve import LLM
+from pdserve.engine.args import EngineArgs
+from pdserve.sampling_params import SamplingParams
+
+MAX_NEW = 300  # long enough that a move starts well before the request ends
+PROMPT = list(range(3, 60))  # 57 tokens: 4 blocks of 16, the last partial
+NUM_BLOCKS = 64
+
+
+def params(max_tokens: int = MAX_NEW) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(params=["tiny-llama", "tiny-deepseek"])
+def trio(request):
+    args = EngineArgs(block_size=16, num_kv_blocks=NUM_BLOCKS)
+    name = request.param
+    prefill = prefill_worker(name, f"p-{name}", "nixl", args)
+    a = decode_worker(name, f"a-{name}", "nixl", args)
+    b = decode_worker(name, f"b-{name}", "nixl", args)
+    yield name, prefill, a, b
+    for w in (prefill, a, b):
+        w.close()
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, list[int]]:
+    return {
+        name: LLM(name, block_size=16).generate([PROMPT], params())[0].token_ids
+        for name in ("tiny-llama", "tiny-deepseek")
+    }
+
+
+def started(prefill, decode, rid: str):
+    reserved = decode.reserve(rid, PROMPT, params(), lease_s=30)
+    result = prefill.submit(rid, PROMPT, params(), destination(decode, reserved)).result(60)
+    return decode.start(rid, result.first_token)
+
+
+def take(stream, n: int) -> list[int]:
+    """The next `n` tokens of a stream that has at least that many to come."""
+    tokens = []
+    while len(tokens) < n:
+        event = stream.events.get(timeout=30)
+        assert not isinstance(event, EndEvent), event
+        tokens.append(event.token)
+    return tokens
+
+
+def rest(stream) -> tuple[list[int], str]:
+    tokens, reason = drain(stream)
+    return tokens, reason
+
+
+class Move:
+    """What the router does around one migration: reserve on the destination for the
+    context the client has seen (all but its last token, whose KV may not exist yet), with
+    room to grow; move; then start there with the tokens produced meanwhile."""
+
+    def __init__(self, src, dst, rid: str, new_rid: str, prompt: list[int], sent: list[int]):
+        self.src, self.dst, self.rid, self.new_rid = src, dst, rid, new_rid
+        self.prompt, self.sent_at_reserve = prompt, len(sent)
+        self.reserved = dst.reserve(
+            new_rid,
+            prompt + sent[:-1],
+            params(MAX_NEW - len(sent) + 1),
+            lease_s=30,
+            extra_tokens=64,
+        )
+        self.dest = destination(dst, self.reserved)
+
+    def run(self, max_rounds: int = 0):
+        return self.src.migrate(self.rid, self.dest, self.new_rid, max_rounds)
+
+    def start(self, sent: list[int]):
+        more = sent[self.sent_at_reserve - 1 : -1]
+        return self.dst.start(self.new_rid, sent[-1], more, first_token_sent=True)
+
+
+def snapshots(worker) -> dict[int, torch.Tensor]:
+    """Every block's bytes at the moment the worker gives a request's blocks back."""
+    pool, bd = worker.core.kv_pool, worker.core.kv_block_dim
+    kept: dict[int, torch.Tensor] = {}
+    release = worker.core.release
+
+    def keep_then_release(request):
+        kept.update({b: pool.select(bd, b).clone() for b in request.block_ids})
+        kept["order"] = list(request.block_ids)
+        release(request)
+
+    worker.core.release = keep_then_release
+    return kept
+
+
+def test_a_migrated_request_finishes_on_the_other_worker_with_the_same_tokens(trio, expected):
+    model, prefill, a, b = trio
+    stream = started(prefill, a, "r1")
+    sent = take(stream, 6)
+    move = Move(a, b, "r1", "r1~m1", PROMPT, sent)
+    kept = snapshots(a)
+    moved = move.run()
+    more, reason = rest(stream)
+    assert reason == "migrated"
+    sent += more
+    assert moved.rounds >= 2  # 4+ blocks then what changed: a pre-copy round and the last
+    assert moved.num_tokens == len(PROMPT) + len(sent)
+    assert moved.nbytes >= (len(PROMPT) // 16 + 1) * a.endpoint.bytes_per_block
+    # B's blocks hold A's bytes, block for block (A's at the moment it let them go)
+    pool, bd = b.core.kv_pool, b.core.kv_block_dim
+    kv_blocks = -(-(moved.num_tokens - 1) // 16)
+    for src, dst in zip(kept["order"][:kv_blocks], move.reserved.block_ids):
+        assert torch.equal(kept[src], pool.select(bd, dst)), f"block {src} -> {dst} differs"
+    tokens, reason = rest(move.start(sent))
+    assert (sent + tokens, reason) == (expected[model], "length")
+    for w in (a, b):
+        w.check_integrity()
+        assert w.stats().free_blocks == NUM_BLOCKS
+    assert a.metrics.migrations.labels("completed")._value.get() == 1
+
+
+def test_a_request_migrated_twice_keeps_its_tokens(trio, expected):
+    model, prefill, a, b = trio
+    stream = started(prefill, a, "r2")
+    sent = take(stream, 4)
+    first = Move(a, b, "r2", "r2~m1", PROMPT, sent)
+    first.run()
+    more, reason = rest(stream)
+    assert reason == "migrated"
+    sent += more
+    stream = first.start(sent)
+    sent += take(stream, 5)
+    second = Move(b, a, "r2~m1", "r2~m2", PROMPT, sent)
+    second.run(max_rounds=1)  # stop at once: one round moves everything
+    more, reason = rest(stream)
+    assert reason == "migrated"
+    sent += more
+    tokens, reason = rest(second.start(sent))
+    assert (sent + tokens, reason) == (expected[model], "length")
+    for w in (a, b):
+        w.check_integrity()
+        assert w.stats().free_blocks == NUM_BLOCKS
+
+
+def test_a_refused_move_leaves_the_request_running_where_it_was(trio, expected):
+    """A destination whose pool is laid out otherwise (another block size) is refused
+    before any WRITE: the request decodes on at A to its end, and nothing is held."""
+    model, prefill, a, _ = trio
+    other = decode_worker(model, f"c-{model}", "nixl", EngineArgs(block_size=32, num_kv_blocks=32))
+    try:
+        stream = started(prefill, a, "r3")
+        sent = take(stream, 3)
+        move = Move(a, other, "r3", "r3~m1", PROMPT, sent)
+        with pytest.raises(MigrationFailed, match="destination") as e:
+            move.run()
+        assert not e.value.retryable
+        other.release("r3~m1", unpushed=True)
+        assert other.stats().free_blocks == 32
+    finally:
+        other.close()
+    tokens, reason = rest(stream)
+    assert (sent + tokens, reason) == (expected[model], "length")
+    a.check_integrity()
+    assert a.stats().free_blocks == NUM_BLOCKS
+    assert a.metrics.migrations.labels("failed")._value.get() == 1
+
+
+def test_a_request_that_is_not_running_is_not_moved(trio):
+    _, prefill, a, b = trio
+    reserved = b.reserve("x~m1", PROMPT, params(), lease_s=30, extra_tokens=16)
+    with pytest.raises(MigrationFailed, match="not running") as e:
+        a.migrate("x", destination(b, reserved), "x~m1")
+    assert not e.value.retryable
+    b.release("x~m1", unpushed=True)
+    assert b.stats().free_blocks == NUM_BLOCKS
