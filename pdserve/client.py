@@ -180,6 +180,7 @@ def timings_of(t: pb.Timings) -> dict:
         "prefill_worker": t.prefill_worker,
         "decode_worker": t.decode_worker,
         "resumes": t.resumes,  # times the router moved it to another worker after a fault
+        "migrations": t.migrations,  # times its KV moved to another decode worker live
     }
 
 

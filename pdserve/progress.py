@@ -25,6 +25,9 @@ class _Plain:
             self._shown = tenth
             print(f"{self.desc}: {self.n}/{self.total}", file=sys.stderr, flush=True)
 
+    def set_postfix(self, **_) -> None:
+        return None
+
     def __enter__(self):
         return self
 

@@ -16,6 +16,7 @@ pdserve plan --model CONFIG --gpu h200 --gpus 8 --workload azure-conv --slo ttft
 pdserve launch --model M --prefill N --decode M [--tls-cert C --tls-key K --tls-ca CA]
 pdserve certs DIR --host 10.0.0.1 --host node1 (a CA and a member certificate for TLS)
 pdserve serve router|prefill|decode --model M ...
+pdserve drain WORKER_ID --router HOST:PORT (move its requests to the other decode workers)
 pdserve demo
 """
 
@@ -26,6 +27,7 @@ import sys
 
 from pdserve.cli.bench import add_bench_parser
 from pdserve.cli.demo import add_demo_parser
+from pdserve.cli.drain import add_drain_parser
 from pdserve.cli.plan import add_plan_parser
 from pdserve.cli.serve import add_serve_parser
 from pdserve.cli.sim import add_sim_parser
@@ -140,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     certs.set_defaults(func=cmd_certs)
 
     add_demo_parser(sub)
+    add_drain_parser(sub)
     return parser
 
 

@@ -233,7 +233,7 @@ def run_decode(args: argparse.Namespace) -> int:
 PUBLIC_PATHS = ("/health", "/metrics")
 
 
-def _add_security_flags(p: argparse.ArgumentParser, role: str) -> None:
+def add_security_flags(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument(
         "--cluster-secret-file",
         default=None,
@@ -275,7 +275,7 @@ def add_serve_parser(sub) -> None:
         p.add_argument("--port", type=int, default=0, help="0: a free port chosen by the OS")
         p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port")
         p.add_argument("--max-model-len", type=int, default=None)
-        _add_security_flags(p, role)
+        add_security_flags(p, role)
         if role == "router":
             p.add_argument(
                 "--http-port",

@@ -28,6 +28,13 @@ class RouterConfig:
     # silent (or its prefill failed); then it fails with the last failure's status
     max_resumes: int = 3
     stream_timeout_s: float = 3600.0  # a decode stream's deadline
+    # live migration (pdserve/router/migrate.py): a move's deadline (every pre-copy round
+    # and the last, on the worker it leaves), the tokens of room its destination reserves
+    # beyond the context (the request decodes on while it moves), and how long a drain
+    # keeps moving what is left before it gives up
+    migrate_timeout_s: float = 30.0
+    migrate_extra_tokens: int = 256
+    drain_timeout_s: float = 600.0
     heartbeat_s: float = HEARTBEAT_S  # told to every worker that registers
     missed_heartbeats: int = 5  # then a worker gets no new requests (its streams go on)
     forget_after_s: float = 120.0  # then it leaves the registry and its channel is closed
@@ -47,6 +54,9 @@ class RouterConfig:
             "lease_s",
             "push_margin_s",
             "stream_timeout_s",
+            "migrate_timeout_s",
+            "migrate_extra_tokens",
+            "drain_timeout_s",
             "heartbeat_s",
             "forget_after_s",
         ):

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -41,6 +41,7 @@ from pdserve.router.registry import Worker, WorkerRegistry
 from pdserve.router.request import Arrival, Failure, Finished, Run, final_message
 from pdserve.router.watch import StreamWatch
 from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.serving.convert import spans_from_proto
 from pdserve.tokenizer import Tokenizer
 from pdserve.trace import Span, now
 
@@ -57,6 +58,9 @@ _CLIENT_CODES = (_Code.RESOURCE_EXHAUSTED, _Code.UNAVAILABLE)
 # a call on a channel the registry closed (the worker re-registered elsewhere, or was
 # forgotten) raises ValueError instead of an RpcError
 _CALL_ERRORS = (grpc.RpcError, ValueError)
+
+
+MIGRATED = "migrated"  # a decode stream's end when its request's KV moved to another worker
 
 
 def _code(e: Exception) -> grpc.StatusCode:
@@ -82,6 +86,35 @@ class Inflight:
     worker_request_id: str = ""
     released: bool = False  # aborted or cancelled: never resumed
     call: grpc.Future | None = None  # the Prefill call on its way, cancelled on release
+    run: Run | None = None  # what the client has been sent (a migration reads it)
+    handover: Handover | None = None  # a live KV move under way (pdserve/router/migrate.py)
+    streaming: bool = False  # its decode stream runs: the request may be moved
+
+
+@dataclass(eq=False)
+class Handover:
+    """A move of a streaming request to `dest`, reserved there as `request_id` for the
+    context the client had been sent when `sent` tokens were (all but the last of them):
+    "moving" until the old worker's stream ends "migrated" (the stream takes it: "switched")
+    or the mover gives up ("abandoned"). The two sides decide under the handoff's lock, so
+    exactly one of them owns the destination's reservation."""
+
+    dest: Worker
+    request_id: str
+    sent: int
+    state: str = "moving"
+    switched: threading.Event = field(default_factory=threading.Event)  # set with "switched"
+
+    def start_request(self, run: Run) -> pb.StartRequest:
+        """The destination's Start: the tokens after its reserved context whose KV moved in
+        too, and the client's last token as its first (already sent: not streamed again)."""
+        tokens = run.tokens
+        return pb.StartRequest(
+            request_id=self.request_id,
+            first_token=tokens[-1],
+            more_token_ids=tokens[self.sent - 1 : -1],
+            first_token_sent=True,
+        )
 
 
 class Handoff:
@@ -102,6 +135,12 @@ class Handoff:
         # releases of failed attempts: a frozen worker must not delay the resume
         self._releases = ThreadPoolExecutor(max_workers=8, thread_name_prefix="router-release")
 
+    @property
+    def lock(self) -> threading.Lock:
+        """Every check-and-change of the in-flight table and its entries (a migration's
+        too: pdserve/router/migrate.py)."""
+        return self._lock
+
     def close(self) -> None:
         self.leases.close()
         self.watch.close()
@@ -114,7 +153,7 @@ class Handoff:
         if reason := run.done():  # a continuation with nothing left to generate
             yield self._final(run, reason, None)
             return
-        entry = Inflight()
+        entry = Inflight(run=run)
         self._await_workers(arrival.at + self.config.queue_timeout_s, context)
         with self._lock:
             self.inflight[rid] = entry
@@ -160,7 +199,7 @@ class Handoff:
         decode, reserved, asked = got
         with self._lock:
             if entry.released:  # aborted while we reserved
-                self._release_later(decode, rid, unpushed=True)
+                self.release_later(decode, rid, unpushed=True)
                 return Failure(_Code.CANCELLED, "aborted", "router")
             entry.worker, entry.worker_request_id = decode, rid
         lease = self.leases.hold(decode, rid, reserved.fence)
@@ -233,36 +272,61 @@ class Handoff:
         return (yield from self._stream(run, entry, context, decode, done, prefill_sent))
 
     def _stream(self, run: Run, entry: Inflight, context, decode: Worker, done, prefill_sent):
-        rid = run.arrival.request_id
+        """Start on the decode worker and relay its tokens; when its stream ends "migrated"
+        (the request's KV moved, pdserve/router/migrate.py), on the worker it moved to."""
         prefill_back = start_sent = now()
         if entry.released:  # aborted while its prefill ran
             return Failure(_Code.CANCELLED, "aborted", "router")
+        start = pb.StartRequest(request_id=entry.worker_request_id, first_token=done.first_token)
+        while True:
+            marks = (prefill_sent, prefill_back, start_sent)
+            result = yield from self._relay(run, entry, context, decode, done, marks, start)
+            if not isinstance(result, Handover):
+                return result
+            decode, start, start_sent = result.dest, result.start_request(run), now()
+            run.migrations += 1
+
+    def _relay(self, run: Run, entry: Inflight, context, decode: Worker, done, marks, start):
+        """One decode stream -> None (the request ended), the Failure to resume from, or the
+        Handover to go on with (the stream ended "migrated")."""
+        rid = run.arrival.request_id
         try:
-            stream = decode.stub.Start(
-                pb.StartRequest(request_id=entry.worker_request_id, first_token=done.first_token),
-                timeout=self.config.stream_timeout_s,
-            )
+            stream = decode.stub.Start(start, timeout=self.config.stream_timeout_s)
         except ValueError as e:  # its channel was closed: the worker is gone
             self._release_attempt(entry)
             return Failure(_Code.UNAVAILABLE, str(e), "decode")
         context.add_callback(stream.cancel)
         watched = self.watch.add(decode, stream)
+        switched_at = time.monotonic() if start.first_token_sent else None
+        entry.streaming = True
         try:
             for chunk in stream:
                 if chunk.token_ids:
+                    if switched_at is not None:
+                        self.metrics.switch.observe(time.monotonic() - switched_at)
+                        switched_at = None
                     run.sent(chunk.token_ids)
+                if chunk.finished and chunk.finish_reason == MIGRATED:
+                    run.spans.extend(spans_from_proto(chunk.spans))
+                    moved = self._switch(entry)
+                    if moved is not None:
+                        return moved
+                    failure = Failure(_Code.UNAVAILABLE, "moved, to no destination", "decode")
+                    break
                 if chunk.finished:
                     # the last tokens travel with the end, as they came: a client never
                     # holds an end-of-sequence token without knowing the request is over
-                    marks = (prefill_sent, prefill_back, start_sent, now())
-                    finished = Finished(done, chunk, marks, decode.worker_id)
+                    finished = Finished(done, chunk, (*marks, now()), decode.worker_id)
                     final = self._final(run, chunk.finish_reason, finished)
                     final.token_ids.extend(chunk.token_ids)
                     yield final
                     return None
                 if chunk.token_ids:
                     yield pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids)
-            failure = Failure(_Code.UNKNOWN, "the stream ended without its final message", "decode")
+            else:
+                failure = Failure(
+                    _Code.UNKNOWN, "the stream ended without its final message", "decode"
+                )
         except grpc.RpcError as e:
             if not context.is_active():
                 return None
@@ -277,6 +341,7 @@ class Handoff:
             else:
                 failure = Failure(e.code(), e.details() or "", "decode")
         finally:
+            entry.streaming = False
             self.watch.remove(watched)
         if failure.code in _FINAL:
             self._release_attempt(entry)
@@ -285,6 +350,18 @@ class Handoff:
             self.registry.suspect(decode)
         self._release_attempt(entry)
         return failure
+
+    def _switch(self, entry: Inflight) -> Handover | None:
+        """The old worker's stream ended "migrated": take the move's destination (None when
+        there is none, or its mover gave up: then the request resumes by recompute)."""
+        with self._lock:
+            moved, entry.handover = entry.handover, None
+            if moved is None or moved.state != "moving":
+                return None
+            moved.state = "switched"
+            moved.switched.set()
+            entry.worker, entry.worker_request_id = moved.dest, moved.request_id
+            return moved
 
     def _final(self, run: Run, reason: str, finished: Finished | None) -> pb.GenerateResponse:
         msg = final_message(run, reason, finished, self.tokenizer)
@@ -392,7 +469,7 @@ class Handoff:
             pause = self._pause(pause)
 
     # -- releasing --------------------------------------------------------------------------
-    def _release_later(self, worker: Worker, worker_request_id: str, unpushed: bool = False):
+    def release_later(self, worker: Worker, worker_request_id: str, unpushed: bool = False):
         """Tell `worker` to release, from another thread: a frozen worker must not hold up
         the request (if it is gone, its lease returns the blocks)."""
 
@@ -414,7 +491,7 @@ class Handoff:
             worker, wrid = entry.worker, entry.worker_request_id
             entry.worker, entry.worker_request_id = None, ""
         if worker is not None:
-            self._release_later(worker, wrid, unpushed)
+            self.release_later(worker, wrid, unpushed)
 
     def _forget(self, request_id: str, entry: Inflight) -> Inflight | None:
         """Removes `entry` from the in-flight table -> it, when it was there."""
@@ -441,5 +518,5 @@ class Handoff:
             # from the release threads: this runs in gRPC's callback of a finished call,
             # where a frozen worker's Release would hold up the server (if the worker is
             # gone, its lease returns the blocks)
-            self._release_later(worker, wrid)
+            self.release_later(worker, wrid)
         return True

@@ -7,6 +7,9 @@ length, abort; cancelled: the client went away; failed_<status>: the router gave
 invalid, rejected), pdserve_router_kv_usage_ratio{worker} (each decode worker, from its
 heartbeats; the series goes when the registry forgets the worker),
 pdserve_router_resumes_total{stage} (requests resumed after their prefill or decode failed)
+pdserve_router_migrations_total{outcome="completed"|"failed"} (live KV moves between decode
+workers: pdserve/router/migrate.py), pdserve_router_migration_switch_seconds (the source's
+last token -> the destination's first: the stall a migrated request's client sees)
 """
 
 from __future__ import annotations
@@ -45,6 +48,17 @@ class RouterMetrics:
             "requests resumed on another worker, by the stage that failed",
             ["stage"],
             registry=r,
+        )
+        self.migrations = Counter(
+            "pdserve_router_migrations",
+            "requests whose KV moved to another decode worker, by outcome",
+            ["outcome"],
+            registry=r,
+        )
+        self.switch = latency(
+            r,
+            "pdserve_router_migration_switch_seconds",
+            "a migrated request's last token from its old worker -> first from the new",
         )
         self.kv_usage = Gauge(
             "pdserve_router_kv_usage_ratio",

@@ -80,6 +80,9 @@ class WorkerRegistry:
     on_forget: Callable[[str], None] | None = None  # a worker id that left the registry
     _workers: dict[str, Worker] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # decode workers being drained (pdserve/router/migrate.py): no new requests; a worker
+    # that registers again at another address (restarted) is routable again
+    _draining: set[str] = field(default_factory=set)
 
     def knows(self, record: WorkerRecord) -> bool:
         """Whether this worker is registered at this address already (a heartbeat)."""
@@ -94,6 +97,7 @@ class WorkerRegistry:
             if known is None or known.record.address != record.address:
                 if known is not None:
                     self._close(known)
+                self._draining.discard(record.worker_id)
                 channel, stub = self.connect(record)
                 self._workers[record.worker_id] = Worker(record, self.clock(), channel, stub)
             else:
@@ -134,8 +138,19 @@ class WorkerRegistry:
         return self.clock() - worker.last_seen > self.config.alive_window_s
 
     def _routable(self, role: str) -> list[Worker]:
-        """Alive and not suspect: the ones new requests may go to."""
-        return [w for w in self.alive(role) if not w.suspect]
+        """Alive, not suspect and not draining: the ones new requests may go to."""
+        with self._lock:
+            draining = set(self._draining)
+        return [w for w in self.alive(role) if not w.suspect and w.worker_id not in draining]
+
+    def find(self, worker_id: str, role: str) -> Worker | None:
+        """The live `role` worker of that id."""
+        return next((w for w in self.alive(role) if w.worker_id == worker_id), None)
+
+    def drain(self, worker: Worker) -> None:
+        """No new requests for `worker` (its own go on, or are moved)."""
+        with self._lock:
+            self._draining.add(worker.worker_id)
 
     def not_ready(self) -> str:
         """Why the cluster cannot serve a request now ("" when it can)."""

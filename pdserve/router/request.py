@@ -54,6 +54,7 @@ class Run:
     arrival: Arrival
     tokens: list[int] = field(default_factory=list)  # sent to the client, in order
     resumes: int = 0
+    migrations: int = 0  # times its KV moved to another decode worker (router/migrate.py)
     first_at: float | None = None  # time.monotonic() of the first token sent
     spans: list[Span] = field(default_factory=list)  # router.queue, decode.reserve, resume
     failed_at: float | None = None  # wall clock of the last failure, for router.resume
@@ -110,8 +111,8 @@ def final_message(
             queue_s=run.queued_s,
             prefill_s=done.prefill_s,
             transfer_s=done.transfer_s,
-            # the decode worker's own unless resumed
-            tpot_s=chunk.tpot_s if run.resumes == 0 else client_tpot,
+            # the decode worker's own unless resumed or moved
+            tpot_s=chunk.tpot_s if run.resumes == 0 and run.migrations == 0 else client_tpot,
             prefill_worker=done.worker_id,
             decode_worker=finished.decode_worker,
         )
@@ -124,6 +125,7 @@ def final_message(
     timings.arrival_unix = arrival.at_wall
     timings.end_unix = end_wall
     timings.resumes = run.resumes
+    timings.migrations = run.migrations
     return pb.GenerateResponse(
         request_id=arrival.request_id,
         finished=True,

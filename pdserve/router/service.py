@@ -21,6 +21,7 @@ import grpc
 from pdserve.router.config import RouterConfig
 from pdserve.router.handoff import Handoff, Inflight
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.migrate import Mover
 from pdserve.router.registry import WorkerRecord, WorkerRegistry, grpc_connect
 from pdserve.router.request import Arrival
 from pdserve.rpc import ACCEPTED_KEY, GENERATE_VERSIONS, PROTOCOL_VERSION, STATUS_KEY
@@ -123,6 +124,7 @@ class RouterService(rpc.RouterServicer):
         self._owners: dict[str, str] = {}  # request id -> who created it (Security.caller)
         self._owners_lock = threading.Lock()
         self.handoff = Handoff(config, self.registry, self.metrics, tokenizer, self.inflight)
+        self.mover = Mover(config, self.registry, self.metrics, self.handoff)
 
     def close(self) -> None:
         """Stops the handoff's lease and stream-watch threads."""
@@ -175,6 +177,16 @@ class RouterService(rpc.RouterServicer):
 
     def Health(self, request, context) -> pb.HealthResponse:
         return health("router", "router", reason=self.registry.not_ready())
+
+    def Drain(self, request: pb.DrainRequest, context):
+        """Cluster members only (pdserve/serving/auth.py: a method not listed is shut)."""
+        worker = self.registry.find(request.worker_id, "decode")
+        if worker is None:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"worker_id: no live decode worker {request.worker_id[:128]!r}",
+            )
+        yield from self.mover.drain(worker)
 
     # -- requests -----------------------------------------------------------------------------
     def _prompt(self, request: pb.GenerateRequest) -> list[int]:

@@ -1,0 +1,57 @@
+"""`pdserve drain WORKER_ID --router HOST:PORT`: move every request off a decode worker
+(live KV migration to the other decode workers) and give it no new ones, for an upgrade or
+a scale-down; stop the worker once it says drained. Worker ids as `ListWorkers` reports
+them. A cluster member's call: it presents the cluster secret."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve.cli.serve import security_of
+    from pdserve.progress import progress
+    from pdserve.rpc import pdserve_pb2 as pb
+    from pdserve.rpc import pdserve_pb2_grpc as rpc
+    from pdserve.serving import auth
+
+    security = security_of(args, "drain")
+    last = pb.DrainProgress()
+    with (
+        auth.channel(args.router, security) as channel,
+        progress(total=0, desc=f"draining {args.worker_id}", unit="req") as bar,
+    ):
+        try:
+            for msg in rpc.RouterStub(channel).Drain(
+                pb.DrainRequest(worker_id=args.worker_id), timeout=args.timeout
+            ):
+                bar.total = msg.moved + msg.remaining
+                bar.update(msg.moved - last.moved)
+                bar.set_postfix(failed=msg.failed, remaining=msg.remaining, refresh=False)
+                last = msg
+        except grpc.RpcError as e:
+            print(f"pdserve drain: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if not last.done:
+        print(
+            f"pdserve drain: {last.remaining} requests still on {args.worker_id} "
+            f"({last.moved} moved, {last.failed} moves failed)",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"{args.worker_id} drained: {last.moved} moved ({last.failed} moves retried)")
+    return 0
+
+
+def add_drain_parser(sub) -> None:
+    from pdserve.cli.serve import add_security_flags
+
+    p = sub.add_parser("drain", help="move every request off a decode worker, then leave it idle")
+    p.add_argument("worker_id", help="the decode worker, as ListWorkers reports it")
+    p.add_argument("--router", required=True, help="the router's HOST:PORT")
+    p.add_argument("--timeout", type=float, default=900.0, help="give up after this many s")
+    add_security_flags(p, "member")
+    p.set_defaults(func=cmd_drain)
