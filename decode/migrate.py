@@ -32,17 +32,20 @@ import numpy as np
 
 from pdserve.serving.destination import Destination
 from pdserve.trace import Span, now
-from transfer import HandshakeRefused, Tiles, TransferFailed, XferState, notification
-from transfer.writes import PoolSide, block_runs, write_layers
+from transfer import HandshakeRefused, TransferFailed, XferState, notification
+from transfer.writes import Peers, PoolSide, block_runs, pool_side, write_layers
 
 
 class MigrationFailed(RuntimeError):
-    """The request was not moved and goes on here (FAILED_PRECONDITION at the edge when it
-    cannot be moved now: not running, or finished; UNAVAILABLE when the transfer failed)."""
+    """The request was not moved and goes on here (or ended). `wrote`: a WRITE into the
+    destination was posted first (its blocks must stay fenced: ABORTED at the edge; else
+    FAILED_PRECONDITION, and they may go back at once). `retryable`: a later try may work
+    (the transfer failed, or the request was preempted), not when it cannot move at all."""
 
-    def __init__(self, message: str, retryable: bool) -> None:
+    def __init__(self, message: str, retryable: bool, wrote: bool = False) -> None:
         super().__init__(message)
         self.retryable = retryable
+        self.wrote = wrote
 
 
 @dataclass(frozen=True)
@@ -58,31 +61,41 @@ class Migrator:
 
     def __init__(self, worker) -> None:
         self.worker = worker
-        endpoint = worker.endpoint
-        self.local = PoolSide(
-            endpoint.geometry,
-            endpoint.region,
-            endpoint.agent.prepare_tiles(None, endpoint.region, endpoint.geometry.block_bytes),
-        )
-        self.peers: dict[str, tuple[str, Tiles]] = {}  # destination worker id -> agent, tiles
+        self.local = pool_side(worker.endpoint.agent, worker.endpoint.layout)
+        self.peers = Peers(worker.endpoint.agent)  # keyed by destination worker id
 
     def move(
-        self, request_id: str, dest: Destination, dest_request_id: str, max_rounds: int = 0
+        self,
+        request_id: str,
+        dest: Destination,
+        dest_request_id: str,
+        max_rounds: int = 0,
+        timeout_s: float | None = None,
     ) -> Migrated:
         """Move `request_id` into `dest` (reserved as `dest_request_id`) in at most
-        `max_rounds` rounds (0: the configured) -> what it took. Raises MigrationFailed
-        (the request goes on here)."""
+        `max_rounds` rounds (0: the configured), done within `timeout_s` (the configured
+        one when None or longer) -> what it took. Raises MigrationFailed (the request goes
+        on here)."""
         if max_rounds < 0:
             raise ValueError(f"max_rounds: must be >= 0, got {max_rounds}")
+        limit = self.worker.config.migrate_timeout_s
+        timeout = limit if timeout_s is None else min(limit, timeout_s)
+        self._posted = False
         try:
-            return self._move(request_id, dest, dest_request_id, max_rounds)
-        except MigrationFailed:
+            return self._move(request_id, dest, dest_request_id, max_rounds, timeout)
+        except MigrationFailed as e:
+            e.wrote = self._posted
             with self.worker.lock:
                 self.worker.metrics.migrations.labels("failed").inc()
             raise
 
     def _move(
-        self, request_id: str, dest: Destination, dest_request_id: str, max_rounds: int
+        self,
+        request_id: str,
+        dest: Destination,
+        dest_request_id: str,
+        max_rounds: int,
+        timeout_s: float,
     ) -> Migrated:
         worker = self.worker
         if worker.core.tp_size > 1 or dest.ranks:
@@ -92,10 +105,12 @@ class Migrator:
                 worker.endpoint.routes_to(dest.pools)  # the same model and pool layout
             except HandshakeRefused as e:
                 raise MigrationFailed(f"destination: {e}", False) from None
-            peer, tiles = self._peer(dest)
-        remote = PoolSide(dest.pool.geometry, dest.pool.region, tiles)
+            try:
+                peer, remote = self.peers.side(dest.worker_id, dest.agent_metadata, dest.pool)
+            except (ValueError, RuntimeError) as e:  # metadata it cannot use
+                raise MigrationFailed(f"destination {dest.worker_id}: {e}", True) from None
         bs = worker.core.block_size
-        deadline = time.monotonic() + worker.config.migrate_timeout_s
+        deadline = time.monotonic() + timeout_s
         sent = dest.cached_blocks  # blocks [0, sent) are there and final
         rounds, nbytes, growth = 0, 0, bs
         limit = max_rounds or worker.config.migrate_max_rounds
@@ -114,9 +129,9 @@ class Migrator:
             notif = notification(dest_request_id, dest.fence, 0, 1)
             try:
                 nbytes += self._write(peer, remote, blocks, dest, sent, computed, deadline, notif)
-            except MigrationFailed:
+            except Exception:  # whatever failed, the stopped request goes on here
                 with worker.lock:
-                    worker.core.admit_detached(request)  # it goes on here
+                    worker.core.admit_detached(request)
                 raise
             rounds += 1
             stall = time.monotonic() - stopped
@@ -148,6 +163,7 @@ class Migrator:
         last = final or dirty <= config.migrate_final_blocks or 2 * growth > room
         if not last:
             return None, blocks, computed
+        config.failpoints.hit("decode.migrate", request_id)
         try:
             request = worker.detach(request_id, max(0.0, deadline - time.monotonic()))
         except TimeoutError as e:
@@ -194,16 +210,20 @@ class Migrator:
         if src.size == 0 and not notif:
             return 0
         layers = range(worker.core.model_config.num_layers)
-        with worker.lock:
-            xfer, nbytes = write_layers(
-                worker.endpoint.agent,
-                peer,
-                layers,
-                self.local,
-                remote,
-                (src, dst, block_runs(src, dst)),
-                notif,
-            )
+        self._posted = True
+        try:
+            with worker.lock:
+                xfer, nbytes = write_layers(
+                    worker.endpoint.agent,
+                    peer,
+                    layers,
+                    self.local,
+                    remote,
+                    (src, dst, block_runs(src, dst)),
+                    notif,
+                )
+        except TransferFailed as e:  # the peer is gone, say
+            raise MigrationFailed(f"a WRITE of the move could not be posted: {e}", True) from None
         try:
             while True:
                 with worker.lock:
@@ -220,15 +240,3 @@ class Migrator:
         finally:
             with worker.lock:
                 xfer.release()
-
-    def _peer(self, dest: Destination) -> tuple[str, Tiles]:
-        if dest.worker_id not in self.peers:
-            agent = self.worker.endpoint.agent
-            pool = dest.pool
-            try:
-                peer = agent.add_peer(dest.agent_metadata)
-                tiles = agent.prepare_tiles(peer, pool.region, pool.geometry.block_bytes)
-            except (ValueError, RuntimeError) as e:  # metadata it cannot use
-                raise MigrationFailed(f"destination {dest.worker_id}: {e}", True) from None
-            self.peers[dest.worker_id] = (peer, tiles)
-        return self.peers[dest.worker_id]

@@ -23,7 +23,6 @@ from pdserve.serving.destination import destination_from_proto
 from pdserve.serving.kv_pool import layout_to_proto, ranks_to_proto
 from pdserve.serving.server import health
 
-_NOT_NOW = grpc.StatusCode.FAILED_PRECONDITION
 STREAM_FAILPOINT_AT = 4  # decode.stream strikes once a stream handed this many tokens over
 
 
@@ -115,15 +114,19 @@ class DecodeService(rpc.DecodeServicer):
     def Migrate(self, request: pb.MigrateRequest, context) -> pb.MigrateResponse:
         try:
             dest = destination_from_proto(request)
+            # the caller's deadline counts: the router fences the reservation for it
             moved = self.worker.migrate(
-                request.request_id, dest, request.dest_request_id, request.max_rounds
+                request.request_id,
+                dest,
+                request.dest_request_id,
+                request.max_rounds,
+                context.time_remaining(),
             )
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except MigrationFailed as e:
-            code = (
-                grpc.StatusCode.UNAVAILABLE if e.retryable else grpc.StatusCode.FAILED_PRECONDITION
-            )
+            # ABORTED: a WRITE was posted, the destination must fence its blocks
+            code = grpc.StatusCode.ABORTED if e.wrote else grpc.StatusCode.FAILED_PRECONDITION
             context.abort(code, str(e))
         return pb.MigrateResponse(
             rounds=moved.rounds,

@@ -165,11 +165,16 @@ class DecodeWorker:
             return found
 
     def migrate(
-        self, request_id: str, dest: Destination, dest_request_id: str, max_rounds: int = 0
+        self,
+        request_id: str,
+        dest: Destination,
+        dest_request_id: str,
+        max_rounds: int = 0,
+        timeout_s: float | None = None,
     ) -> Migrated:
         """Move a running request's KV into `dest` while it decodes, then stop it here: its
         stream ends "migrated" (decode/migrate.py). Raises MigrationFailed (it goes on here)."""
-        return self.migrator.move(request_id, dest, dest_request_id, max_rounds)
+        return self.migrator.move(request_id, dest, dest_request_id, max_rounds, timeout_s)
 
     def detach(self, request_id: str, timeout_s: float) -> Request | None:
         """Take a running request out of the batch with its blocks at a step boundary (the

@@ -22,6 +22,8 @@ removed. Points (docs/faults.md has the list with what each state means):
 
     decode.reserve   a Reserve granted, before it is answered (detail: request id)
     decode.stream    a stream's fourth token handed to the client (request id)
+    decode.migrate   a live migration's last round about to stop the request on the worker
+                     it leaves (request id; decode/migrate.py)
     prefill.accept   a Prefill call accepted, before it queues (request id)
     prefill.push     before a batch's first WRITE is posted: after its forward pass, or
                      with layer-wise pushes (CUDA) after its first layer (one line per
@@ -48,6 +50,7 @@ FAILING = frozenset({"disk.write"})  # the points whose caller fails on "error"
 POINTS = (
     "decode.reserve",
     "decode.stream",
+    "decode.migrate",
     "prefill.accept",
     "prefill.push",
     "prefill.posted",

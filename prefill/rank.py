@@ -15,8 +15,7 @@ import numpy as np
 
 from pdserve.serving.rank_kv import RankEndpoint
 from prefill.push import BatchPush, PushTarget
-from transfer import Tiles
-from transfer.writes import PoolSide
+from transfer.writes import Peers, PoolSide, pool_side
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +23,7 @@ log = logging.getLogger(__name__)
 class PrefillRank(RankEndpoint):
     def __init__(self, state) -> None:
         super().__init__(state)
-        self.peers: dict[tuple[str, int], tuple[str, Tiles]] = {}
+        self.peers: Peers | None = None  # keyed (decode id, its rank); with the agent
         self.local: PoolSide | None = None
         self.push: BatchPush | None = None
         self.work: dict = {}
@@ -33,10 +32,9 @@ class PrefillRank(RankEndpoint):
     def begin(self, work: dict):
         """Targets of this step -> the layer callback (None: everything after the pass)."""
         self.work, self.error = work, None
-        if self.local is None:
-            g = self.layout.geometry
-            tiles = self.agent.prepare_tiles(None, self.layout.region, g.block_bytes)
-            self.local = PoolSide(g, self.layout.region, tiles)
+        if self.local is None:  # the agent exists from op_endpoint on
+            self.local = pool_side(self.agent, self.layout)
+            self.peers = Peers(self.agent)
         targets = [self._target(t) for t in work["targets"]]
         self.push = BatchPush(self.agent, self.local, targets, work["num_layers"], work["worker"])
         if work["layerwise"]:
@@ -68,16 +66,10 @@ class PrefillRank(RankEndpoint):
             self.error = f"{type(e).__name__}: {e}"
 
     def _target(self, t: dict) -> PushTarget:
-        pool = t["pool"]
-        key = t["peer_key"]
-        if key not in self.peers:
-            peer = self.agent.add_peer(t["metadata"])
-            tiles = self.agent.prepare_tiles(peer, pool.region, pool.geometry.block_bytes)
-            self.peers[key] = (peer, tiles)
-        peer, tiles = self.peers[key]
+        peer, remote = self.peers.side(t["peer_key"], t["metadata"], t["pool"])
         return PushTarget(
             peer=peer,
-            remote=PoolSide(pool.geometry, pool.region, tiles),
+            remote=remote,
             src=np.asarray(t["src"]),
             dst=np.asarray(t["dst"]),
             notif=t["notif"],

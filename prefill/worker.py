@@ -31,8 +31,8 @@ from prefill.batcher import Batcher, PrefillJob, reserve_batch
 from prefill.config import PrefillConfig
 from prefill.metrics import PrefillMetrics
 from prefill.push import BatchPush, PushTarget
-from transfer import Route, Tiles, TransferAgent, TransferFailed, notification
-from transfer.writes import HeadRoute, PoolSide
+from transfer import Route, TransferAgent, TransferFailed, notification
+from transfer.writes import HeadRoute, Peers, pool_side
 
 RANK_EXTENSION = "prefill.rank:PrefillRank"  # what ranks 1..n-1 run (prefill/rank.py)
 
@@ -60,15 +60,9 @@ class PrefillWorker:
         self.endpoint = endpoint
         self.config = config
         self.worker_id = config.worker_id
-        agent = endpoint.agent
-        self.local = PoolSide(
-            endpoint.geometry,
-            endpoint.region,
-            agent.prepare_tiles(None, endpoint.region, endpoint.geometry.block_bytes),
-        )
+        self.local = pool_side(endpoint.agent, endpoint.layout)
         self.metrics = PrefillMetrics()
-        # (decode id, its rank) -> (agent name, its tiles)
-        self.peers: dict[tuple[str, int], tuple[str, Tiles]] = {}
+        self.peers = Peers(endpoint.agent)  # keyed (decode id, its rank)
         cuda = core.kv_pool.device.type == "cuda"
         self.layerwise = config.kv_push == "layerwise" or (config.kv_push == "auto" and cuda)
         self.batcher = Batcher(core.token_budget)
@@ -311,11 +305,12 @@ class PrefillWorker:
         self, job: PrefillJob, rank: int, src: list[int], dst: list[int], notif: bytes, heads
     ) -> PushTarget:
         dest = job.dest
-        pool = dest.pools[rank]
-        peer, tiles = self._peer(dest, rank)
+        peer, remote = self.peers.side(
+            (dest.worker_id, rank), dest.rank_metadata(rank), dest.pools[rank]
+        )
         return PushTarget(
             peer=peer,
-            remote=PoolSide(pool.geometry, pool.region, tiles),
+            remote=remote,
             src=np.asarray(src),
             dst=np.asarray(dst),
             notif=notif,
@@ -323,13 +318,3 @@ class PrefillWorker:
             done_by=job.deadline,
             heads=heads,
         )
-
-    def _peer(self, dest: Destination, rank: int = 0) -> tuple[str, Tiles]:
-        key = (dest.worker_id, rank)
-        if key not in self.peers:
-            agent = self.endpoint.agent
-            pool = dest.pools[rank]
-            peer = agent.add_peer(dest.rank_metadata(rank))
-            tiles = agent.prepare_tiles(peer, pool.region, pool.geometry.block_bytes)
-            self.peers[key] = (peer, tiles)
-        return self.peers[key]

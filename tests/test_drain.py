@@ -8,56 +8,27 @@ import os
 import re
 import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from long_streams import (
+    PARAMS,
+    PROMPTS,
+    all_free,
+    busiest_decode,
+    colocated,
+    drain_rpc,
+    streams,
+)
 
-from pdserve import LLM, SamplingParams
-from pdserve.bench.probes import busiest, registered
 from pdserve.bench.prometheus import scrape, total
 from pdserve.cli import main as cli_main
-from pdserve.client import Client, build_request, timings_of
+from pdserve.client import Client
 from pdserve.launch import Cluster
-
-MAX_NEW = 1000  # streams that last seconds: the drain starts while they run
-PROMPTS = [[(11 * i + j) % 300 + 3 for j in range(20 + 37 * i)] for i in range(6)]
-PARAMS = dict(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def expected() -> list[list[int]]:
-    params = SamplingParams(**PARAMS)
-    return [o.token_ids for o in LLM("tiny-llama").generate(PROMPTS, params)]
-
-
-def streams(client: Client, on_started):
-    started = [0] * len(PROMPTS)
-
-    def one(i: int):
-        tokens, final = [], None
-        for msg in client.stub.Generate(build_request(PROMPTS[i], PARAMS), timeout=180):
-            tokens.extend(msg.token_ids)
-            started[i] = len(tokens)
-            if msg.finished:
-                final = timings_of(msg.timings), msg.finish_reason
-        return tokens, final
-
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futures = [pool.submit(one, i) for i in range(len(PROMPTS))]
-        deadline = time.monotonic() + 60
-        while not all(started):
-            assert time.monotonic() < deadline, "the streams never started"
-            time.sleep(0.01)
-        out = on_started()
-        return [f.result(timeout=180) for f in futures], out
-
-
-def all_free(client: Client, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while held := [w for w in client.workers() if w.free_blocks != w.total_blocks]:
-        assert time.monotonic() < deadline, f"blocks still held: {held}"
-        time.sleep(0.2)
+    return colocated()
 
 
 def test_drain_moves_every_stream_off_a_decode_worker_with_nothing_recomputed(
@@ -70,15 +41,7 @@ def test_drain_moves_every_stream_off_a_decode_worker_with_nothing_recomputed(
         decodes = [w.worker_id for w in client.workers() if w.role == "decode"]
 
         def drain():
-            # the decode worker running the most streams now (its /metrics)
-            deadline = time.monotonic() + 30
-            while True:
-                name, _ = busiest(c, "decode")
-                if total(scrape(c.metrics[name]), "pdserve_decode_running") > 0:
-                    break
-                assert time.monotonic() < deadline, "no decode worker runs a request"
-                time.sleep(0.01)
-            wid = next(w for w, n in registered(c).items() if n == name)
+            wid = busiest_decode(c)
             # the command's own code, in this process: a new interpreter takes seconds to
             # import, and the streams could be over by then
             monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", c.security.cluster_secret or "")
@@ -120,3 +83,35 @@ def pdserve_drain(cluster, worker_id: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "pdserve.cli", "drain", worker_id, "--router", cluster.address]
     env = {**os.environ, "PDSERVE_CLUSTER_SECRET": cluster.security.cluster_secret or ""}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+
+
+def test_the_pressure_policy_moves_requests_off_a_full_worker_to_one_that_joined(expected):
+    """Skewed arrivals: every stream lands on one decode worker (the other is drained, as a
+    worker that has not joined yet), whose pool (greedy admission) fills as they grow; once
+    the other takes requests again, the router's rebalancer moves streams to it. Every
+    client gets the colocated engine's tokens."""
+    with (
+        Cluster(
+            "tiny-llama",
+            1,
+            2,
+            worker_args=["--num-kv-blocks", "160"],
+            decode_args=["--admission", "greedy"],
+            router_args=["--migrate-policy", "pressure"],
+        ) as c,
+        Client(c.address, security=c.security) as client,
+    ):
+        late = next(w.worker_id for w in client.workers() if w.role == "decode")
+        assert drain_rpc(c, late)[-1].done  # idle: at once
+
+        def join():
+            assert drain_rpc(c, late, undo=True)[-1].done
+
+        results, _ = streams(client, join)
+        for (tokens, (_, reason)), want in zip(results, expected):
+            assert tokens == want and reason == "length"
+        moved = [t for _, (t, _) in results if t["migrations"]]
+        assert any(t["decode_worker"] == late for t in moved), moved
+        router = scrape(c.metrics["router-0"])
+        assert total(router, "pdserve_router_migrations_total", outcome="completed") >= 1
+        all_free(client)

@@ -3,6 +3,8 @@
     PoolSide        one end of a push in the pushing agent's terms (geometry, region, tiles)
     HeadRoute       between tensor-parallel groups of different sizes: the heads one pair
                     of ranks moves
+    pool_side       our pool as a PoolSide (its region prepared as block tiles once)
+    Peers           peers' pools as PoolSides, each peer added and prepared once
     block_runs      pairs of block lists cut into runs consecutive on both sides
     write_layers    one WRITE of some layers' KV of some blocks -> (the transfer, its bytes)
 
@@ -23,7 +25,7 @@ import numpy as np
 
 from transfer.agent import Desc, Tiles, Transfer, TransferAgent
 from transfer.heads import HeadSlice, Route, route_descs, whole_blocks
-from transfer.wire import PoolGeometry
+from transfer.wire import PoolGeometry, PoolLayout
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,30 @@ class PoolSide:
     geometry: PoolGeometry
     region: int
     tiles: Tiles
+
+
+def pool_side(agent: TransferAgent, layout: PoolLayout, peer: str | None = None) -> PoolSide:
+    """A pool (ours when `peer` is None) as the pushing agent names it: its region prepared
+    as tiles of one block each."""
+    geometry = layout.geometry
+    return PoolSide(
+        geometry, layout.region, agent.prepare_tiles(peer, layout.region, geometry.block_bytes)
+    )
+
+
+class Peers:
+    """The peers one agent pushes to, each added (its metadata loaded) and its pool prepared
+    once: `side(key, metadata, layout)` -> (the peer's agent name, its PoolSide)."""
+
+    def __init__(self, agent: TransferAgent) -> None:
+        self.agent = agent
+        self._known: dict[object, tuple[str, PoolSide]] = {}
+
+    def side(self, key, metadata: bytes, layout: PoolLayout) -> tuple[str, PoolSide]:
+        if key not in self._known:
+            peer = self.agent.add_peer(metadata)
+            self._known[key] = (peer, pool_side(self.agent, layout, peer))
+        return self._known[key]
 
 
 def block_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:

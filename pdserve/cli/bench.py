@@ -46,6 +46,15 @@ def cmd_bench_tp(args: argparse.Namespace) -> int:
     return print_report(report, format_table, args.json)
 
 
+def cmd_bench_migrate(args: argparse.Namespace) -> int:
+    from pdserve.bench.migrate import bench_migrate, format_table
+
+    report = bench_migrate(
+        args.model, args.contexts, args.before, args.after, args.repeats, args.seed
+    )
+    return print_report(report, format_table, args.json)
+
+
 def cmd_bench_kernels(args: argparse.Namespace) -> int:
     from pdserve.bench.kernels import bench_kernels, format_table
 
@@ -294,6 +303,17 @@ def add_bench_parser(sub) -> None:
     tp.add_argument("--json", default=None, help="write the report here")
     tp.set_defaults(func=cmd_bench_tp)
 
+    mig = bench_sub.add_parser(
+        "migrate", help="the stall a live KV migration costs a stream (1P2D, launched)"
+    )
+    mig.add_argument("--model", default="smollm2-135m")
+    mig.add_argument("--contexts", type=int_list, default=[256, 1024, 2048])
+    mig.add_argument("--before", type=int, default=32, help="tokens streamed before the move")
+    mig.add_argument("--after", type=int, default=32, help="tokens streamed after it")
+    mig.add_argument("--repeats", type=int, default=2)
+    mig.add_argument("--seed", type=int, default=0)
+    mig.add_argument("--json", default=None, help="write the report here")
+    mig.set_defaults(func=cmd_bench_migrate)
     kern = bench_sub.add_parser("kernels", help="decode/KV kernels against the memory roofline")
     kern.add_argument("--quick", action="store_true", help="a small sweep (CPU-sized)")
     kern.add_argument("--json", default=None, help="write the report here")

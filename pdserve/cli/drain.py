@@ -26,7 +26,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
     ):
         try:
             for msg in rpc.RouterStub(channel).Drain(
-                pb.DrainRequest(worker_id=args.worker_id), timeout=args.timeout
+                pb.DrainRequest(worker_id=args.worker_id, undo=args.undo), timeout=args.timeout
             ):
                 bar.total = msg.moved + msg.remaining
                 bar.update(msg.moved - last.moved)
@@ -35,6 +35,9 @@ def cmd_drain(args: argparse.Namespace) -> int:
         except grpc.RpcError as e:
             print(f"pdserve drain: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
+    if args.undo:
+        print(f"{args.worker_id} gets new requests again")
+        return 0
     if not last.done:
         print(
             f"pdserve drain: {last.remaining} requests still on {args.worker_id} "
@@ -53,5 +56,6 @@ def add_drain_parser(sub) -> None:
     p.add_argument("worker_id", help="the decode worker, as ListWorkers reports it")
     p.add_argument("--router", required=True, help="the router's HOST:PORT")
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many s")
+    p.add_argument("--undo", action="store_true", help="give the worker new requests again")
     add_security_flags(p, "member")
     p.set_defaults(func=cmd_drain)

@@ -110,6 +110,8 @@ def run_router(args: argparse.Namespace) -> int:
                 ("prefill_timeout_s", args.prefill_timeout),
                 ("lease_s", args.lease),
                 ("max_resumes", args.max_resumes),
+                ("migrate_timeout_s", args.migrate_timeout),
+                ("migrate_policy", args.migrate_policy),
             )
             if value is not None
         },
@@ -291,6 +293,20 @@ def add_serve_parser(sub) -> None:
                 default=None,
                 help="a prefill's deadline, seconds (default 180); a reservation ended before "
                 "its push arrived keeps its blocks fenced this long at most",
+            )
+            p.add_argument(
+                "--migrate-policy",
+                choices=("off", "pressure"),
+                default=None,
+                help="move streaming requests off a decode worker about to preempt to one "
+                "with room (pressure; default off: docs/migration.md)",
+            )
+            p.add_argument(
+                "--migrate-timeout",
+                type=float,
+                default=None,
+                help="a live migration's deadline, seconds (default 30; a destination's "
+                "blocks stay fenced this long at most after a failed move: docs/migration.md)",
             )
             p.add_argument(
                 "--lease",

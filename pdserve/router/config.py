@@ -35,6 +35,14 @@ class RouterConfig:
     migrate_timeout_s: float = 30.0
     migrate_extra_tokens: int = 256
     drain_timeout_s: float = 600.0
+    # when to migrate (pdserve/router/rebalance.py): "off", or "pressure" (a decode worker
+    # with under migrate_low_free of its pool free gives a request to one at least
+    # migrate_min_gap freer, every rebalance_period_s, one per migrate_interval_s at most)
+    migrate_policy: str = "off"
+    rebalance_period_s: float = 0.5
+    migrate_low_free: float = 0.1
+    migrate_min_gap: float = 0.25
+    migrate_interval_s: float = 2.0
     heartbeat_s: float = HEARTBEAT_S  # told to every worker that registers
     missed_heartbeats: int = 5  # then a worker gets no new requests (its streams go on)
     forget_after_s: float = 120.0  # then it leaves the registry and its channel is closed
@@ -57,6 +65,8 @@ class RouterConfig:
             "migrate_timeout_s",
             "migrate_extra_tokens",
             "drain_timeout_s",
+            "rebalance_period_s",
+            "migrate_interval_s",
             "heartbeat_s",
             "forget_after_s",
         ):
@@ -67,6 +77,13 @@ class RouterConfig:
         for name in ("lease_s", "push_window_s"):
             if getattr(self, name) > 3600:
                 raise ValueError(f"{name}: at most 3600 s, got {getattr(self, name)}")
+        if self.migrate_policy not in ("off", "pressure"):
+            raise ValueError(f"migrate_policy: off or pressure, got {self.migrate_policy!r}")
+        for name in ("migrate_low_free", "migrate_min_gap"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(
+                    f"{name}: a fraction of a pool in [0, 1], got {getattr(self, name)}"
+                )
         first, longest = self.reserve_retry_s
         if not 0 < first <= longest:
             raise ValueError(

@@ -95,15 +95,17 @@ class Inflight:
 class Handover:
     """A move of a streaming request to `dest`, reserved there as `request_id` for the
     context the client had been sent when `sent` tokens were (all but the last of them):
-    "moving" until the old worker's stream ends "migrated" (the stream takes it: "switched")
-    or the mover gives up ("abandoned"). The two sides decide under the handoff's lock, so
-    exactly one of them owns the destination's reservation."""
+    "moving" until the old worker's stream ends "migrated" (the stream takes it: "switched";
+    or, when the request was aborted meanwhile, releases it: "cancelled") or the mover gives
+    up ("abandoned"). The two sides decide under the handoff's lock, so exactly one of them
+    owns the destination's reservation."""
 
     dest: Worker
     request_id: str
     sent: int
     state: str = "moving"
-    switched: threading.Event = field(default_factory=threading.Event)  # set with "switched"
+    # set once the stream decided (or the request ended): the mover waits on it
+    switched: threading.Event = field(default_factory=threading.Event)
 
     def start_request(self, run: Run) -> pb.StartRequest:
         """The destination's Start: the tokens after its reserved context whose KV moved in
@@ -358,6 +360,11 @@ class Handoff:
             moved, entry.handover = entry.handover, None
             if moved is None or moved.state != "moving":
                 return None
+            if entry.released:  # aborted while it moved: its new blocks go back at once
+                moved.state = "cancelled"
+                moved.switched.set()
+                self.release_later(moved.dest, moved.request_id)
+                return None
             moved.state = "switched"
             moved.switched.set()
             entry.worker, entry.worker_request_id = moved.dest, moved.request_id
@@ -512,6 +519,8 @@ class Handoff:
         with self._lock:
             removed.released = True
             worker, wrid, call = removed.worker, removed.worker_request_id, removed.call
+            if removed.handover is not None:  # its stream will not switch: the mover decides
+                removed.handover.switched.set()
         if call is not None:
             call.cancel()
         if worker is not None:

@@ -40,6 +40,7 @@ from pdserve.rpc import pdserve_pb2 as pb
 log = logging.getLogger(__name__)
 
 _CALL_ERRORS = (grpc.RpcError, ValueError)  # ValueError: a channel the registry closed
+_NOTHING_WRITTEN = grpc.StatusCode.FAILED_PRECONDITION  # the source's Migrate: no WRITE posted
 _PAUSE_S = 0.05  # between a drain's passes over the requests still on the worker
 
 
@@ -113,23 +114,26 @@ class Mover:
             )
             # moved: its stream's end ("migrated") may still be on its way here
             handover.switched.wait(self.config.migrate_timeout_s)
-            why = ""
+            why, unpushed = "", False
         except _CALL_ERRORS as e:
             why = f"migrate from {src.worker_id}: {_details(e)}"
+            # refused before any WRITE (not running there, say): no fence needed
+            unpushed = isinstance(e, grpc.RpcError) and e.code() == _NOTHING_WRITTEN
         finally:
             handoff.leases.drop(lease)
         with handoff.lock:
-            if handover.state == "moving":  # the stream did not take it: ours to release
+            state = handover.state
+            if state == "moving":  # the stream did not take it: ours to release
                 handover.state = "abandoned"
                 if entry.handover is handover:
                     entry.handover = None
-                abandoned = True
-            else:
-                abandoned = False
-        if abandoned:
-            # a WRITE may have landed: fenced until the move's window is over
-            handoff.release_later(dest, new_id)
+        if state == "moving":
+            # a WRITE may have landed (unless it said none was posted): fenced until the
+            # move's window is over
+            handoff.release_later(dest, new_id, unpushed=unpushed)
             return self._failed(why or "the stream never ended 'migrated'")
+        if state == "cancelled":  # the stream released it
+            return self._failed("the request was aborted while it moved")
         self.metrics.migrations.labels("completed").inc()
         return Moved(True)
 

@@ -80,8 +80,9 @@ class WorkerRegistry:
     on_forget: Callable[[str], None] | None = None  # a worker id that left the registry
     _workers: dict[str, Worker] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    # decode workers being drained (pdserve/router/migrate.py): no new requests; a worker
-    # that registers again at another address (restarted) is routable again
+    # decode workers being drained (pdserve/router/migrate.py): no new requests while
+    # another decode worker can take them; a worker that registers again at another
+    # address (restarted) is routable again
     _draining: set[str] = field(default_factory=set)
 
     def knows(self, record: WorkerRecord) -> bool:
@@ -137,20 +138,30 @@ class WorkerRegistry:
             return True
         return self.clock() - worker.last_seen > self.config.alive_window_s
 
-    def _routable(self, role: str) -> list[Worker]:
-        """Alive, not suspect and not draining: the ones new requests may go to."""
+    def _routable(self, role: str, draining: bool = False) -> list[Worker]:
+        """Alive, not suspect and not draining (`draining`: only the draining ones): the
+        ones new requests may go to."""
         with self._lock:
-            draining = set(self._draining)
-        return [w for w in self.alive(role) if not w.suspect and w.worker_id not in draining]
+            drained = set(self._draining)
+        return [
+            w for w in self.alive(role) if not w.suspect and (w.worker_id in drained) == draining
+        ]
+
+    def routable(self, role: str) -> list[Worker]:
+        """The `role` workers new requests (and migrated ones) may go to now."""
+        return self._routable(role)
 
     def find(self, worker_id: str, role: str) -> Worker | None:
         """The live `role` worker of that id."""
         return next((w for w in self.alive(role) if w.worker_id == worker_id), None)
 
-    def drain(self, worker: Worker) -> None:
-        """No new requests for `worker` (its own go on, or are moved)."""
+    def drain(self, worker: Worker, undo: bool = False) -> None:
+        """No new requests for `worker` (its own go on, or are moved); `undo`: again."""
         with self._lock:
-            self._draining.add(worker.worker_id)
+            if undo:
+                self._draining.discard(worker.worker_id)
+            else:
+                self._draining.add(worker.worker_id)
 
     def not_ready(self) -> str:
         """Why the cluster cannot serve a request now ("" when it can)."""
@@ -173,6 +184,8 @@ class WorkerRegistry:
         """The live decode worker with the most room not in `tried`; its Reserve counts as
         on its way until reserved() or not_reserved()."""
         workers = [w for w in self._routable("decode") if w.worker_id not in tried]
+        if not workers:  # a draining worker still takes work when no other one can
+            workers = [w for w in self._routable("decode", True) if w.worker_id not in tried]
         if not workers:
             return None
         with self._lock:

@@ -22,6 +22,8 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.handoff import Handoff, Inflight
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.migrate import Mover
+from pdserve.router.periodic import Periodic
+from pdserve.router.rebalance import Rebalancer
 from pdserve.router.registry import WorkerRecord, WorkerRegistry, grpc_connect
 from pdserve.router.request import Arrival
 from pdserve.rpc import ACCEPTED_KEY, GENERATE_VERSIONS, PROTOCOL_VERSION, STATUS_KEY
@@ -125,9 +127,17 @@ class RouterService(rpc.RouterServicer):
         self._owners_lock = threading.Lock()
         self.handoff = Handoff(config, self.registry, self.metrics, tokenizer, self.inflight)
         self.mover = Mover(config, self.registry, self.metrics, self.handoff)
+        self.rebalancer = None
+        if config.migrate_policy == "pressure":
+            rebalancer = Rebalancer(config, self.registry, self.handoff, self.mover)
+            self.rebalancer = Periodic(
+                "router-rebalance", config.rebalance_period_s, rebalancer.tick
+            )
 
     def close(self) -> None:
-        """Stops the handoff's lease and stream-watch threads."""
+        """Stops the handoff's lease and stream-watch threads (and the rebalancer's)."""
+        if self.rebalancer is not None:
+            self.rebalancer.close()
         self.handoff.close()
 
     @property
@@ -186,6 +196,10 @@ class RouterService(rpc.RouterServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"worker_id: no live decode worker {request.worker_id[:128]!r}",
             )
+        if request.undo:
+            self.registry.drain(worker, undo=True)
+            yield pb.DrainProgress(done=True)
+            return
         yield from self.mover.drain(worker)
 
     # -- requests -----------------------------------------------------------------------------

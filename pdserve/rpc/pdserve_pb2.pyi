@@ -189,10 +189,12 @@ class RegisterResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "undo")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    UNDO_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+    undo: bool
+    def __init__(self, worker_id: _Optional[str] = ..., undo: _Optional[bool] = ...) -> None: ...
 
 class DrainProgress(_message.Message):
     __slots__ = ("moved", "failed", "remaining", "done")

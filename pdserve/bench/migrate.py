@@ -1,0 +1,159 @@
+"""`pdserve bench migrate`: what a live migration costs a stream, on a launched 1P2D cluster.
+
+For each context length: a greedy stream of that many random prompt tokens runs on one of
+the two decode workers; once the client has `before` tokens, the worker is drained (its
+stream moves to the other one, pdserve/router/migrate.py), then given requests again. The
+client timestamps every token as it arrives. A point reports, per stream:
+
+    median_gap_ms   the median gap between two tokens, the switch's left out
+    stall_ms        the largest gap from the drain to the end: the switch as the client saw it
+    stall_ratio     stall / median gap (the issue's bound: at most 3)
+    rounds, bytes   the move's pre-copy rounds and KV bytes (the source worker's metrics)
+    source_stall_ms the request stopped on the source -> its last WRITE complete
+    equal           the tokens equal an unmoved run of the same prompt (run right after)
+
+Every stream and its unmoved twin run on the same cluster, one at a time (nothing else
+shares the workers), `repeats` times per context.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from pdserve.bench.probes import registered
+from pdserve.bench.prometheus import scrape, total
+from pdserve.bench.report import machine_info
+from pdserve.client import Client
+from pdserve.launch import Cluster
+from pdserve.progress import progress
+from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.rpc import pdserve_pb2_grpc as rpc
+from pdserve.serving import auth
+
+_SOURCE_METRICS = (
+    ("rounds", "pdserve_decode_migration_rounds_sum"),
+    ("bytes", "pdserve_decode_migrated_bytes_total"),
+    ("source_stall_s", "pdserve_decode_migration_stall_seconds_sum"),
+    ("moves", "pdserve_decode_migrations_total"),
+)
+
+
+def _decode_totals(cluster: Cluster) -> dict[str, dict[str, float]]:
+    out = {}
+    for wid, name in registered(cluster).items():
+        if name.startswith("decode"):
+            text = scrape(cluster.metrics[name])
+            out[wid] = {key: total(text, metric) for key, metric in _SOURCE_METRICS}
+            out[wid]["running"] = total(text, "pdserve_decode_running")
+    return out
+
+
+def _drain(cluster: Cluster, worker_id: str, undo: bool = False) -> list[pb.DrainProgress]:
+    with auth.channel(cluster.address, cluster.security) as channel:
+        stub = rpc.RouterStub(channel)
+        return list(stub.Drain(pb.DrainRequest(worker_id=worker_id, undo=undo), timeout=300))
+
+
+def _one(cluster: Cluster, client: Client, prompt: list[int], before: int, after: int) -> dict:
+    """One moved stream and its unmoved twin -> the point's row."""
+    params = dict(max_tokens=before + after, temperature=0, ignore_eos=True)
+    tokens: list[int] = []
+    arrivals: list[float] = []
+    moved_at = None
+    final = None
+    source = None
+    for msg in client.messages(prompt, timeout_s=600, **params):
+        now = time.perf_counter()
+        for token in msg.token_ids:
+            tokens.append(token)
+            arrivals.append(now)
+        if msg.finished:
+            final = msg
+        if moved_at is None and len(tokens) >= before:
+            counts = _decode_totals(cluster)
+            source = next(w for w, c in counts.items() if c["running"] > 0)
+            start_counts = counts[source]
+            moved_at = len(tokens)
+            progress_msgs = _drain(cluster, source)
+            _drain(cluster, source, undo=True)
+    assert final is not None and source is not None
+    end_counts = _decode_totals(cluster)[source]
+    delta = {k: end_counts[k] - start_counts[k] for k, _ in _SOURCE_METRICS}
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    # the switch: the largest gap from the drain on (its tokens arrived after moved_at)
+    switch = max(range(moved_at - 1, len(gaps)), key=gaps.__getitem__)
+    steady = [g for i, g in enumerate(gaps) if i != switch]
+    twin = client.generate(prompt, **params).token_ids
+    median = statistics.median(steady)
+    return {
+        "tokens": len(tokens),
+        "migrations": final.timings.migrations,
+        "resumes": final.timings.resumes,
+        "moved": progress_msgs[-1].moved,
+        "median_gap_ms": 1e3 * median,
+        "stall_ms": 1e3 * gaps[switch],
+        "stall_ratio": gaps[switch] / median,
+        "equal": tokens == twin,
+        **_per_move(delta),
+    }
+
+
+def bench_migrate(
+    model: str = "smollm2-135m",
+    contexts: list[int] = (256, 1024, 2048),
+    before: int = 32,
+    after: int = 32,
+    repeats: int = 2,
+    seed: int = 0,
+) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    blocks = 2 * (-(-(max(contexts) + before + after + 256) // 16)) + 64
+    worker_args = ["--num-kv-blocks", str(blocks)]
+    points = []
+    with (
+        Cluster(model, 1, 2, worker_args=worker_args) as c,
+        Client(c.address, security=c.security) as client,
+        progress(total=len(contexts) * repeats, desc="bench migrate") as bar,
+    ):
+        vocab = 4096  # any ids the model knows (SmolLM2's vocabulary is 49,152)
+        client.generate([5, 6, 7], max_tokens=4, temperature=0)  # warm both roles up
+        for context in contexts:
+            for _ in range(repeats):
+                prompt = torch.randint(3, vocab, (context,), generator=g).tolist()
+                points.append({"context": context, **_one(c, client, prompt, before, after)})
+                bar.update(1)
+    return {
+        "benchmark": "migrate",
+        "model": model,
+        "topology": "1P2D launched on 127.0.0.1 (NIXL over UCX)",
+        "before": before,
+        "after": after,
+        "repeats": repeats,
+        "points": points,
+        "machine": machine_info(),
+    }
+
+
+def _per_move(totals: dict[str, float]) -> dict:
+    moves = max(1.0, totals.get("moves", 0.0))
+    return {
+        "rounds_per_move": totals.get("rounds", 0.0) / moves,
+        "mib_per_move": totals.get("bytes", 0.0) / moves / 2**20,
+        "source_stall_ms": 1e3 * totals.get("source_stall_s", 0.0) / moves,
+    }
+
+
+def format_table(report: dict) -> str:
+    head = "context | moved | equal | median gap ms | stall ms | stall/median | rounds | MiB"
+    lines = [head]
+    for p in report["points"]:
+        lines.append(
+            f"{p['context']} | {p['migrations']} | {p['equal']} | {p['median_gap_ms']:.1f} | "
+            f"{p['stall_ms']:.1f} | {p['stall_ratio']:.2f} | {p['rounds_per_move']:.1f} | "
+            f"{p['mib_per_move']:.1f}"
+        )
+    lines.append(f"{report['model']}, {report['topology']}; the issue's bound: stall/median <= 3")
+    return "\n".join(lines)

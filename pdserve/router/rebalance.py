@@ -1,0 +1,131 @@
+"""When to migrate: the router's rebalancer (`--migrate-policy pressure`; off by default).
+
+Every `rebalance_period_s` it looks at the decode workers' last heartbeats (and the blocks
+this router reserved on them since):
+
+    donor       the one with the least free KV, when under `migrate_low_free` of its pool
+                is free or its admission policy projects negative headroom: it is about to
+                preempt (or park) what it runs
+    receiver    the one with the most free KV, at least `migrate_min_gap` of a pool freer
+                than the donor (so that a move never makes the receiver the next donor:
+                no thrashing back and forth)
+    request     of the donor's streaming requests, the one whose move frees the most
+                pressure per byte moved: the most tokens still to come (the growth the donor
+                is spared) per token of context (the KV the move copies)
+
+and moves that request (pdserve/router/migrate.py). Rate limits: one move per round, a
+donor gives at most one request per `migrate_interval_s`, and a request that moved once is
+not moved again within `migrate_interval_s` either.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.handoff import Handoff, Inflight
+from pdserve.router.migrate import Mover
+from pdserve.router.registry import Worker, WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("off", "pressure")
+
+
+def free_fraction(worker: Worker) -> float:
+    """Free blocks over the pool, less what this router reserved since the heartbeat."""
+    s = worker.record.stats
+    if s.total_blocks <= 0:
+        return 0.0
+    return max(0, s.free_blocks - worker.pending_blocks) / s.total_blocks
+
+
+def relief_per_byte(entry: Inflight) -> float:
+    """Tokens the request may still generate per token of KV it holds now."""
+    run = entry.run
+    context = len(run.arrival.prompt) + len(run.tokens)
+    left = run.arrival.sampling.max_tokens - len(run.tokens)
+    return left / max(1, context)
+
+
+class Rebalancer:
+    TRIES = 4  # requests tried per round: the router cannot see which ones run right now
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: WorkerRegistry,
+        handoff: Handoff,
+        mover: Mover,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config, self.registry, self.handoff, self.mover = config, registry, handoff, mover
+        self.clock = clock
+        self._last_gave: dict[str, float] = {}  # donor worker id -> when it last gave one
+        self._moved_at: dict[int, float] = {}  # id(entry) -> when it last moved
+
+    def pair(self) -> tuple[Worker, Worker] | None:
+        """(donor, receiver) when one should give a request to the other now."""
+        workers = self.registry.routable("decode")
+        if len(workers) < 2:
+            return None
+        donor = min(workers, key=free_fraction)
+        receiver = max(workers, key=free_fraction)
+        pressed = (
+            free_fraction(donor) < self.config.migrate_low_free
+            or donor.record.stats.headroom_blocks < 0
+        )
+        if not pressed or donor is receiver:
+            return None
+        if free_fraction(receiver) - free_fraction(donor) < self.config.migrate_min_gap:
+            return None
+        if (
+            self.clock() - self._last_gave.get(donor.worker_id, -1e18)
+            < self.config.migrate_interval_s
+        ):
+            return None
+        return donor, receiver
+
+    def pick(self, donor: Worker) -> list[Inflight]:
+        """The donor's streaming requests, the one whose move relieves it most per byte
+        moved first."""
+        now = self.clock()
+        with self.handoff.lock:
+            candidates = [
+                e
+                for e in self.handoff.inflight.values()
+                if e.worker is donor
+                and e.streaming
+                and e.handover is None
+                and e.run is not None
+                and now - self._moved_at.get(id(e), -1e18) >= self.config.migrate_interval_s
+            ]
+        return sorted(candidates, key=relief_per_byte, reverse=True)
+
+    def tick(self) -> bool:
+        """One round -> whether a request moved."""
+        paired = self.pair()
+        if paired is None:
+            return False
+        donor, receiver = paired
+        tries = self.pick(donor)[: self.TRIES]
+        if not tries:
+            return False
+        self._last_gave[donor.worker_id] = self.clock()
+        moved = False
+        for entry in tries:  # a request preempted there (no KV to move) refuses: the next
+            if self.mover.move(entry, receiver).ok:
+                self._moved_at[id(entry)] = self.clock()
+                log.info("moved a request from %s to %s", donor.worker_id, receiver.worker_id)
+                moved = True
+                break
+        self._forget_ended()
+        return moved
+
+    def _forget_ended(self) -> None:
+        with self.handoff.lock:
+            live = {id(e) for e in self.handoff.inflight.values()}
+        for key in [k for k in self._moved_at if k not in live]:
+            del self._moved_at[key]

@@ -1,0 +1,133 @@
+"""Faults on the live-migration path, in a launched 1P2D cluster (real processes, NIXL on
+127.0.0.1): a drain moves the busier decode worker's streams while the worker they leave
+(A) is killed at the move's last round, the worker they go to (B) is killed mid-move, or
+the client cancels mid-move (the `decode.migrate` failpoint: exact states, not guessed
+moments). Every other request completes with the colocated engine's tokens, none lost or
+repeated, and the survivors hold no block afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from long_streams import all_free, busiest_decode, colocated, drain_rpc, streams
+
+from pdserve import failpoints
+from pdserve.bench.probes import pid_of, registered
+from pdserve.bench.prometheus import scrape, total
+from pdserve.client import Client
+from pdserve.launch import Cluster
+from pdserve.rpc import pdserve_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[list[int]]:
+    return colocated()
+
+
+def cluster(points: str) -> Cluster:
+    return Cluster(
+        "tiny-llama",
+        1,
+        2,
+        worker_args=["--num-kv-blocks", "512"],
+        # greedy admission: when one decode worker is left it takes every stream (its
+        # pool holds them all at full length), none waits out the router's queue timeout
+        decode_args=["--failpoints", points, "--admission", "greedy"],
+        # a failed move's destination blocks stay fenced for its window: short here
+        router_args=["--migrate-timeout", "5"],
+    )
+
+
+def drain_busiest(c: Cluster) -> tuple[str, str, list[pb.DrainProgress]]:
+    """Drain the decode worker running the most streams -> (its id, the other's, progress)."""
+    wid = busiest_decode(c)
+    other = next(w for w, n in registered(c).items() if n.startswith("decode") and w != wid)
+    return wid, other, drain_rpc(c, wid)
+
+
+def on_fire(points: str, action) -> threading.Thread:
+    """Run `action(pid, detail)` once decode.migrate fires (from a thread)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while (hit := failpoints.fired(points, "any", "decode.migrate")) is None:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.005)
+        action(*hit)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_worker_a_request_leaves_dies_at_the_last_round(expected, tmp_path):
+    points = str(tmp_path)
+    with cluster(points) as c, Client(c.address, security=c.security) as client:
+        worker_of = {pid_of(c, name): wid for wid, name in registered(c).items()}
+        failpoints.arm(points, "any", "decode.migrate", "kill")
+        results, (drained, other, progress) = streams(client, lambda: drain_busiest(c))
+        hit = failpoints.fired(points, "any", "decode.migrate")
+        assert hit is not None and worker_of[hit[0]] == drained  # the one it left died
+        assert progress[-1].done  # its streams resumed elsewhere: none left on it
+        for (tokens, (_, reason)), want in zip(results, expected):
+            assert tokens == want and reason == "length"  # none lost, none repeated
+        assert sum(t["resumes"] for _, (t, _) in results) >= 1  # its streams, by recompute
+        assert all(t["decode_worker"] == other for _, (t, _) in results if t["resumes"])
+        all_free(client, dead={drained})
+
+
+def test_the_worker_a_request_goes_to_dies_mid_move(expected, tmp_path):
+    """A holds the move's last round for a second while B is SIGKILLed: A's WRITE into B
+    fails and the request decodes on at A, nothing recomputed."""
+    points = str(tmp_path)
+    with cluster(points) as c, Client(c.address, security=c.security) as client:
+        failpoints.arm(points, "any", "decode.migrate", "pause 1")
+        struck: list[int] = []
+
+        def kill_the_other(pid: int, detail: str) -> None:
+            decodes = [p.pid for n, p in zip(c.names, c.procs) if n.startswith("decode")]
+            victim = next(p for p in decodes if p != pid)
+            os.kill(victim, signal.SIGKILL)
+            struck.append(victim)
+
+        watcher = on_fire(points, kill_the_other)
+        results, (drained, other, _) = streams(client, lambda: drain_busiest(c))
+        watcher.join(timeout=5)
+        assert struck, "decode.migrate never fired"
+        for (tokens, (_, reason)), want in zip(results, expected):
+            assert tokens == want and reason == "length"
+        on_a = [t for _, (t, _) in results if t["decode_worker"] == drained]
+        assert on_a and all(t["migrations"] == 0 for t in on_a)
+        router = scrape(c.metrics["router-0"])
+        assert total(router, "pdserve_router_migrations_total", outcome="failed") >= 1
+        all_free(client, dead={other})
+
+
+def test_a_request_cancelled_mid_move_leaves_nothing_held(expected, tmp_path):
+    points = str(tmp_path)
+    with cluster(points) as c, Client(c.address, security=c.security) as client:
+        failpoints.arm(points, "any", "decode.migrate", "pause 1")
+        cancelled: list[str] = []
+
+        def cancel(pid: int, detail: str) -> None:
+            rid = detail.strip().split("~")[0]
+            assert client.abort(rid)
+            cancelled.append(rid)
+
+        watcher = on_fire(points, cancel)
+        results, _ = streams(client, lambda: drain_busiest(c))
+        watcher.join(timeout=5)
+        assert len(cancelled) == 1
+        reasons = [reason for _, (_, reason) in results]
+        assert reasons.count("abort") == 1
+        for (tokens, (_, reason)), want in zip(results, expected):
+            if reason != "abort":
+                assert tokens == want and reason == "length"
+            else:
+                assert tokens == want[: len(tokens)]  # a prefix: nothing wrong was sent
+        all_free(client)

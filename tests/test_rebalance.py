@@ -1,0 +1,140 @@
+"""The rebalancer's choices on its own (exact expectations): which decode worker gives a
+request, which one takes it, which request moves, and the rate limits that keep it from
+thrashing. The moves themselves are recorded, not made (tests/test_drain.py makes them)."""
+
+from __future__ import annotations
+
+from test_router import record
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.handoff import Inflight
+from pdserve.router.migrate import Moved
+from pdserve.router.rebalance import Rebalancer
+from pdserve.router.registry import WorkerRegistry
+from pdserve.router.request import Arrival, Run
+from pdserve.rpc import pdserve_pb2 as pb
+
+CONFIG = RouterConfig(
+    max_model_len=4096, missed_heartbeats=60, migrate_policy="pressure", migrate_interval_s=2.0
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Handoff:  # the two things the rebalancer reads of the real one
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.inflight: dict[str, Inflight] = {}
+
+
+class Mover:
+    def __init__(self) -> None:
+        self.moves: list[tuple[str, str]] = []
+
+    def move(self, entry: Inflight, dest) -> Moved:
+        self.moves.append((entry.run.arrival.request_id, dest.worker_id))
+        entry.worker = dest  # what the stream's switch does
+        return Moved(True)
+
+
+def streaming(handoff: Handoff, worker, rid: str, prompt: int, sent: int, max_tokens: int):
+    arrival = Arrival(rid, [1] * prompt, pb.SamplingParams(max_tokens=max_tokens), 0.0, 0.0)
+    entry = Inflight(worker=worker, worker_request_id=rid, run=Run(arrival, [2] * sent))
+    entry.streaming = True
+    handoff.inflight[rid] = entry
+    return entry
+
+
+def setup(free_a: int, free_b: int, headroom_a: int = 0):
+    clock = Clock()
+    reg = WorkerRegistry(CONFIG, clock=clock, connect=lambda r: (None, None))
+    reg.upsert(record("a", "decode", free_blocks=free_a, headroom_blocks=headroom_a))
+    reg.upsert(record("b", "decode", free_blocks=free_b))
+    handoff, mover = Handoff(), Mover()
+    workers = {w.worker_id: w for w in reg.alive("decode")}
+    return clock, reg, handoff, mover, Rebalancer(CONFIG, reg, handoff, mover, clock), workers
+
+
+def test_a_pressed_worker_gives_the_request_that_relieves_it_most_per_byte():
+    clock, reg, handoff, mover, rb, w = setup(free_a=4, free_b=60)  # a: 6% free
+    streaming(handoff, w["a"], "long-context", prompt=900, sent=10, max_tokens=100)
+    streaming(handoff, w["a"], "much-to-come", prompt=50, sent=10, max_tokens=900)
+    streaming(handoff, w["b"], "elsewhere", prompt=50, sent=10, max_tokens=900)
+    assert rb.tick()
+    assert mover.moves == [("much-to-come", "b")]  # 890 tokens to come per 60 of context
+
+
+def test_no_move_without_pressure_or_without_a_much_freer_receiver():
+    _, _, handoff, mover, rb, w = setup(free_a=20, free_b=60)  # a: 31% free, not pressed
+    streaming(handoff, w["a"], "r", prompt=50, sent=10, max_tokens=900)
+    assert not rb.tick()
+    _, _, handoff, mover, rb, w = setup(free_a=4, free_b=16)  # b is only 19% freer
+    streaming(handoff, w["a"], "r", prompt=50, sent=10, max_tokens=900)
+    assert not rb.tick() and mover.moves == []
+
+
+def test_negative_projected_headroom_is_pressure_too():
+    _, _, handoff, mover, rb, w = setup(free_a=30, free_b=62, headroom_a=-3)
+    streaming(handoff, w["a"], "r", prompt=50, sent=10, max_tokens=900)
+    assert rb.tick() and mover.moves == [("r", "b")]
+
+
+def test_one_request_per_donor_per_interval():
+    clock, _, handoff, mover, rb, w = setup(free_a=4, free_b=60)
+    streaming(handoff, w["a"], "r1", prompt=50, sent=10, max_tokens=900)
+    streaming(handoff, w["a"], "r2", prompt=50, sent=10, max_tokens=800)
+    assert rb.tick()
+    assert not rb.tick()  # the same donor within the interval
+    clock.t += 2.5
+    assert rb.tick()
+    assert mover.moves == [("r1", "b"), ("r2", "b")]
+
+
+def test_a_moved_request_does_not_move_back_within_the_interval():
+    clock, reg, handoff, mover, rb, w = setup(free_a=4, free_b=60)
+    streaming(handoff, w["a"], "r", prompt=50, sent=10, max_tokens=900)
+    assert rb.tick()
+    reg.upsert(record("a", "decode", free_blocks=60))  # now b is the pressed one
+    reg.upsert(record("b", "decode", free_blocks=4))
+    clock.t += 1.0
+    assert not rb.tick()
+    clock.t += 1.5
+    assert rb.tick()
+    assert mover.moves == [("r", "b"), ("r", "a")]
+
+
+def test_requests_not_streaming_or_already_moving_are_left_alone():
+    _, _, handoff, mover, rb, w = setup(free_a=4, free_b=60)
+    prefilling = streaming(handoff, w["a"], "p", prompt=50, sent=0, max_tokens=900)
+    prefilling.streaming = False
+    moving = streaming(handoff, w["a"], "m", prompt=50, sent=10, max_tokens=900)
+    moving.handover = object()
+    assert not rb.tick() and mover.moves == []
+
+
+def test_a_refused_move_tries_the_next_request_of_the_same_donor():
+    """The router cannot see which of a worker's requests run right now: one preempted
+    there (its KV dropped) refuses to move, and the next one is tried in the same round."""
+    _, _, handoff, mover, rb, w = setup(free_a=4, free_b=60)
+    streaming(handoff, w["a"], "preempted", prompt=50, sent=10, max_tokens=900)
+    streaming(handoff, w["a"], "running", prompt=50, sent=10, max_tokens=800)
+    refused = {"preempted"}
+    move = mover.move
+
+    def refusing(entry, dest):
+        if entry.run.arrival.request_id in refused:
+            mover.moves.append((entry.run.arrival.request_id, "refused"))
+            return Moved(False, "not running")
+        return move(entry, dest)
+
+    mover.move = refusing
+    assert rb.tick()
+    assert mover.moves == [("preempted", "refused"), ("running", "b")]
