@@ -19,8 +19,10 @@ here untouched; one whose last round fails runs here again (admitted back with i
 Either way the destination's reservation is the router's to release (its blocks stay fenced
 until the push window is over, decode/reservations.py), so there is never a second owner.
 
-Every call on the transfer agent is made under the worker's lock: the step loop polls the
-same agent for notifications.
+Every call on the transfer agent is made under the worker's agent lock, never under its
+main lock: adding a peer and its first WRITE can take 100 ms (a connection is made), and
+the step loop must not wait for that (it skips collecting notifications while the agent
+is busy; decode/worker.py).
 """
 
 from __future__ import annotations
@@ -100,11 +102,11 @@ class Migrator:
         worker = self.worker
         if worker.core.tp_size > 1 or dest.ranks:
             raise MigrationFailed("migration between tensor-parallel workers is not built", False)
-        with worker.lock:
-            try:
-                worker.endpoint.routes_to(dest.pools)  # the same model and pool layout
-            except HandshakeRefused as e:
-                raise MigrationFailed(f"destination: {e}", False) from None
+        try:
+            worker.endpoint.routes_to(dest.pools)  # the same model and pool layout
+        except HandshakeRefused as e:
+            raise MigrationFailed(f"destination: {e}", False) from None
+        with worker.agent_lock:
             try:
                 peer, remote = self.peers.side(dest.worker_id, dest.agent_metadata, dest.pool)
             except (ValueError, RuntimeError) as e:  # metadata it cannot use
@@ -157,9 +159,11 @@ class Migrator:
             kv = worker.core.kv_of(request_id)
         if kv is None:
             raise MigrationFailed(f"{request_id!r} is not running here", False)
-        blocks, computed = kv
+        blocks, computed, longest = kv
         dirty = -(-computed // bs) - sent
         room = capacity - computed - bs  # a block of slack: the stop lands a step or two late
+        if longest - 1 <= capacity:  # the blocks hold it whatever it does (the last token
+            room = float("inf")  # of a sequence never has KV)
         last = final or dirty <= config.migrate_final_blocks or 2 * growth > room
         if not last:
             return None, blocks, computed
@@ -179,7 +183,7 @@ class Migrator:
             kv = self.worker.core.kv_of(request_id)
         if kv is None:
             raise MigrationFailed(f"{request_id!r} ended or was preempted while it moved", False)
-        now_blocks, computed = kv
+        now_blocks, computed, _ = kv
         if now_blocks[: len(blocks)] != blocks[: len(now_blocks)]:
             raise MigrationFailed(f"{request_id!r} was preempted while its KV moved", True)
         return computed
@@ -212,7 +216,7 @@ class Migrator:
         layers = range(worker.core.model_config.num_layers)
         self._posted = True
         try:
-            with worker.lock:
+            with worker.agent_lock:
                 xfer, nbytes = write_layers(
                     worker.endpoint.agent,
                     peer,
@@ -226,7 +230,7 @@ class Migrator:
             raise MigrationFailed(f"a WRITE of the move could not be posted: {e}", True) from None
         try:
             while True:
-                with worker.lock:
+                with worker.agent_lock:
                     state = xfer.state()
                 if state is XferState.DONE:
                     return nbytes
@@ -238,5 +242,5 @@ class Migrator:
         except TransferFailed as e:
             raise MigrationFailed(f"a WRITE of the move failed: {e}", True) from None
         finally:
-            with worker.lock:
+            with worker.agent_lock:
                 xfer.release()

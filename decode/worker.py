@@ -66,6 +66,10 @@ class DecodeWorker:
         self.metrics = DecodeMetrics()
         self.state = DecodeState(core, config)
         self.lock = threading.Lock()  # the state, the core and the streams
+        # the transfer agent's calls: a migration's (add a peer, post and poll WRITEs) take
+        # it without the lock above, and the step loop only collects notifications when it
+        # is free (a first WRITE to a new peer can take 100 ms to connect: never a stall)
+        self.agent_lock = threading.Lock()
         self.streams: dict[str, Stream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -246,10 +250,17 @@ class DecodeWorker:
                 )
             time.sleep(self.config.kv_arrival_poll_s)
 
-    def _collect_notifications(self) -> None:
+    def _collect_notifications(self, wait: bool = True) -> None:
         """Push notifications, for Start and for fenced blocks (under the lock); a tensor
-        parallel worker's ranks each receive the parts of a push written into their pools."""
-        notes = [n for got in self.endpoint.agent.notifications().values() for n in got]
+        parallel worker's ranks each receive the parts of a push written into their pools.
+        `wait=False` (the step loop): none now when a migration is using the agent."""
+        if not self.agent_lock.acquire(blocking=wait):
+            return
+        try:
+            got = self.endpoint.agent.notifications()
+        finally:
+            self.agent_lock.release()
+        notes = [n for per_peer in got.values() for n in per_peer]
         for more in self.core.rank_call("notifications"):
             notes += more
         self.state.note_arrivals(notes)
@@ -272,7 +283,7 @@ class DecodeWorker:
         is plain data by then), so Reserve/Start/Release and heartbeats are not starved."""
         core = self.core
         with self.lock:
-            self._collect_notifications()
+            self._collect_notifications(wait=False)
             self.state.expire()
             self._detach_waiting()
             plan = core.begin_step()

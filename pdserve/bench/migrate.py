@@ -10,16 +10,21 @@ client timestamps every token as it arrives. A point reports, per stream:
     stall_ratio     stall / median gap (the issue's bound: at most 3)
     rounds, bytes   the move's pre-copy rounds and KV bytes (the source worker's metrics)
     source_stall_ms the request stopped on the source -> its last WRITE complete
-    equal           the tokens equal an unmoved run of the same prompt (run right after)
+    equal           the tokens equal the unmoved runs of the same prompt
+    cold            one of the cluster's first `cold` moves, which also connect the two
+                    workers' transfer agents (shown apart: a cluster makes them once)
 
-Every stream and its unmoved twin run on the same cluster, one at a time (nothing else
-shares the workers), `repeats` times per context.
+Before each measured stream, two unmoved runs of its prompt go at once (one on each decode
+worker: both have run that context, nothing is cold when the move lands); their tokens are
+the reference. Streams run one at a time (nothing else shares the workers), `repeats`
+times per context.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -57,14 +62,32 @@ def _drain(cluster: Cluster, worker_id: str, undo: bool = False) -> list[pb.Drai
         return list(stub.Drain(pb.DrainRequest(worker_id=worker_id, undo=undo), timeout=300))
 
 
+def _unmoved(client: Client, prompt: list[int], params: dict) -> list[int]:
+    """Two unmoved runs of the prompt at once (the router spreads them over both decode
+    workers: each has run this context before the measured stream) -> their tokens."""
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda _: client.generate(prompt, **params).token_ids, range(2)))
+    assert runs[0] == runs[1], "two greedy runs of one prompt differ"
+    return runs[0]
+
+
 def _one(cluster: Cluster, client: Client, prompt: list[int], before: int, after: int) -> dict:
-    """One moved stream and its unmoved twin -> the point's row."""
+    """One moved stream, after its unmoved twins -> the point's row."""
     params = dict(max_tokens=before + after, temperature=0, ignore_eos=True)
+    twin = _unmoved(client, prompt, params)
     tokens: list[int] = []
     arrivals: list[float] = []
     moved_at = None
     final = None
     source = None
+    mover = ThreadPoolExecutor(1)  # the stream is read on while the drain runs
+
+    def move(source: str) -> list[pb.DrainProgress]:
+        try:
+            return _drain(cluster, source)
+        finally:
+            _drain(cluster, source, undo=True)
+
     for msg in client.messages(prompt, timeout_s=600, **params):
         now = time.perf_counter()
         for token in msg.token_ids:
@@ -77,16 +100,16 @@ def _one(cluster: Cluster, client: Client, prompt: list[int], before: int, after
             source = next(w for w, c in counts.items() if c["running"] > 0)
             start_counts = counts[source]
             moved_at = len(tokens)
-            progress_msgs = _drain(cluster, source)
-            _drain(cluster, source, undo=True)
+            drained = mover.submit(move, source)
     assert final is not None and source is not None
+    progress_msgs = drained.result(timeout=300)
+    mover.shutdown()
     end_counts = _decode_totals(cluster)[source]
     delta = {k: end_counts[k] - start_counts[k] for k, _ in _SOURCE_METRICS}
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     # the switch: the largest gap from the drain on (its tokens arrived after moved_at)
     switch = max(range(moved_at - 1, len(gaps)), key=gaps.__getitem__)
     steady = [g for i, g in enumerate(gaps) if i != switch]
-    twin = client.generate(prompt, **params).token_ids
     median = statistics.median(steady)
     return {
         "tokens": len(tokens),
@@ -108,6 +131,7 @@ def bench_migrate(
     after: int = 32,
     repeats: int = 2,
     seed: int = 0,
+    cold: int = 2,
 ) -> dict:
     g = torch.Generator().manual_seed(seed)
     blocks = 2 * (-(-(max(contexts) + before + after + 256) // 16)) + 64
@@ -116,15 +140,17 @@ def bench_migrate(
     with (
         Cluster(model, 1, 2, worker_args=worker_args) as c,
         Client(c.address, security=c.security) as client,
-        progress(total=len(contexts) * repeats, desc="bench migrate") as bar,
+        progress(total=cold + len(contexts) * repeats, desc="bench migrate") as bar,
     ):
         vocab = 4096  # any ids the model knows (SmolLM2's vocabulary is 49,152)
         client.generate([5, 6, 7], max_tokens=4, temperature=0)  # warm both roles up
-        for context in contexts:
-            for _ in range(repeats):
-                prompt = torch.randint(3, vocab, (context,), generator=g).tolist()
-                points.append({"context": context, **_one(c, client, prompt, before, after)})
-                bar.update(1)
+        # the first moves between two workers also make their transfer connections (each
+        # way): measured and shown, but apart ("cold"); a cluster makes them once
+        for context in [contexts[0]] * cold + [x for x in contexts for _ in range(repeats)]:
+            prompt = torch.randint(3, vocab, (context,), generator=g).tolist()
+            row = _one(c, client, prompt, before, after)
+            points.append({"context": context, "cold": len(points) < cold, **row})
+            bar.update(1)
     return {
         "benchmark": "migrate",
         "model": model,
@@ -147,11 +173,12 @@ def _per_move(totals: dict[str, float]) -> dict:
 
 
 def format_table(report: dict) -> str:
-    head = "context | moved | equal | median gap ms | stall ms | stall/median | rounds | MiB"
+    head = "context | cold | moved | equal | median gap ms | stall ms | stall/median | rounds | MiB"
     lines = [head]
     for p in report["points"]:
         lines.append(
-            f"{p['context']} | {p['migrations']} | {p['equal']} | {p['median_gap_ms']:.1f} | "
+            f"{p['context']} | {'cold' if p['cold'] else ''} | {p['migrations']} | {p['equal']} | "
+            f"{p['median_gap_ms']:.1f} | "
             f"{p['stall_ms']:.1f} | {p['stall_ratio']:.2f} | {p['rounds_per_move']:.1f} | "
             f"{p['mib_per_move']:.1f}"
         )

@@ -207,13 +207,14 @@ class EngineCore:
         req = self.scheduler.abort(request_id)
         return FinishedRequest.of(req) if req is not None else None
 
-    def kv_of(self, request_id: str) -> tuple[list[int], int] | None:
-        """A running request's (block ids, tokens whose KV they hold), or None when it is
-        not running (waiting, parked, finished or unknown)."""
+    def kv_of(self, request_id: str) -> tuple[list[int], int, int] | None:
+        """A running request's (block ids, tokens whose KV they hold, the most tokens it
+        may ever have), or None when it is not running (waiting, parked, finished or
+        unknown)."""
         req = self.scheduler.find(request_id)
         if req is None or req.status is not RequestStatus.RUNNING:
             return None
-        return list(req.block_ids), req.num_computed_tokens
+        return list(req.block_ids), req.num_computed_tokens, req.max_total_tokens
 
     def detach(self, request_id: str) -> Request | None:
         """Take a running request out of the engine with its blocks, at a step boundary (its

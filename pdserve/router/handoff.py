@@ -63,6 +63,20 @@ _CALL_ERRORS = (grpc.RpcError, ValueError)
 MIGRATED = "migrated"  # a decode stream's end when its request's KV moved to another worker
 
 
+def destination_fields(reserved: pb.ReserveResponse) -> dict:
+    """A Reserve's answer as the `dest_*` fields of the call that writes into its blocks
+    (a PrefillRequest, or a MigrateRequest: pdserve/router/migrate.py)."""
+    return dict(
+        dest_worker_id=reserved.worker_id,
+        dest_block_ids=reserved.block_ids,
+        dest_cached_blocks=reserved.cached_blocks,
+        dest_layout=reserved.layout,
+        dest_agent_metadata=reserved.agent_metadata,
+        dest_fence=reserved.fence,
+        dest_ranks=reserved.ranks,
+    )
+
+
 def _code(e: Exception) -> grpc.StatusCode:
     return e.code() if isinstance(e, grpc.RpcError) else _Code.UNAVAILABLE
 
@@ -225,13 +239,7 @@ class Handoff:
                     request_id=rid,
                     prompt_token_ids=prompt,
                     sampling=sampling,
-                    dest_worker_id=reserved.worker_id,
-                    dest_block_ids=reserved.block_ids,
-                    dest_cached_blocks=reserved.cached_blocks,
-                    dest_layout=reserved.layout,
-                    dest_agent_metadata=reserved.agent_metadata,
-                    dest_fence=reserved.fence,
-                    dest_ranks=reserved.ranks,
+                    **destination_fields(reserved),
                 ),
                 timeout=max(0.001, budget),
             )

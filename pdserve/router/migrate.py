@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.handoff import Handoff, Handover, Inflight
+from pdserve.router.handoff import Handoff, Handover, Inflight, destination_fields
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Worker, WorkerRegistry
 from pdserve.rpc import pdserve_pb2 as pb
@@ -102,13 +102,7 @@ class Mover:
                 pb.MigrateRequest(
                     request_id=src_id,
                     dest_request_id=new_id,
-                    dest_worker_id=reply.worker_id,
-                    dest_block_ids=reply.block_ids,
-                    dest_layout=reply.layout,
-                    dest_agent_metadata=reply.agent_metadata,
-                    dest_cached_blocks=reply.cached_blocks,
-                    dest_fence=reply.fence,
-                    dest_ranks=reply.ranks,
+                    **destination_fields(reply),
                 ),
                 timeout=self.config.migrate_timeout_s,
             )
