@@ -263,7 +263,12 @@ def test_pushed_kv_lands_byte_for_byte_in_each_decode_ranks_head_slice(p, d):
         reserved = decode.reserve("r1", prompt, greedy, lease_s=30)
         result = prefill.submit("r1", prompt, greedy, destination(decode, reserved)).result(60)
         assert result.transfer_bytes == 4 * decode.endpoint.bytes_per_block
-        src_ids = prefill.core.shared_blocks(prompt)  # its blocks stay cached after the push
+        # its blocks stay cached after the push: released (and committed) by the prefill
+        # loop right after it answered, so looked for until then
+        deadline = time.monotonic() + 10
+        while len(src_ids := prefill.core.shared_blocks(prompt)) < 3:
+            assert time.monotonic() < deadline, "the prefill blocks were never cached"
+            time.sleep(0.01)
         assert len(src_ids) == 3  # the full ones (the partial last is not cached)
         heads = decode.endpoint.layouts
         # the prefill group's KV, every head: its ranks' slices side by side
