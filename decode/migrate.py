@@ -40,8 +40,9 @@ from transfer.writes import Peers, PoolSide, block_runs, pool_side, write_layers
 
 class MigrationFailed(RuntimeError):
     """The request was not moved and goes on here (or ended). `wrote`: a WRITE into the
-    destination was posted first (its blocks must stay fenced: ABORTED at the edge; else
-    FAILED_PRECONDITION, and they may go back at once). `retryable`: a later try may work
+    destination may still be in flight (its blocks must stay fenced: ABORTED at the edge;
+    else FAILED_PRECONDITION, and they may go back at once: every WRITE posted before was
+    seen complete). `retryable`: a later try may work
     (the transfer failed, or the request was preempted), not when it cannot move at all."""
 
     def __init__(self, message: str, retryable: bool, wrote: bool = False) -> None:
@@ -82,11 +83,9 @@ class Migrator:
             raise ValueError(f"max_rounds: must be >= 0, got {max_rounds}")
         limit = self.worker.config.migrate_timeout_s
         timeout = limit if timeout_s is None else min(limit, timeout_s)
-        self._posted = False
         try:
             return self._move(request_id, dest, dest_request_id, max_rounds, timeout)
-        except MigrationFailed as e:
-            e.wrote = self._posted
+        except MigrationFailed:
             with self.worker.lock:
                 self.worker.metrics.migrations.labels("failed").inc()
             raise
@@ -214,7 +213,6 @@ class Migrator:
         if src.size == 0 and not notif:
             return 0
         layers = range(worker.core.model_config.num_layers)
-        self._posted = True
         try:
             with worker.agent_lock:
                 xfer, nbytes = write_layers(
@@ -235,12 +233,12 @@ class Migrator:
                 if state is XferState.DONE:
                     return nbytes
                 if state is XferState.FAILED:
-                    raise MigrationFailed("a WRITE of the move failed", True)
+                    raise MigrationFailed("a WRITE of the move failed", True, wrote=True)
                 if time.monotonic() > deadline:
-                    raise MigrationFailed("the move was not done by its deadline", True)
+                    raise MigrationFailed("the move was not done by its deadline", True, wrote=True)
                 time.sleep(worker.config.kv_arrival_poll_s)
-        except TransferFailed as e:
-            raise MigrationFailed(f"a WRITE of the move failed: {e}", True) from None
+        except TransferFailed as e:  # posted, then lost track of: it may still land
+            raise MigrationFailed(f"a WRITE of the move failed: {e}", True, wrote=True) from None
         finally:
             with worker.agent_lock:
                 xfer.release()

@@ -125,7 +125,7 @@ class DecodeService(rpc.DecodeServicer):
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except MigrationFailed as e:
-            # ABORTED: a WRITE was posted, the destination must fence its blocks
+            # ABORTED: a WRITE may still land, the destination must fence its blocks
             code = grpc.StatusCode.ABORTED if e.wrote else grpc.StatusCode.FAILED_PRECONDITION
             context.abort(code, str(e))
         return pb.MigrateResponse(

@@ -40,7 +40,7 @@ from pdserve.rpc import pdserve_pb2 as pb
 log = logging.getLogger(__name__)
 
 _CALL_ERRORS = (grpc.RpcError, ValueError)  # ValueError: a channel the registry closed
-_NOTHING_WRITTEN = grpc.StatusCode.FAILED_PRECONDITION  # the source's Migrate: no WRITE posted
+_NOTHING_WRITTEN = grpc.StatusCode.FAILED_PRECONDITION  # the source's Migrate: none in flight
 _PAUSE_S = 0.05  # between a drain's passes over the requests still on the worker
 
 
@@ -111,7 +111,7 @@ class Mover:
             why, unpushed = "", False
         except _CALL_ERRORS as e:
             why = f"migrate from {src.worker_id}: {_details(e)}"
-            # refused before any WRITE (not running there, say): no fence needed
+            # no WRITE of it can still land (refused before any, say): no fence needed
             unpushed = isinstance(e, grpc.RpcError) and e.code() == _NOTHING_WRITTEN
         finally:
             handoff.leases.drop(lease)
