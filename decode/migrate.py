@@ -11,6 +11,11 @@ reserved for it (the router's Reserve there, with room to grow), while it keeps 
     then           its blocks come back here and its stream ends "migrated": the router
                    starts it on the destination with the tokens it was sent
 
+A parked request (preempted, its KV in a spill tier) moves in one round: taken out of the
+parked queue, its KV unpacked from the tier into a staging buffer registered with the agent
+for the move, WRITTEN from there, and dropped from the tier once it landed; a failed move
+parks it again (or, when its KV was lost on the way, it is computed again here).
+
 Full blocks never change again (a sequence only appends; a block shared by prefix caching
 is copied before it is written), so what a round moved stays true unless the request was
 preempted meanwhile (its blocks dropped or parked): then the move fails and the request
@@ -31,8 +36,10 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from pdserve.serving.destination import Destination
+from pdserve.serving.kv_pool import pool_geometry
 from pdserve.trace import Span, now
 from transfer import HandshakeRefused, TransferFailed, XferState, notification
 from transfer.writes import Peers, PoolSide, block_runs, pool_side, write_layers
@@ -66,6 +73,7 @@ class Migrator:
         self.worker = worker
         self.local = pool_side(worker.endpoint.agent, worker.endpoint.layout)
         self.peers = Peers(worker.endpoint.agent)  # keyed by destination worker id
+        self._retired: list[torch.Tensor] = []  # staging buffers a lost WRITE may still read
 
     def move(
         self,
@@ -113,6 +121,10 @@ class Migrator:
         bs = worker.core.block_size
         deadline = time.monotonic() + timeout_s
         sent = dest.cached_blocks  # blocks [0, sent) are there and final
+        with worker.lock:
+            parked = worker.core.detach_parked(request_id)
+        if parked is not None:
+            return self._move_parked(parked, peer, remote, dest, dest_request_id, deadline)
         rounds, nbytes, growth = 0, 0, bs
         limit = max_rounds or worker.config.migrate_max_rounds
         while True:
@@ -131,21 +143,82 @@ class Migrator:
             try:
                 nbytes += self._write(peer, remote, blocks, dest, sent, computed, deadline, notif)
             except Exception:  # whatever failed, the stopped request goes on here
-                with worker.lock:
-                    worker.core.admit_detached(request)
+                self._readmit(request)
                 raise
-            rounds += 1
-            stall = time.monotonic() - stopped
-            with worker.lock:
-                worker.handed_over(
-                    request, Span("decode.migrate", stopped_wall, now(), worker.worker_id)
+            return self._moved(request, rounds + 1, nbytes, stopped, stopped_wall)
+
+    def _move_parked(
+        self, request, peer: str, remote: PoolSide, dest: Destination, dest_rid: str, deadline
+    ) -> Migrated:
+        """One round from the tier the request is parked in (it does not decode meanwhile):
+        its KV unpacked into a staging buffer, WRITTEN from there."""
+        worker = self.worker
+        core = worker.core
+        stopped, stopped_wall = time.monotonic(), now()
+        try:
+            with worker.lock:  # the tiers are the core's: read under its lock
+                staging = self._staging(core.parked_blocks(request.request_id))
+                if not core.copy_parked(request, staging):
+                    raise MigrationFailed(
+                        f"the parked KV of {request.request_id!r} was lost or corrupt", True
+                    )
+            blocks = list(range(staging.shape[core.kv_block_dim]))
+            notif = notification(dest_rid, dest.fence, 0, 1)
+            computed = request.num_computed_tokens
+            with worker.agent_lock:
+                region = worker.endpoint.agent.register(staging)
+            local = PoolSide(
+                pool_geometry(core.model_config, staging, core.kv_block_dim), region, None
+            )
+            landed = False
+            try:
+                nbytes = self._write(
+                    peer, remote, blocks, dest, dest.cached_blocks, computed, deadline, notif, local
                 )
-                m = worker.metrics
-                m.migrations.labels("completed").inc()
-                m.migrated_bytes.inc(nbytes)
-                m.migration_rounds.observe(rounds)
-                m.migration_stall.observe(stall)
-            return Migrated(rounds, nbytes, len(request.token_ids), stall)
+                landed = True
+            except MigrationFailed as e:
+                landed = not e.wrote  # nothing in flight: the region may go
+                raise
+            finally:
+                if landed:
+                    with worker.agent_lock:
+                        worker.endpoint.agent.deregister(region)
+                else:  # a WRITE may still read it: kept until the worker closes
+                    self._retired.append(staging)
+        except Exception:
+            self._readmit(request)
+            raise
+        return self._moved(request, 1, nbytes, stopped, stopped_wall)
+
+    def _staging(self, num_blocks: int) -> torch.Tensor:
+        """A buffer shaped like the pool with `num_blocks` blocks."""
+        pool, dim = self.worker.core.kv_pool, self.worker.core.kv_block_dim
+        if num_blocks <= 0:
+            raise MigrationFailed("its parked KV is gone", True)
+        shape = (*pool.shape[:dim], num_blocks, *pool.shape[dim + 1 :])
+        return torch.empty(shape, dtype=pool.dtype, device=pool.device)
+
+    def _readmit(self, request) -> None:
+        """A stopped request whose move failed goes on here (or ends: aborted meanwhile)."""
+        worker = self.worker
+        with worker.lock:
+            done = worker.core.admit_detached(request)
+            if done is not None:
+                worker.ended(done)
+
+    def _moved(self, request, rounds: int, nbytes: int, stopped: float, stopped_wall: float):
+        worker = self.worker
+        stall = time.monotonic() - stopped
+        with worker.lock:
+            worker.handed_over(
+                request, Span("decode.migrate", stopped_wall, now(), worker.worker_id)
+            )
+            m = worker.metrics
+            m.migrations.labels("completed").inc()
+            m.migrated_bytes.inc(nbytes)
+            m.migration_rounds.observe(rounds)
+            m.migration_stall.observe(stall)
+        return Migrated(rounds, nbytes, len(request.token_ids), stall)
 
     def _next(self, request_id: str, sent: int, final: bool, growth: int, dest, deadline: float):
         """The next round (`final`: the last allowed) -> (None, blocks, tokens with KV) for a
@@ -197,9 +270,10 @@ class Migrator:
         computed: int,
         deadline: float,
         notif: bytes,
+        local: PoolSide | None = None,
     ) -> int:
-        """WRITE blocks [sent, the one holding token `computed` - 1] of every layer, with
-        `notif` (the last round's) -> bytes moved."""
+        """WRITE blocks [sent, the one holding token `computed` - 1] of every layer (from
+        `local`: our pool when None), with `notif` (the last round's) -> bytes moved."""
         worker = self.worker
         upto = -(-computed // worker.core.block_size)
         if upto > len(dest.block_ids):
@@ -219,7 +293,7 @@ class Migrator:
                     worker.endpoint.agent,
                     peer,
                     layers,
-                    self.local,
+                    self.local if local is None else local,
                     remote,
                     (src, dst, block_runs(src, dst)),
                     notif,

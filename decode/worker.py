@@ -209,11 +209,17 @@ class DecodeWorker:
     def handed_over(self, request: Request, span: Span) -> None:
         """(Under the lock.) A detached request's KV is at its destination: its blocks come
         back and its stream ends "migrated"."""
-        self.core.release(request)
+        self.core.handed_over(request)
         stream = self.streams.pop(request.request_id, None)
         if stream is not None:
             stream.spans.append(span)
             stream.end("migrated")
+        self._account()
+
+    def ended(self, done: FinishedRequest) -> None:
+        """(Under the lock.) A request ended outside a step (aborted while its KV moved, and
+        the move failed): its stream ends."""
+        self._close(done)
         self._account()
 
     def is_pending(self, request_id: str) -> bool:

@@ -5,6 +5,8 @@ B's blocks hold A's bytes; every block of every worker is free at the end."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from workers import decode_worker, destination, drain, prefill_worker
@@ -185,3 +187,55 @@ def test_a_request_that_is_not_running_is_not_moved(trio):
     assert not e.value.retryable
     b.release("x~m1", unpushed=True)
     assert b.stats().free_blocks == NUM_BLOCKS
+
+
+def wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen in {timeout_s}s"
+        time.sleep(0.01)
+
+
+def test_a_request_parked_in_a_tier_moves_from_the_tier(trio, expected):
+    """A's pool fills (a reservation holds all but one block): its request preempts itself
+    and is parked in the host tier, where it stays (no room to come back). It moves to B in
+    one round from the tier, B's blocks hold the parked bytes, and it finishes there with
+    the colocated engine's tokens; A's tier and pool are empty afterwards."""
+    model, prefill, _, b = trio
+    a = decode_worker(
+        model, f"s-{model}", "nixl", EngineArgs(block_size=16, num_kv_blocks=24, preemption="swap")
+    )
+    try:
+        stream = started(prefill, a, "r5")
+        sent = take(stream, 6)  # 63 tokens: 4 blocks
+        hog = list(range(5, 5 + 19 * 16))  # 19 of the 20 free blocks
+        a.reserve("hog", hog, params(1), lease_s=60)
+        wait_for(lambda: a.core.stats().parked == 1, "a park")
+        more = []
+        while not stream.events.empty():  # what it sent before it was parked
+            more += take(stream, 1)
+        sent += more
+        with a.lock:
+            parked = a.core.kv.parked_blocks("r5")
+            staged = a.migrator._staging(parked)
+            assert a.core.kv.copy_parked("r5", staged)
+        move = Move(a, b, "r5", "r5~m1", PROMPT, sent)
+        moved = move.run()
+        tail, reason = rest(stream)
+        assert (tail, reason) == ([], "migrated")
+        assert moved.rounds == 1
+        assert moved.num_tokens == len(PROMPT) + len(sent)
+        assert moved.nbytes == parked * a.endpoint.bytes_per_block
+        bd = b.core.kv_block_dim
+        for i, dst in enumerate(move.reserved.block_ids[:parked]):
+            assert torch.equal(staged.select(bd, i), b.core.kv_pool.select(bd, dst)), i
+        tokens, reason = rest(move.start(sent))
+        assert (sent + tokens, reason) == (expected[model], "length")
+        a.release("hog", unpushed=True)  # never pushed: its blocks come back at once
+        for w in (a, b):
+            w.check_integrity()
+        assert a.stats().free_blocks == 24 and b.stats().free_blocks == NUM_BLOCKS
+        assert a.core.kv.offload.stats().parked == 0
+        assert a.core.stats().parked == 0
+    finally:
+        a.close()

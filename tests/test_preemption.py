@@ -169,6 +169,78 @@ def test_abort_of_a_parked_request_drops_its_spilled_kv(tmp_path):
     core.close()
 
 
+def first_parked(core: EngineCore) -> str:
+    for p in PROMPTS:
+        core.add(core.make_request(p, PARAMS))
+    parked: tuple[str, ...] = ()
+    while not parked:
+        parked = core.step().parked
+        core.check_integrity()
+    return parked[0]
+
+
+def test_a_parked_request_detached_for_a_move_that_fails_comes_back_parked(expected, tmp_path):
+    """A migration takes a parked request out with its KV left in the tier (the books still
+    balance: its KV is accounted to it); its move fails and it is parked again, then comes
+    back and finishes with the same tokens."""
+    core = tight(tmp_path, preemption="swap")
+    victim = first_parked(core)
+    request = core.detach_parked(victim)
+    assert request is not None and core.holds(victim)
+    assert core.detach_parked(victim) is None  # once
+    blocks = core.parked_blocks(victim)
+    pool, dim = core.kv_pool, core.kv_block_dim
+    staged = pool.new_empty((*pool.shape[:dim], blocks, *pool.shape[dim + 1 :]))
+    assert core.copy_parked(request, staged)  # the entry stays
+    for _ in range(3):  # steps run without it meanwhile
+        core.step()
+        core.check_integrity()
+    assert core.admit_detached(request) is None
+    core.check_integrity()
+    outs = {}
+    while core.has_unfinished:
+        for done in core.step().finished:
+            outs[done.request_id] = done.output_token_ids
+        core.check_integrity()
+    assert outs[victim] == expected[int(victim)]
+    assert core.stats().recomputed_tokens == 0
+    assert tier(core, "host")["used_blocks"] == 0
+    core.close()
+
+
+@pytest.mark.parametrize("parked", [True, False])
+def test_an_abort_during_a_move_ends_the_request_when_the_move_fails(tmp_path, parked):
+    core = tight(tmp_path, preemption="swap")
+    victim = first_parked(core)
+    if not parked:  # a running one instead
+        victim = next(r.request_id for r in core.scheduler.running)
+    request = core.detach_parked(victim) if parked else core.detach(victim)
+    assert core.abort(victim) is None and core.is_aborting(victim)
+    done = core.admit_detached(request)
+    assert done is not None and done.finish_reason == "abort"
+    assert not core.holds(victim) and not core.kv.is_parked(victim)
+    core.check_integrity()
+    while core.has_unfinished:
+        core.step()
+        core.check_integrity()
+    assert core.free_blocks == core.num_blocks
+    assert tier(core, "host")["used_blocks"] == 0
+    core.close()
+
+
+def test_a_moved_parked_request_leaves_nothing_in_the_tier(tmp_path):
+    core = tight(tmp_path, preemption="swap")
+    victim = first_parked(core)
+    core.handed_over(core.detach_parked(victim))
+    assert not core.holds(victim) and not core.kv.is_parked(victim)
+    core.check_integrity()
+    while core.has_unfinished:
+        core.step()
+        core.check_integrity()
+    assert tier(core, "host")["used_blocks"] == 0
+    core.close()
+
+
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="preemption: unknown 'drop'; choose one of recompute"):
         EngineArgs(preemption="drop")

@@ -49,7 +49,7 @@ class PoolSide:
 
     geometry: PoolGeometry
     region: int
-    tiles: Tiles
+    tiles: Tiles | None  # None: posted as descriptors only (a region for one WRITE)
 
 
 def pool_side(agent: TransferAgent, layout: PoolLayout, peer: str | None = None) -> PoolSide:
@@ -110,7 +110,7 @@ def write_layers(
         )
         return agent.write(peer, local, remote, notif), sum(d.length for d in local)
     nbytes = len(layers) * src_ids.size * src.geometry.planes_per_layer * src.geometry.block_bytes
-    if len(runs) == len(src_ids):
+    if len(runs) == len(src_ids) and src.tiles is not None:
         local_idx = np.concatenate([src.geometry.tile_indices(x, src_ids) for x in layers])
         remote_idx = np.concatenate([dst.geometry.tile_indices(x, dst_ids) for x in layers])
         xfer = agent.write_tiles(peer, src.tiles, local_idx, dst.tiles, remote_idx, notif)

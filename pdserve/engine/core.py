@@ -9,6 +9,7 @@
     admit_prefilled(request, token)    the prompt's KV is in its blocks: decode from here
     detach(request_id) / admit_detached  a running request leaves with its blocks (its KV
                                        migrates), or comes back when the move failed
+    detach_parked / copy_parked        a parked one leaves with its KV still in the tiers
     step() -> StepOutput               = begin_step(), run(plan), end_step(plan, result)
     abort(request_id)
     stats(), held(), check_integrity()
@@ -83,6 +84,10 @@ class EngineCore:
         self._ids = itertools.count()
         self._in_flight: StepPlan | None = None
         self._abort_after_step: set[str] = set()
+        # detached requests (their KV is moving out) and whether each left parked (its KV
+        # still in a tier); those aborted meanwhile end when the move does
+        self._detached: dict[str, tuple[Request, bool]] = {}
+        self._abort_detached: set[str] = set()
 
     # -- requests -------------------------------------------------------------------------
     def make_request(
@@ -204,6 +209,9 @@ class EngineCore:
         if plan is not None and any(r.request_id == request_id for r in plan.batch.requests):
             self._abort_after_step.add(request_id)
             return None
+        if request_id in self._detached:  # its move ends it (admit_detached)
+            self._abort_detached.add(request_id)
+            return None
         req = self.scheduler.abort(request_id)
         return FinishedRequest.of(req) if req is not None else None
 
@@ -218,19 +226,64 @@ class EngineCore:
 
     def detach(self, request_id: str) -> Request | None:
         """Take a running request out of the engine with its blocks, at a step boundary (its
-        KV moves to another worker; the caller gives the blocks back with release()) ->
+        KV moves to another worker; handed_over() or admit_detached() ends the move) ->
         it, or None when it is not running now or is in the step under way."""
         plan = self._in_flight
         if plan is not None and any(r.request_id == request_id for r in plan.batch.requests):
             return None
-        return self.scheduler.detach(request_id)
+        request = self.scheduler.detach(request_id)
+        if request is not None:
+            self._detached[request_id] = (request, False)
+        return request
 
-    def admit_detached(self, request: Request) -> None:
-        """A detached request whose move failed runs here again (its blocks kept)."""
-        self.scheduler.admit_running(request)
+    def detach_parked(self, request_id: str) -> Request | None:
+        """Take a parked request out of the engine, its KV left in the tiers (copy_parked()
+        reads it) -> it, or None when it is not parked now."""
+        request = self.scheduler.detach_parked(request_id)
+        if request is not None:
+            self._detached[request_id] = (request, True)
+        return request
+
+    def admit_detached(self, request: Request) -> FinishedRequest | None:
+        """A detached request whose move failed runs here again (its blocks kept), or, when
+        it left parked, is parked again (computed again if its KV was lost meanwhile) ->
+        None; or, when it was aborted during the move, its output (reason "abort")."""
+        rid = request.request_id
+        _, parked = self._detached.pop(rid)
+        if rid in self._abort_detached:
+            self._abort_detached.discard(rid)
+            if parked:
+                self.kv.drop_parked(rid)
+            self.release(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.metrics.finished_time = time.monotonic()
+            return FinishedRequest.of(request)
+        if parked:
+            self.scheduler.readmit_parked(request)
+        else:
+            self.scheduler.admit_running(request)
+        return None
+
+    def parked_blocks(self, request_id: str) -> int:
+        """Blocks of KV a parked (or detached parked) request keeps in the tiers."""
+        return self.kv.parked_blocks(request_id)
+
+    def copy_parked(self, request: Request, into: torch.Tensor) -> bool:
+        """A detached parked request's KV into `into`, shaped like the pool with
+        parked_blocks() blocks -> False when it was lost or failed its checksum."""
+        return self.kv.copy_parked(request.request_id, into)
+
+    def handed_over(self, request: Request) -> None:
+        """A detached request's KV is at its destination: its blocks (or its parked KV)
+        are given back (an abort during the move is the destination's to apply now)."""
+        rid = request.request_id
+        self._abort_detached.discard(rid)
+        if self._detached.pop(rid)[1]:
+            self.kv.drop_parked(rid)
+        self.release(request)
 
     def is_aborting(self, request_id: str) -> bool:
-        return request_id in self._abort_after_step
+        return request_id in self._abort_after_step or request_id in self._abort_detached
 
     # -- stepping -------------------------------------------------------------------------
     @property
@@ -252,8 +305,8 @@ class EngineCore:
         return offloaded.tiers if offloaded is not None else {}
 
     def holds(self, request_id: str) -> bool:
-        """Whether the scheduler still has the request (running, waiting, parked)."""
-        return self.scheduler.find(request_id) is not None
+        """Whether the engine still has the request (running, waiting, parked, moving)."""
+        return request_id in self._detached or self.scheduler.find(request_id) is not None
 
     def step(self) -> StepOutput:
         """One whole step, for a driver that owns every block of the pool (the colocated
@@ -370,7 +423,8 @@ class EngineCore:
 
     def held(self) -> list[HeldRequest]:
         """Every request whose KV this pool holds or will hold again."""
-        return [HeldRequest.of(r) for r in self.scheduler.unfinished()]
+        moving = (r for r, _ in self._detached.values())
+        return [HeldRequest.of(r) for r in itertools.chain(self.scheduler.unfinished(), moving)]
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -387,10 +441,11 @@ class EngineCore:
         """Every block is owned by exactly the requests holding it (the scheduler's and the
         given reservations), and the parked KV is exactly that of the parked requests."""
         owners = self.scheduler.block_owners()
-        for req in reserved:
+        for req in itertools.chain(reserved, (r for r, _ in self._detached.values())):
             for b in req.block_ids:
                 owners[b] = owners.get(b, 0) + 1
         parked = {r.request_id for r in self.scheduler.parked}
+        parked |= {rid for rid, (_, was_parked) in self._detached.items() if was_parked}
         self.kv.check_integrity(owners, parked)
         for req in self.scheduler.running:
             assert req.status is RequestStatus.RUNNING, f"{req.request_id} runs as {req.status}"

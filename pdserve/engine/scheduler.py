@@ -267,6 +267,24 @@ class Scheduler:
                 return req
         return None
 
+    def detach_parked(self, request_id: str) -> Request | None:
+        """Take a parked request out of the queue, its KV left in the tiers (it moves to
+        another worker from there) -> it, or None when it is not parked now."""
+        for req in self.parked:
+            if req.request_id == request_id:
+                self.parked.remove(req)
+                return req
+        return None
+
+    def readmit_parked(self, req: Request) -> None:
+        """A request taken out by detach_parked() comes back first in line: parked while its
+        KV is, else (lost or corrupt on the way) to be computed again."""
+        if self.kv.is_parked(req.request_id):
+            self.parked.appendleft(req)
+        else:
+            self._drop_kv(req)
+            self.waiting.appendleft(req)
+
     def _release(self, req: Request, now: float) -> None:
         if req.block_ids:
             self.kv.free(req.block_ids)

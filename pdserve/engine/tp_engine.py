@@ -104,6 +104,9 @@ class TPOffload:
         self.group.send("drop_parked", request_id)
         self.local.drop_parked(request_id)
 
+    def parked_blocks(self, request_id: str) -> int:
+        return self.local.parked_blocks(request_id)  # every rank parks all or none
+
     def keep_prefix(self, block: int, h: int) -> None:
         kept = self.group.call("keep_prefix", block, h)  # whether each rank now holds it
         self.local.keep_prefix(block, h)

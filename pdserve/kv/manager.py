@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from pdserve.kv.block_allocator import BlockAllocator, Evicted
 from pdserve.kv.kv_cache import KVCache
 from pdserve.kv.offload import OffloadStats, OffloadStore
@@ -162,6 +164,15 @@ class KVManager:
     def drop_parked(self, request_id: str) -> None:
         if self.offload is not None:
             self.offload.drop_parked(request_id)
+
+    def is_parked(self, request_id: str) -> bool:
+        return self.offload is not None and self.offload.parked_blocks(request_id) > 0
+
+    def parked_blocks(self, request_id: str) -> int:
+        return self.offload.parked_blocks(request_id) if self.offload is not None else 0
+
+    def copy_parked(self, request_id: str, into: torch.Tensor) -> bool:
+        return self.offload is not None and self.offload.copy_parked(request_id, into)
 
     # -- accounting -----------------------------------------------------------------------
     def stats(self) -> PoolStats:

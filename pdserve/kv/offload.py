@@ -88,6 +88,8 @@ class OffloadStore(Protocol):
 
     def drop_parked(self, request_id: str) -> None: ...
 
+    def parked_blocks(self, request_id: str) -> int: ...
+
     def keep_prefix(self, block: int, h: int) -> None: ...
 
     def load_prefix(self, h: int, block: int) -> bool: ...
@@ -146,6 +148,18 @@ class OffloadedKV:
 
     def drop_parked(self, request_id: str) -> None:
         self._discard(Parked(request_id))
+
+    def parked_blocks(self, request_id: str) -> int:
+        """How many blocks a parked request's entry holds (0: none)."""
+        entry = self._entries.get(Parked(request_id))
+        return entry.blocks if entry is not None else 0
+
+    def copy_parked(self, request_id: str, into: torch.Tensor) -> bool:
+        """Unpack a parked request's blocks into `into` (shaped like the pool with exactly
+        as many blocks: a live migration's staging buffer, decode/migrate.py), keeping the
+        entry. False when it is lost or fails its checksum (then the entry is gone)."""
+        n = into.shape[self.cache.block_dim]
+        return self._read(Parked(request_id), list(range(n)), keep=True, pool=into)
 
     def is_parked(self, request_id: str) -> bool:
         return Parked(request_id) in self._entries
@@ -215,7 +229,9 @@ class OffloadedKV:
         self._entries[key] = _Entry(tier, len(block_ids))
         return tier.name
 
-    def _read(self, key: Key, block_ids: list[int], keep: bool) -> bool:
+    def _read(
+        self, key: Key, block_ids: list[int], keep: bool, pool: torch.Tensor | None = None
+    ) -> bool:
         entry = self._entries.get(key)
         if entry is None:
             self._stats.failed_reloads += 1
@@ -226,7 +242,8 @@ class OffloadedKV:
             self._discard(key)
             log.warning("reload of %s: %d blocks kept, %d given", key, entry.blocks, len(block_ids))
             return False
-        ids, pool, dim = self._ids(block_ids), self.cache.pool, self.cache.block_dim
+        pool = self.cache.pool if pool is None else pool
+        ids, dim = self._ids(block_ids), self.cache.block_dim
 
         def sink(rows: torch.Tensor, start: int, stop: int) -> None:
             rows = rows.to(pool.device, non_blocking=True)
