@@ -29,7 +29,7 @@ from pdserve.engine.costs import PreemptionCosts
 from pdserve.engine.length_estimator import OutputLengthEstimator
 from pdserve.engine.output import FinishedRequest, HeldRequest
 from pdserve.sampling_params import SamplingParams
-from pdserve.serving.registration import WorkerStats
+from pdserve.serving.registration import MAX_PARKED_IDS, WorkerStats
 
 
 class ReservationError(RuntimeError):
@@ -195,6 +195,8 @@ class DecodeState:
             total_blocks=s.pool.num_blocks,
             running=s.running,
             headroom_blocks=self.admission.headroom(self.held()),
+            preempted=self.core.preempted(),
+            parked=tuple(self.core.parked_ids(MAX_PARKED_IDS)),
         )
 
     def check_integrity(self) -> None:

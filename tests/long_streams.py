@@ -11,8 +11,7 @@ from pdserve.bench.probes import busiest, registered
 from pdserve.bench.prometheus import scrape, total
 from pdserve.client import Client, build_request, timings_of
 from pdserve.rpc import pdserve_pb2 as pb
-from pdserve.rpc import pdserve_pb2_grpc as rpc
-from pdserve.serving import auth
+from pdserve.serving.drain import drain
 
 MAX_NEW = 1000  # streams that last seconds: the drain starts while they run
 PROMPTS = [[(11 * i + j) % 300 + 3 for j in range(20 + 37 * i)] for i in range(6)]
@@ -70,6 +69,4 @@ def busiest_decode(cluster) -> str:
 
 def drain_rpc(cluster, worker_id: str, undo: bool = False) -> list[pb.DrainProgress]:
     """The router's Drain (or its undo) as a cluster member calls it -> every message."""
-    with auth.channel(cluster.address, cluster.security) as channel:
-        stub = rpc.RouterStub(channel)
-        return list(stub.Drain(pb.DrainRequest(worker_id=worker_id, undo=undo), timeout=180))
+    return list(drain(cluster.address, cluster.security, worker_id, undo, timeout_s=180))

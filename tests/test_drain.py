@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ from long_streams import (
     streams,
 )
 
+from pdserve.bench.probes import registered
 from pdserve.bench.prometheus import scrape, total
 from pdserve.cli import main as cli_main
 from pdserve.client import Client
@@ -76,6 +78,26 @@ def test_drain_moves_every_stream_off_a_decode_worker_with_nothing_recomputed(
         late = client.generate(PROMPTS[0], **PARAMS)
         assert late.token_ids == expected[0]
         assert late.timings["decode_worker"] == other
+
+        # a decode worker told to stop (SIGTERM) drains itself first: its streams move
+        assert drain_rpc(c, drained, undo=True)[-1].done
+        stopping: list = []
+
+        def stop_the_busiest():
+            wid = busiest_decode(c)
+            proc = c.procs[c.names.index(registered(c)[wid])]
+            proc.send_signal(signal.SIGTERM)
+            stopping.append((wid, proc))
+
+        results, _ = streams(client, stop_the_busiest)
+        ((stopped, proc),) = stopping
+        assert proc.wait(timeout=60) == 0
+        for (tokens, (timings, reason)), want in zip(results, expected):
+            assert tokens == want and reason == "length"
+            assert timings["resumes"] == 0  # moved before it stopped, never recomputed
+        moved = [t for _, (t, _) in results if t["migrations"]]
+        assert moved and all(t["decode_worker"] != stopped for t in moved)
+        all_free(client, dead={stopped})
 
 
 def pdserve_drain(cluster, worker_id: str) -> subprocess.CompletedProcess:

@@ -1,9 +1,10 @@
 """Faults on the live-migration path, in a launched 1P2D cluster (real processes, NIXL on
-127.0.0.1): a drain moves the busier decode worker's streams while the worker they leave
-(A) is killed at the move's last round, the worker they go to (B) is killed mid-move, or
-the client cancels mid-move (the `decode.migrate` failpoint: exact states, not guessed
-moments). Every other request completes with the colocated engine's tokens, none lost or
-repeated, and the survivors hold no block afterwards."""
+127.0.0.1): a drain moves the busier decode worker's streams while the worker they leave (A)
+is killed or frozen at the move's last round, the worker they go to (B) is killed mid-move
+or frozen past its reservation's lease, or the client cancels mid-move (the `decode.migrate`
+failpoint: exact states, not guessed moments). Every other request completes with the
+colocated engine's tokens, none lost or repeated, and the survivors hold no block
+afterwards."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def expected() -> list[list[int]]:
     return colocated()
 
 
-def cluster(points: str) -> Cluster:
+def cluster(points: str, *router_args: str) -> Cluster:
     return Cluster(
         "tiny-llama",
         1,
@@ -38,7 +39,7 @@ def cluster(points: str) -> Cluster:
         # pool holds them all at full length), none waits out the router's queue timeout
         decode_args=["--failpoints", points, "--admission", "greedy"],
         # a failed move's destination blocks stay fenced for its window: short here
-        router_args=["--migrate-timeout", "5"],
+        router_args=["--migrate-timeout", "5", *router_args],
     )
 
 
@@ -131,3 +132,58 @@ def test_a_request_cancelled_mid_move_leaves_nothing_held(expected, tmp_path):
             else:
                 assert tokens == want[: len(tokens)]  # a prefix: nothing wrong was sent
         all_free(client)
+
+
+def test_the_worker_a_request_leaves_freezes_at_the_last_round(expected, tmp_path):
+    """A SIGSTOPs itself as it would stop the request: the router's Migrate times out (the
+    move failed: B's blocks fenced for the move's window), A stops heartbeating and its
+    streams resume on B. Thawed afterwards, A finishes the move into fenced blocks nobody
+    starts and frees everything; nothing is lost or sent twice."""
+    points = str(tmp_path)
+    with cluster(points) as c, Client(c.address, security=c.security) as client:
+        failpoints.arm(points, "any", "decode.migrate", "stop")
+        try:
+            results, (drained, other, _) = streams(client, lambda: drain_busiest(c))
+        finally:
+            hit = failpoints.fired(points, "any", "decode.migrate")
+            if hit is not None:
+                os.kill(hit[0], signal.SIGCONT)
+        assert hit is not None, "decode.migrate never fired"
+        for (tokens, (_, reason)), want in zip(results, expected):
+            assert tokens == want and reason == "length"  # none lost, none repeated
+        resumed = [t for _, (t, _) in results if t["resumes"]]
+        assert resumed and all(t["decode_worker"] == other for t in resumed)
+        router = scrape(c.metrics["router-0"])
+        assert total(router, "pdserve_router_migrations_total", outcome="failed") >= 1
+        all_free(client, timeout_s=60)
+
+
+def test_the_worker_a_request_goes_to_freezes_past_its_lease_mid_move(expected, tmp_path):
+    """A holds the move's last round for a second while B is SIGSTOPped for longer than a
+    reservation's lease (the router's renewals go unanswered): whatever A's WRITE does
+    meanwhile, the move fails or B's reservation expires before the request starts there,
+    and it goes on at A or resumes by recompute. Thawed, B frees every block."""
+    points = str(tmp_path)
+    with cluster(points, "--lease", "2") as c, Client(c.address, security=c.security) as client:
+        failpoints.arm(points, "any", "decode.migrate", "pause 1")
+        frozen: list[int] = []
+
+        def freeze_the_other(pid: int, detail: str) -> None:
+            decodes = [p.pid for n, p in zip(c.names, c.procs) if n.startswith("decode")]
+            victim = next(p for p in decodes if p != pid)
+            os.kill(victim, signal.SIGSTOP)
+            frozen.append(victim)
+            time.sleep(4)  # two leases
+            os.kill(victim, signal.SIGCONT)
+
+        watcher = on_fire(points, freeze_the_other)
+        try:
+            results, _ = streams(client, lambda: drain_busiest(c))
+        finally:
+            watcher.join(timeout=10)
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+        assert frozen, "decode.migrate never fired"
+        for (tokens, (_, reason)), want in zip(results, expected):
+            assert tokens == want and reason == "length"
+        all_free(client, timeout_s=60)

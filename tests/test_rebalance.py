@@ -53,10 +53,10 @@ def streaming(handoff: Handoff, worker, rid: str, prompt: int, sent: int, max_to
     return entry
 
 
-def setup(free_a: int, free_b: int, headroom_a: int = 0):
+def setup(free_a: int, free_b: int, headroom_a: int = 0, **stats_a):
     clock = Clock()
     reg = WorkerRegistry(CONFIG, clock=clock, connect=lambda r: (None, None))
-    reg.upsert(record("a", "decode", free_blocks=free_a, headroom_blocks=headroom_a))
+    reg.upsert(record("a", "decode", free_blocks=free_a, headroom_blocks=headroom_a, **stats_a))
     reg.upsert(record("b", "decode", free_blocks=free_b))
     handoff, mover = Handoff(), Mover()
     workers = {w.worker_id: w for w in reg.alive("decode")}
@@ -85,6 +85,24 @@ def test_negative_projected_headroom_is_pressure_too():
     _, _, handoff, mover, rb, w = setup(free_a=30, free_b=62, headroom_a=-3)
     streaming(handoff, w["a"], "r", prompt=50, sent=10, max_tokens=900)
     assert rb.tick() and mover.moves == [("r", "b")]
+
+
+def test_requests_waiting_after_a_preemption_are_pressure_and_parked_ones_move_first():
+    """30 of 64 blocks free is no pressure by itself, but two requests wait there after a
+    preemption: the parked ones (as the heartbeat names them, longest parked first) move
+    before the one that would relieve the most per byte."""
+    _, _, handoff, mover, rb, w = setup(
+        free_a=30, free_b=62, preempted=2, parked=("parked-2", "parked-1")
+    )
+    streaming(handoff, w["a"], "much-to-come", prompt=50, sent=10, max_tokens=900)
+    streaming(handoff, w["a"], "parked-1", prompt=50, sent=10, max_tokens=100)
+    streaming(handoff, w["a"], "parked-2", prompt=500, sent=10, max_tokens=100)
+    assert [e.worker_request_id for e in rb.pick(w["a"])] == [
+        "parked-2",
+        "parked-1",
+        "much-to-come",
+    ]
+    assert rb.tick() and mover.moves == [("parked-2", "b")]
 
 
 def test_one_request_per_donor_per_interval():

@@ -105,8 +105,9 @@ async def _one(client, prompt: list[int], max_tokens: int) -> Sample:
     return sample
 
 
-async def _drive(address, work, concurrency, rate, seed, arrivals=None):
-    """-> (samples, elapsed s). `arrivals` (seconds from start) replays a trace's timing."""
+async def _drive(address, work, concurrency, rate, seed, arrivals=None, midway=None):
+    """-> (samples, elapsed s). `arrivals` (seconds from start) replays a trace's timing.
+    `midway()` runs (on a thread, the load going on) once half the requests were sent."""
     from pdserve.client import AsyncClient
 
     client = AsyncClient(address)
@@ -114,11 +115,20 @@ async def _drive(address, work, concurrency, rate, seed, arrivals=None):
     bar = progress(total=len(work.prompts), desc="bench serve", unit="req")
     rng = random.Random(seed)
     start = time.perf_counter()
+    half, sent, pending = len(work.prompts) // 2, 0, []
+
+    def count_sent() -> None:
+        nonlocal sent
+        sent += 1
+        if sent == half and midway is not None:
+            pending.append(asyncio.get_running_loop().run_in_executor(None, midway))
+
     if rate or arrivals is not None:
         tasks = []
         for i, (prompt, max_tokens) in enumerate(zip(work.prompts, work.max_tokens)):
             if arrivals is not None:
                 await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+            count_sent()
             tasks.append(asyncio.create_task(_one(client, prompt, max_tokens)))
             tasks[-1].add_done_callback(lambda _: bar.update(1))
             if arrivals is None:
@@ -130,11 +140,14 @@ async def _drive(address, work, concurrency, rate, seed, arrivals=None):
         async def worker():
             while queue:
                 prompt, max_tokens = queue.pop(0)
+                count_sent()
                 samples.append(await _one(client, prompt, max_tokens))
                 bar.update(1)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     elapsed = time.perf_counter() - start
+    for call in pending:
+        await call  # its error, if any, is the benchmark's
     await client.close()
     return samples, elapsed
 

@@ -1,21 +1,27 @@
 """`pdserve bench sweep`: the capacity trap, measured.
 
 For each policy (`admission+preemption`, e.g. `greedy+recompute`, `kv-aware+tiered`, or
-`default`) a local cluster is launched with that policy on its decode workers and a small
-device KV budget, all of them before the first point. The load is a closed loop or an open
-one: for each concurrency every policy in turn gets that many clients, each sending its next
-request when the last one ends; for each arrival rate (`rates`, requests/s) every policy gets
-the same requests sent at Poisson arrival times whatever the cluster does, which is where SLO
-goodput separates policies (in a closed loop past the knee every policy's requests queue
-alike and TTFT fails for all). The requests are the same for every policy at a point (the
-reasoning workload by default: short prompts, long-tailed outputs, mean scaled to the KV
-budget), and the point records throughput in its busy window (`steady_throughput`; the whole
-run's rate, drain included, is `overall_tok_s`), TTFT, TPOT
-and end-to-end percentiles, SLO goodput, every request's record, and what the decode
-workers report for the point (preemptions, recomputed tokens, spilled bytes: counter deltas
-scraped from their Prometheus endpoints; the default policy's inputs: its gauges). After
-every point the sweep waits until every worker's blocks and every spill tier are empty
+`default`; `+migrate` after either turns on the router's live-migration rebalancer,
+`--migrate-policy pressure`, docs/migration.md) a local cluster is launched with that policy
+on its decode workers and a small device KV budget, all of them before the first point. The
+load is a closed loop or an open one: for each concurrency every policy in turn gets that
+many clients, each sending its next request when the last one ends; for each arrival rate
+(`rates`, requests/s) every policy gets the same requests sent at Poisson arrival times
+whatever the cluster does, which is where SLO goodput separates policies (in a closed loop
+past the knee every policy's requests queue alike and TTFT fails for all). The requests are
+the same for every policy at a point (the reasoning workload by default: short prompts,
+long-tailed outputs, mean scaled to the KV budget), and the point records throughput in its
+busy window (`steady_throughput`; the whole run's rate, drain included, is `overall_tok_s`),
+TTFT, TPOT and end-to-end percentiles, SLO goodput, every request's record, and what the
+decode workers report for the point (preemptions, recomputed tokens, spilled bytes: counter
+deltas scraped from their Prometheus endpoints; the default policy's inputs: its gauges).
+After every point the sweep waits until every worker's blocks and every spill tier are empty
 again, and fails if they do not (a leak).
+
+Skewed arrivals (`skew="late-join"`, two or more decode workers): at every point every
+decode worker but one is drained (it gets no new requests, as a replica still starting up)
+until half the point's requests were sent, then joins; the first one fills while the others
+stand idle, which is where moving running requests (`+migrate`) pays.
 """
 
 from __future__ import annotations
@@ -43,14 +49,20 @@ COUNTERS = MappingProxyType(
         "recomputed_tokens": "pdserve_decode_recomputed_tokens_total",
         "spilled_bytes": "pdserve_decode_spilled_bytes_total",
         "refused": "pdserve_decode_admission_refused_total",
+        "migrated_bytes": "pdserve_decode_migrated_bytes_total",
     }
 )
+MIGRATE = "+migrate"
+SKEWS = ("late-join",)
 
 
 def parse_policy(policy: str) -> tuple[str, str]:
     from pdserve.config import PREEMPTION
     from pdserve.engine.admission import ADMISSION
 
+    """`admission+preemption[+migrate]` -> (admission, preemption); the router's part, the
+    live-migration rebalancer, is split_migrate()'s."""
+    policy, _ = split_migrate(policy)
     admission, sep, preemption = policy.partition("+")
     if not sep or admission not in ADMISSION:
         raise ValueError(
@@ -62,6 +74,13 @@ def parse_policy(policy: str) -> tuple[str, str]:
     return admission, preemption
 
 
+def split_migrate(policy: str) -> tuple[str, bool]:
+    """`kv-aware+tiered+migrate` -> ("kv-aware+tiered", True)."""
+    if policy.endswith(MIGRATE):
+        return policy.removesuffix(MIGRATE), True
+    return policy, False
+
+
 def _samples(address: str):
     """Every sample a worker's /metrics endpoint serves now."""
     return prometheus.samples(prometheus.scrape(address))
@@ -69,7 +88,7 @@ def _samples(address: str):
 
 def scrape(addresses: list[str]) -> dict[str, float]:
     """Sum of the decode workers' counters (and spill blocks in use) right now."""
-    totals = {k: 0.0 for k in COUNTERS} | {"spill_used_blocks": 0.0}
+    totals = {k: 0.0 for k in COUNTERS} | {"spill_used_blocks": 0.0, "migrations": 0.0}
     names = {v: k for k, v in COUNTERS.items()}
     for address in addresses:
         for sample in _samples(address):
@@ -77,6 +96,11 @@ def scrape(addresses: list[str]) -> dict[str, float]:
                 totals[names[sample.name]] += sample.value
             elif sample.name == "pdserve_decode_spill_used_blocks":
                 totals["spill_used_blocks"] += sample.value
+            elif (
+                sample.name == "pdserve_decode_migrations_total"
+                and sample.labels.get("outcome") == "completed"
+            ):  # moves out of the worker
+                totals["migrations"] += sample.value
     return totals
 
 
@@ -162,9 +186,12 @@ def load_of(point: dict) -> float:
     return rate if rate is not None else point["concurrency"]
 
 
-def run_point(address, work, concurrency: int | None, seed: int, rate: float | None = None):
-    """One point: `concurrency` closed-loop clients, or arrivals at `rate` requests/s."""
-    samples, elapsed = asyncio.run(_drive(address, work, concurrency, rate, seed))
+def run_point(
+    address, work, concurrency: int | None, seed: int, rate: float | None = None, midway=None
+):
+    """One point: `concurrency` closed-loop clients, or arrivals at `rate` requests/s;
+    `midway()` once half the requests were sent."""
+    samples, elapsed = asyncio.run(_drive(address, work, concurrency, rate, seed, midway=midway))
     ok = [s for s in samples if s.error is None]
     steady, window = steady_throughput(samples, open_loop=rate is not None)
     errors = sorted({s.error for s in samples if s.error})[:3]
@@ -195,10 +222,42 @@ def run_point(address, work, concurrency: int | None, seed: int, rate: float | N
 
 def policy_flags(policy: str) -> list[str]:
     """The decode worker's flags for a policy; `default` is no flags at all."""
+    policy, _ = split_migrate(policy)
     if policy == DEFAULT_POLICY:
         return []
     admission, preemption = parse_policy(policy)
     return ["--admission", admission, "--preemption", preemption]
+
+
+def router_flags(policy: str) -> list[str]:
+    """The router's flags for a policy: the rebalancer on for a `+migrate` one."""
+    return ["--migrate-policy", "pressure"] if split_migrate(policy)[1] else []
+
+
+class LateJoin:
+    """Skewed arrivals on one cluster: every decode worker but the first (by id) is drained
+    before a point and joins midway."""
+
+    def __init__(self, cluster) -> None:
+        from pdserve.client import Client
+
+        self.cluster = cluster
+        with Client(cluster.address, security=cluster.security) as client:
+            ids = sorted(w.worker_id for w in client.workers() if w.role == "decode")
+        self.late = ids[1:]
+
+    def hold(self) -> None:
+        self._each(undo=False)
+
+    def join(self) -> None:
+        self._each(undo=True)
+
+    def _each(self, undo: bool) -> None:
+        from pdserve.serving.drain import drained
+
+        for worker_id in self.late:  # idle ones drain at once
+            if not drained(self.cluster.address, self.cluster.security, worker_id, undo):
+                raise RuntimeError(f"{worker_id} did not drain (requests left on it)")
 
 
 def bench_sweep(
@@ -220,6 +279,7 @@ def bench_sweep(
     partial_json: str | None = None,
     rates: list[float] | None = None,
     requests_per_rate: int = 48,
+    skew: str | None = None,
 ) -> dict:
     """`concurrency` (closed-loop clients per point) or `rates` (open-loop arrivals per
     second per point, `requests_per_rate` requests each), not both. `mean_output` defaults
@@ -228,7 +288,8 @@ def bench_sweep(
     leaves the longest prompt half a worker's pool) may reach what one request alone fills.
     `slo` (default DEFAULT_SWEEP_SLO) may be relative: multiples of the unloaded TTFT and
     TPOT p50, those of the first policy's lowest-load point. `partial_json`: the report so
-    far is written there after every point (a sweep stopped midway keeps what it measured)."""
+    far is written there after every point (a sweep stopped midway keeps what it measured).
+    `skew`: None (the router spreads the load) or "late-join" (see the module's doc)."""
     from pdserve.launch import Cluster
     from pdserve.weights import resolve
 
@@ -240,6 +301,10 @@ def bench_sweep(
         raise ValueError(f"concurrency: positive integers, got {concurrency}")
     if rates and not all(0 < r < float("inf") for r in rates):
         raise ValueError(f"rate: positive requests per second, got {rates}")
+    if skew is not None and skew not in SKEWS:
+        raise ValueError(f"skew: {skew!r}; choose {', '.join(SKEWS)}")
+    if skew is not None and decode < 2:
+        raise ValueError(f"skew: {skew} needs two or more decode workers, got {decode}")
     if rates and requests_per_rate < 1:
         raise ValueError(f"requests_per_rate: at least 1, got {requests_per_rate}")
     loads: list[tuple[int | None, float | None]] = (
@@ -279,6 +344,7 @@ def bench_sweep(
                 "min_requests": min_requests,
                 "loop": "closed" if concurrency else "open",
                 "requests_per_rate": requests_per_rate if rates else None,
+                "skew": skew,
             },
             "default_policy": f"{DEFAULT_ADMISSION}+{DEFAULT_PREEMPTION}",
             "slo": apply_slo(points, slo),
@@ -308,10 +374,12 @@ def bench_sweep(
                         "--block-size",
                         str(block_size),
                     ],
-                    router_args=["--queue-timeout", "3600", "--max-queue", "4096"],
+                    router_args=["--queue-timeout", "3600", "--max-queue", "4096"]
+                    + router_flags(policy),
                     decode_args=decode_args,
                 )
             )
+        skewed = {p: LateJoin(c) for p, c in clusters.items()} if skew else {}
         for i, (c, rate) in enumerate(loads):
             n = max(min_requests, requests_per_client * c) if c else requests_per_rate
             # reasoning and long-prompt scale outputs to the pool; traces keep their own
@@ -319,12 +387,16 @@ def bench_sweep(
             for policy in policies[i % len(policies) :] + policies[: i % len(policies)]:
                 cluster = clusters[policy]
                 metrics = [a for k, a in cluster.metrics.items() if k.startswith("decode")]
+                midway = None
+                if policy in skewed:
+                    skewed[policy].hold()
+                    midway = skewed[policy].join
                 before = scrape(metrics)
-                point = run_point(cluster.address, work, c, seed, rate)
+                point = run_point(cluster.address, work, c, seed, rate, midway)
                 after = scrape(metrics)
                 wait_drained(cluster, metrics)
                 point.update(
-                    {k: after[k] - before[k] for k in COUNTERS},
+                    {k: after[k] - before[k] for k in (*COUNTERS, "migrations")},
                     policy=policy,
                     concurrency=c,
                     rate=rate,
@@ -435,20 +507,20 @@ def format_table(report: dict) -> str:
         f"{report['cluster']['decode']}D, {report['cluster']['num_kv_blocks']} KV blocks of "
         f"{report['cluster']['block_size']} tokens per decode worker, {kind} workload"
         f"{lengths}; `default` is {report.get('default_policy', '?')}",
-        f"{'policy':<20} {'load':>6} {'tok/s':>7} {'good r/s':>8} {'TPOT-ok':>7} "
+        f"{'policy':<24} {'load':>6} {'tok/s':>7} {'good r/s':>8} {'TPOT-ok':>7} "
         f"{'TTFT p50':>8} {'p99':>7} "
         f"{'TPOT p50':>8} {'p99':>7} {'e2e p50':>7} {'p99':>7} {'preempt':>7} {'recomp':>7} "
-        f"{'spill MiB':>9} {'err':>3}",
+        f"{'spill MiB':>9} {'moved':>5} {'err':>3}",
     ]
     for p in report["points"]:
         lines.append(
-            f"{p['policy']:<20} {load_label(p):>6} {p['throughput_tok_s']:>7.1f} "
+            f"{p['policy']:<24} {load_label(p):>6} {p['throughput_tok_s']:>7.1f} "
             f"{p.get('goodput_req_s', float('nan')):>8.2f} "
             f"{p.get('goodput', {}).get('tpot-only', {}).get('req_s', float('nan')):>7.2f} "
             f"{p['ttft_p50_s']:>8.2f} {p['ttft_p99_s']:>7.2f} {p['tpot_p50_s'] * 1e3:>6.0f}ms "
             f"{p['tpot_p99_s'] * 1e3:>5.0f}ms {p['e2e_p50_s']:>7.1f} {p['e2e_p99_s']:>7.1f} "
             f"{p['preemptions']:>7.0f} {p['recomputed_tokens']:>7.0f} "
-            f"{p['spilled_bytes'] / 2**20:>9.1f} {p['errors']:>3}"
+            f"{p['spilled_bytes'] / 2**20:>9.1f} {p.get('migrations', 0):>5.0f} {p['errors']:>3}"
         )
     lines.append("")
     if slo:

@@ -233,6 +233,7 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
         partial_json=args.json,
         rates=args.rate,
         requests_per_rate=args.requests_per_rate,
+        skew=args.skew,
     )
     print(format_table(report))
     if args.json:
@@ -450,9 +451,17 @@ def add_bench_parser(sub) -> None:
     sw.add_argument(
         "--policy",
         default=None,
-        help="comma-separated admission+preemption pairs; `default` is what a decode worker "
-        "runs when given no policy flags (default greedy+recompute,greedy+tiered,default; "
-        "--quick: greedy+recompute,default)",
+        help="comma-separated admission+preemption pairs, each with +migrate for the "
+        "router's live-migration rebalancer (e.g. kv-aware+tiered+migrate); `default` is what "
+        "a decode worker runs when given no policy flags (default greedy+recompute,"
+        "greedy+tiered,default; --quick: greedy+recompute,default)",
+    )
+    sw.add_argument(
+        "--skew",
+        default=None,
+        choices=("late-join",),
+        help="unbalanced arrivals (2+ decode workers): all but one decode worker join only "
+        "after half of each point's requests were sent",
     )
     sw.add_argument(
         "--workload",

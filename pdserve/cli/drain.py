@@ -15,19 +15,13 @@ def cmd_drain(args: argparse.Namespace) -> int:
     from pdserve.cli.serve import security_of
     from pdserve.progress import progress
     from pdserve.rpc import pdserve_pb2 as pb
-    from pdserve.rpc import pdserve_pb2_grpc as rpc
-    from pdserve.serving import auth
+    from pdserve.serving.drain import drain
 
     security = security_of(args, "drain")
     last = pb.DrainProgress()
-    with (
-        auth.channel(args.router, security) as channel,
-        progress(total=0, desc=f"draining {args.worker_id}", unit="req") as bar,
-    ):
+    with progress(total=0, desc=f"draining {args.worker_id}", unit="req") as bar:
         try:
-            for msg in rpc.RouterStub(channel).Drain(
-                pb.DrainRequest(worker_id=args.worker_id, undo=args.undo), timeout=args.timeout
-            ):
+            for msg in drain(args.router, security, args.worker_id, args.undo, args.timeout):
                 bar.total = msg.moved + msg.remaining
                 bar.update(msg.moved - last.moved)
                 bar.set_postfix(failed=msg.failed, remaining=msg.remaining, refresh=False)

@@ -4,7 +4,10 @@ its gRPC service, its metrics endpoint and its registration with the router.
 
 Each prints `READY <role> <host:port> <metrics host:port> [<http host:port>]` on stdout once
 it serves, and stops cleanly on SIGINT/SIGTERM (workers deregister by going silent; the
-router drops them after missed heartbeats). gRPC and the roles are imported inside the run
+router drops them after missed heartbeats). A decode worker that streams requests when told
+to stop first asks its router to drain it (live migration: its requests move to the other
+decode workers instead of being computed again there), for `--exit-drain-timeout` seconds
+at most, serving all the while. gRPC and the roles are imported inside the run
 functions, so that commands that need neither (e.g. `bench kernels` on a GPU node with only
 torch and triton) still start.
 """
@@ -112,6 +115,7 @@ def run_router(args: argparse.Namespace) -> int:
                 ("max_resumes", args.max_resumes),
                 ("migrate_timeout_s", args.migrate_timeout),
                 ("migrate_policy", args.migrate_policy),
+                ("migrate_low_free", args.migrate_low_free),
             )
             if value is not None
         },
@@ -209,11 +213,32 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
     stop = _stop_event()
     _ready(role, args.host, port, metrics_port)
     stop.wait()
+    if role == "decode" and registration is not None:
+        _drain_before_exit(args, security, worker, worker_id)
     if registration is not None:
         registration.close()
     server.stop(grace=2).wait()
     worker.close()
     return 0
+
+
+def _drain_before_exit(args: argparse.Namespace, security, worker, worker_id: str) -> None:
+    """Told to stop while it streams requests: move them off first (the router's Drain of
+    this worker, which keeps serving meanwhile), or give up after --exit-drain-timeout (its
+    streams then resume elsewhere by recompute, as when a worker dies)."""
+    import grpc
+
+    from pdserve.serving.drain import drained
+
+    if args.exit_drain_timeout <= 0 or not worker.streams:
+        return
+    print(f"pdserve decode: draining {len(worker.streams)} streams first", file=sys.stderr)
+    try:
+        ok = drained(args.router, security, worker_id, timeout_s=args.exit_drain_timeout)
+    except grpc.RpcError as e:
+        print(f"pdserve decode: drain before exit: {e.code().name}", file=sys.stderr)
+        return
+    print(f"pdserve decode: drain before exit: {'done' if ok else 'incomplete'}", file=sys.stderr)
 
 
 RANK_FAILED_EXIT = 70  # EX_SOFTWARE
@@ -309,6 +334,13 @@ def add_serve_parser(sub) -> None:
                 "blocks stay fenced this long at most after a failed move: docs/migration.md)",
             )
             p.add_argument(
+                "--migrate-low-free",
+                type=float,
+                default=None,
+                help="the pressure policy moves requests off a decode worker with less than "
+                "this fraction of its pool free (default 0.2)",
+            )
+            p.add_argument(
                 "--lease",
                 type=float,
                 default=None,
@@ -362,6 +394,14 @@ def add_serve_parser(sub) -> None:
                 p.add_argument("--spill-disk-blocks", type=int, default=None)
                 p.add_argument("--spill-dir", default=None, help="parent of the spill directory")
                 p.add_argument("--cxl-path", default=None, help="file/DAX device for the CXL tier")
+                p.add_argument(
+                    "--exit-drain-timeout",
+                    type=float,
+                    default=30.0,
+                    help="on SIGTERM, move streaming requests to other decode workers for "
+                    "this long at most before stopping (0: stop at once; they resume by "
+                    "recompute)",
+                )
             if role == "prefill":
                 p.add_argument(
                     "--kv-push",

@@ -56,8 +56,17 @@ def setup_from_args(args: argparse.Namespace):
             native=args.lengths == "native",
         )
     weight_bytes = {"bf16": 2, "fp8": 1}[args.weight_dtype]
+    if args.skew and topology.decode < 2:
+        raise ValueError(f"skew: {args.skew} needs --prefill and --decode 2 or more")
     setup = Setup(
-        config, profile, topology, engine_args, weight_bytes, args.slo or SLO(), args.seed
+        config,
+        profile,
+        topology,
+        engine_args,
+        weight_bytes,
+        args.slo or SLO(),
+        args.seed,
+        skew=args.skew,
     )
     setup.num_blocks()  # weights that leave no room for KV: say so before anything runs
     return setup, load
@@ -146,6 +155,13 @@ def add_sim_parser(sub) -> None:
     sim.add_argument("--prefill", type=int, default=0, help="disaggregated: prefill workers")
     sim.add_argument("--decode", type=int, default=0, help="disaggregated: decode workers")
     sim.add_argument("--route", default="headroom", choices=["headroom", "round-robin"])
+    sim.add_argument(
+        "--skew",
+        default=None,
+        choices=("late-join",),
+        help="disaggregated, 2+ decode workers: all but one join after half the requests "
+        "arrived (unbalanced arrivals; a +migrate policy moves requests to them)",
+    )
     sim.add_argument("--num-kv-blocks", type=int, default=None, help="default: what fits")
     sim.add_argument("--block-size", type=int, default=16)
     sim.add_argument("--no-prefix-caching", action="store_true")

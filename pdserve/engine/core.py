@@ -290,6 +290,15 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def preempted(self) -> int:
+        """Requests waiting for room after a preemption (parked, or to be computed again)."""
+        s = self.scheduler
+        return len(s.parked) + sum(r.preempted_at_step is not None for r in s.waiting)
+
+    def parked_ids(self, limit: int) -> list[str]:
+        """The ids of at most `limit` parked requests, longest parked first."""
+        return [r.request_id for r in itertools.islice(self.scheduler.parked, limit)]
+
     def longest_preempted_wait(self) -> int:
         """Steps the longest-waiting preempted request has waited for room (0: none)."""
         return self.scheduler.longest_preempted_wait()

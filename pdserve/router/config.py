@@ -40,9 +40,9 @@ class RouterConfig:
     # migrate_min_gap freer, every rebalance_period_s, one per migrate_interval_s at most)
     migrate_policy: str = "off"
     rebalance_period_s: float = 0.5
-    migrate_low_free: float = 0.1
+    migrate_low_free: float = 0.2
     migrate_min_gap: float = 0.25
-    migrate_interval_s: float = 2.0
+    migrate_interval_s: float = 0.5
     heartbeat_s: float = HEARTBEAT_S  # told to every worker that registers
     missed_heartbeats: int = 5  # then a worker gets no new requests (its streams go on)
     forget_after_s: float = 120.0  # then it leaves the registry and its channel is closed

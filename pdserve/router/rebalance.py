@@ -4,14 +4,17 @@ Every `rebalance_period_s` it looks at the decode workers' last heartbeats (and 
 this router reserved on them since):
 
     donor       the one with the least free KV, when under `migrate_low_free` of its pool
-                is free or its admission policy projects negative headroom: it is about to
-                preempt (or park) what it runs
+                is free, its admission policy projects negative headroom (it is about to
+                preempt what it runs) or requests wait there after a preemption (parked in
+                a tier, or to be computed again)
     receiver    the one with the most free KV, at least `migrate_min_gap` of a pool freer
                 than the donor (so that a move never makes the receiver the next donor:
                 no thrashing back and forth)
-    request     of the donor's streaming requests, the one whose move frees the most
-                pressure per byte moved: the most tokens still to come (the growth the donor
-                is spared) per token of context (the KV the move copies)
+    request     of the donor's streaming requests, a parked one first (longest parked
+                first: it makes no progress where it is, and moves from its tier in one
+                round), then the one whose move frees the most pressure per byte moved: the
+                most tokens still to come (the growth the donor is spared) per token of
+                context (the KV the move copies)
 
 and moves that request (pdserve/router/migrate.py). Rate limits: one move per round, a
 donor gives at most one request per `migrate_interval_s`, and a request that moved once is
@@ -73,9 +76,11 @@ class Rebalancer:
             return None
         donor = min(workers, key=free_fraction)
         receiver = max(workers, key=free_fraction)
+        stats = donor.record.stats
         pressed = (
             free_fraction(donor) < self.config.migrate_low_free
-            or donor.record.stats.headroom_blocks < 0
+            or stats.headroom_blocks < 0
+            or stats.preempted > 0
         )
         if not pressed or donor is receiver:
             return None
@@ -89,8 +94,8 @@ class Rebalancer:
         return donor, receiver
 
     def pick(self, donor: Worker) -> list[Inflight]:
-        """The donor's streaming requests, the one whose move relieves it most per byte
-        moved first."""
+        """The donor's streaming requests: its parked ones (as its last heartbeat named
+        them) first, then the one whose move relieves it most per byte moved first."""
         now = self.clock()
         with self.handoff.lock:
             candidates = [
@@ -102,7 +107,12 @@ class Rebalancer:
                 and e.run is not None
                 and now - self._moved_at.get(id(e), -1e18) >= self.config.migrate_interval_s
             ]
-        return sorted(candidates, key=relief_per_byte, reverse=True)
+        parked = {rid: i for i, rid in enumerate(donor.record.stats.parked)}
+        last = len(parked)
+        return sorted(
+            candidates,
+            key=lambda e: (parked.get(e.worker_request_id, last), -relief_per_byte(e)),
+        )
 
     def tick(self) -> bool:
         """One round -> whether a request moved."""

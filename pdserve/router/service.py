@@ -32,7 +32,7 @@ from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving import auth
 from pdserve.serving.auth import MEMBER, Security
 from pdserve.serving.convert import sampling_from_proto
-from pdserve.serving.registration import WorkerStats
+from pdserve.serving.registration import MAX_PARKED_IDS, WorkerStats
 from pdserve.serving.server import health
 from pdserve.tokenizer import Tokenizer
 from pdserve.trace import now
@@ -67,6 +67,12 @@ def check_worker_info(info: pb.WorkerInfo) -> None:
         raise ValueError("worker.free_blocks: exceeds total_blocks")
     if not -_COUNT_MAX <= info.headroom_blocks <= _COUNT_MAX:
         raise ValueError(f"worker.headroom_blocks: must be in [-{_COUNT_MAX}, {_COUNT_MAX}]")
+    if not 0 <= info.preempted <= _COUNT_MAX:
+        raise ValueError(f"worker.preempted: must be in [0, {_COUNT_MAX}]")
+    if len(info.parked_request_ids) > MAX_PARKED_IDS:
+        raise ValueError(f"worker.parked_request_ids: at most {MAX_PARKED_IDS}")
+    if any(not 0 < len(rid) <= 256 for rid in info.parked_request_ids):
+        raise ValueError("worker.parked_request_ids: each 1-256 characters")
 
 
 def record_from_proto(info: pb.WorkerInfo) -> WorkerRecord:
@@ -81,6 +87,8 @@ def record_from_proto(info: pb.WorkerInfo) -> WorkerRecord:
             running=info.running,
             queued_tokens=info.queued_tokens,
             headroom_blocks=info.headroom_blocks,
+            preempted=info.preempted,
+            parked=tuple(info.parked_request_ids),
         ),
     )
 
@@ -97,6 +105,8 @@ def record_to_proto(record: WorkerRecord, age_s: float) -> pb.WorkerInfo:
         queued_tokens=s.queued_tokens,
         running=s.running,
         headroom_blocks=s.headroom_blocks,
+        preempted=s.preempted,
+        parked_request_ids=list(s.parked),
         last_heartbeat_age_s=age_s,
     )
 

@@ -60,4 +60,6 @@ def worker_info(base: pb.WorkerInfo, stats: WorkerStats) -> pb.WorkerInfo:
     info.running = stats.running
     info.queued_tokens = stats.queued_tokens
     info.headroom_blocks = stats.headroom_blocks
+    info.preempted = stats.preempted
+    info.parked_request_ids[:] = stats.parked
     return info

@@ -21,6 +21,7 @@ from pdserve.serving.convert import worker_info
 # The heartbeat interval until the router says otherwise (RegisterResponse); the router's
 # own default (pdserve/router/config.py) is this value.
 HEARTBEAT_S = 1.0
+MAX_PARKED_IDS = 32  # parked request ids a decode worker's heartbeat carries at most
 REGISTER_TIMEOUT_S = 2.0
 # answers no later heartbeat can change by itself: said once in the log, then retried quietly
 # (an operator may fix the router's secret or version and restart it)
@@ -43,6 +44,8 @@ class WorkerStats:
     queued_tokens: int = 0  # prefill: prompt tokens waiting
     # decode: blocks a new request could still count on (the admission policy's projection)
     headroom_blocks: int = 0
+    preempted: int = 0  # decode: waiting for room after a preemption (parked or to recompute)
+    parked: tuple[str, ...] = ()  # decode: ids of parked requests, longest parked first
 
 
 def stop_this_process() -> None:

@@ -16,6 +16,11 @@ all the real classes, wired by events instead of gRPC and NIXL.
     heartbeat   every heartbeat interval each worker's stats refresh the registry, which
                 between heartbeats counts what the router itself sent (as a real router does)
 
+With `migrate` (a `+migrate` policy) the router's rebalancer runs every
+`rebalance_period_s` and moves requests between decode workers (pdserve/sim/migrate.py).
+With `skew="late-join"` every decode worker but the first takes no new requests until half
+the requests arrived (WorkerRegistry.drain, as `pdserve drain` does), as in the sweep.
+
 The handoff's calls cost what the profile's `handoff` says (reserve, the prefill call's
 transit, start); the decode worker's steps and the prefill batches cost what its `cluster`
 and `cluster_prefill` coefficients (or the roofline) say.
@@ -43,6 +48,7 @@ from pdserve.serving.registration import WorkerStats
 from pdserve.sim.clock import VirtualClock
 from pdserve.sim.engine import SimEngine, sim_engine
 from pdserve.sim.load import Arrivals, Record, Series
+from pdserve.sim.migrate import SimMigrations
 from prefill.batcher import Batcher, PrefillJob, reserve_batch
 
 
@@ -78,13 +84,23 @@ class _Flight:
 
 
 class ClusterSim:
-    def __init__(self, setup, admission: str, args: EngineArgs, label: str = "sim") -> None:
+    def __init__(
+        self,
+        setup,
+        admission: str,
+        args: EngineArgs,
+        label: str = "sim",
+        migrate: bool = False,
+        skew: str | None = None,
+    ) -> None:
         topo = setup.topology
         self.setup, self.label = setup, label
         self.profile = setup.profile
+        self.skew = skew
         self.router = RouterConfig(
             max_model_len=args.scheduler_config(setup.config).max_model_len,
             queue_timeout_s=1e9,  # the sweep's routers wait as long as it takes
+            migrate_policy="pressure" if migrate else "off",
         )
         self.clock = VirtualClock()
         self.registry = WorkerRegistry(
@@ -114,6 +130,35 @@ class ClusterSim:
         self._events: list[tuple] = []
         self._seq = itertools.count()
         self.steps = 0
+        self.migrations = SimMigrations(self, self.router) if migrate else None
+        self._records: dict[str, Record] = {}
+        self._ended = None
+
+    def at(self, t: float, kind: str, *payload) -> None:
+        self._at(t, kind, *payload)
+
+    def decode_named(self, name: str) -> _Decode:
+        return next(d for d in self.decodes if d.name == name)
+
+    def kick(self, now: float, d: _Decode) -> None:
+        """Step `d` now unless a step of it runs."""
+        if not d.busy:
+            self._step_start(now, d)
+
+    def moved(self, now: float, rid: str, d: _Decode, done, generated: int) -> None:
+        """A request's KV moved to `d`, which decodes it from now on (or it ended there),
+        after `generated` output tokens elsewhere (its first one on `d` is the last of
+        those: counted once)."""
+        record = self._records[rid]
+        record.where = d.name
+        record.moved_tokens += generated - 1
+        record.migrations += 1
+        if done is not None:
+            self._finished(now, d, done)
+        self.kick(now, d)
+
+    def _client(self, worker_rid: str) -> str:
+        return self.migrations.client_id(worker_rid) if self.migrations else worker_rid
 
     # -- events ---------------------------------------------------------------------------
     def _at(self, t: float, kind: str, *payload) -> None:
@@ -129,11 +174,18 @@ class ClusterSim:
 
     def run(self, specs: list[RequestSpec], prompts: list[list[int]], concurrency: int | None):
         arrivals = Arrivals(specs, concurrency)
-        records: dict[str, Record] = {}
+        records: dict[str, Record] = self._records
         flights: dict[str, _Flight] = {}
         hs = self.profile.handoff
-        self._heartbeat()
+        self._heartbeat()  # every worker registers
+        late = [self.registry.find(d.name, "decode") for d in self.decodes[1:]]
+        if self.skew == "late-join":  # drained until half the requests arrived
+            for w in late:
+                self.registry.drain(w)
+        sent = 0
         self._at(self.router.heartbeat_s, "heartbeat")
+        if self.migrations is not None:
+            self._at(self.router.rebalance_period_s, "rebalance")
         bar_args = dict(desc=self.label, unit="req", disable=not self.label, leave=False)
         with progress(total=len(specs), **bar_args) as bar:
 
@@ -141,10 +193,19 @@ class ClusterSim:
                 records[rid].end = t + hs.per_token_s
                 flights.pop(rid, None)
                 arrivals.ended(t)
+                if self.migrations is not None:
+                    self.migrations.ended(rid)
                 bar.update(1)
 
+            self._ended = ended
+
             def arrive(now: float) -> None:
+                nonlocal sent
                 for at, i in arrivals.pop_due(now):
+                    sent += 1
+                    if self.skew == "late-join" and sent == len(specs) // 2 + 1:
+                        for w in late:  # they join: this request may go to them
+                            self.registry.drain(w, undo=True)
                     rid = f"r{i}"
                     spec = specs[i]
                     records[rid] = Record(rid, at, spec.output_tokens)
@@ -178,6 +239,14 @@ class ClusterSim:
                     self._start(now, payload[0], payload[1], flights, records, ended)
                 elif kind == "step":
                     self._step_end(now, *payload, records, ended)
+                elif kind == "rebalance":
+                    self.migrations.rebalancer.tick()
+                    if flights or not arrivals.exhausted:
+                        self._at(now + self.router.rebalance_period_s, "rebalance")
+                elif kind == "migrate-stop":
+                    self.migrations.stop(now, *payload)
+                elif kind == "migrate-start":
+                    self.migrations.start(now, *payload)
                 arrive(now)
         return list(records.values())
 
@@ -259,7 +328,10 @@ class ClusterSim:
         d.engine.clock.now = max(d.engine.clock.now, now)
         records[rid].first = now + self.profile.handoff.per_token_s
         records[rid].where = d.name
-        _, done = d.state.start(rid, token)
+        res, done = d.state.start(rid, token)
+        if self.migrations is not None and done is None:
+            flight = flights[rid]
+            self.migrations.streaming(rid, d, res.request, flight.prompt, flight.params.max_tokens)
         if done is not None:
             d.state.observe(done)
             records[rid].output_tokens = len(done.output_token_ids)
@@ -294,27 +366,36 @@ class ClusterSim:
         d.state.observe_step(plan, now - began)
         self.steps += 1
         for done in out.finished:
-            d.state.observe(done)
-            r = records[done.request_id]
-            r.output_tokens = len(done.output_token_ids)
-            r.preemptions = done.metrics.preemptions
-            r.recomputed_tokens = done.metrics.recomputed_tokens
-            ended(done.request_id, now)
+            self._finished(now, d, done)
         pool = eng.core.stats().pool
         bw = 0.0
         if self.profile.memory_bytes_s and now > began:
             bw = eng.runner.last_bytes / (now - began) / self.profile.memory_bytes_s
         d.series.add(now, pool.used_blocks / pool.num_blocks, bw)
         d.busy = False
+        if self.migrations is not None:
+            self.migrations.step_boundary(now, d)
         self._step_start(now, d)
 
+    def _finished(self, now: float, d: _Decode, done) -> None:
+        d.state.observe(done)
+        rid = self._client(done.request_id)
+        r = self._records[rid]
+        r.output_tokens = len(done.output_token_ids) + r.moved_tokens
+        r.preemptions += done.metrics.preemptions
+        r.recomputed_tokens += done.metrics.recomputed_tokens
+        self._ended(rid, now)
 
-def run_cluster(setup, admission, args, specs, prompts, concurrency, label):
-    """-> (records, decode steps, every engine, per decode worker's series)."""
-    sim = ClusterSim(setup, admission, args, label)
+
+def run_cluster(
+    setup, admission, args, specs, prompts, concurrency, label, migrate=False, skew=None
+):
+    """-> (records, decode steps, every engine, per decode worker's series, moves)."""
+    sim = ClusterSim(setup, admission, args, label, migrate, skew)
     records = sim.run(specs, prompts, concurrency)
     engines = [d.engine for d in sim.decodes] + [p.engine for p in sim.prefills]
     for d in sim.decodes:
         d.state.check_integrity()
     series = {d.name: d.series.points for d in sim.decodes}
-    return records, sim.steps, engines, series
+    moves = sim.migrations.moves if sim.migrations is not None else 0
+    return records, sim.steps, engines, series, moves

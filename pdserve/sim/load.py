@@ -71,7 +71,9 @@ class Record:
     output_tokens: int = 0
     preemptions: int = 0
     recomputed_tokens: int = 0
-    where: str = ""  # the replica or decode worker that served it
+    where: str = ""  # the replica or decode worker that served it (last)
+    moved_tokens: int = 0  # output tokens generated before a live migration (cluster sim)
+    migrations: int = 0
 
     # what bench sweep's steady_throughput reads
     @property

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from pdserve.bench.slo import SLO
-from pdserve.bench.sweep import parse_policy
+from pdserve.bench.sweep import parse_policy, split_migrate
 from pdserve.bench.workload import RequestSpec, prompts_for
 from pdserve.config import ModelConfig
 from pdserve.engine.args import EngineArgs
@@ -70,6 +70,7 @@ class Setup:
     weight_dtype_bytes: float = 2
     slo: SLO = SLO()
     seed: int = 0
+    skew: str | None = None  # "late-join": decode workers but the first join midway
 
     def shape(self) -> ModelShape:
         kv = 4 if self.profile.dtype == "float32" else (1 if self.profile.dtype == "fp8" else 2)
@@ -97,6 +98,15 @@ def policy_args(args: EngineArgs, policy: str) -> tuple[str, EngineArgs]:
     return admission, dataclasses.replace(args, preemption=preemption)
 
 
+def migration_of(setup: Setup, policy: str) -> bool:
+    """Whether the policy moves requests between decode workers (`+migrate`): a
+    disaggregated topology's router does; colocated replicas have none."""
+    migrate = split_migrate(policy)[1]
+    if migrate and not setup.topology.disaggregated:
+        raise ValueError(f"policy: {policy} needs decode workers (a 1P2D topology, say)")
+    return migrate
+
+
 def simulate(
     setup: Setup,
     policy: str,
@@ -106,6 +116,7 @@ def simulate(
 ) -> dict:
     """One point: the policy under this load on the setup's topology -> its figures."""
     admission, args = policy_args(setup.args, policy)
+    migrate = migration_of(setup, policy)
     blocks = setup.num_blocks()
     args = dataclasses.replace(args, num_kv_blocks=blocks)
     prompts = prompts_for(specs, setup.config.vocab_size, setup.seed)
@@ -114,8 +125,8 @@ def simulate(
     if topo.disaggregated:
         from pdserve.sim.cluster import run_cluster
 
-        records, steps, engines, series = run_cluster(
-            setup, admission, args, specs, prompts, concurrency, label
+        records, steps, engines, series, moves = run_cluster(
+            setup, admission, args, specs, prompts, concurrency, label, migrate, setup.skew
         )
     else:
         replicas = []
@@ -134,6 +145,7 @@ def simulate(
             label=label,
         )
         engines = [eng for _, eng in replicas]
+        moves = 0
         series = {rep.name: rep.series.points for rep, _ in replicas}
     wall = time.perf_counter() - started
     point = summarize(records, setup.slo)
@@ -148,6 +160,7 @@ def simulate(
         num_kv_blocks=blocks,
         preemptions=sum(s.preemptions for s in stats),
         recomputed_tokens=sum(s.recomputed_tokens for s in stats),
+        migrations=moves,
         spilled_bytes=sum(s.spilled_bytes for s in stats),
         reloaded_bytes=sum(s.reloaded_bytes for s in stats),
         per_worker={  # engines lead with the workers that have a series, in order
