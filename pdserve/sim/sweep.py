@@ -100,15 +100,16 @@ def sim_sweep(
 def format_table(report: dict) -> str:
     lines = [
         report["title"],
-        f"{'policy':<22} {'conc':>5} {'tok/s':>9} {'good req/s':>10} {'TTFT p50':>9} {'p99':>8} "
-        f"{'TPOT p50':>9} {'p99':>8} {'preempt':>8} {'recomp':>9} {'spilled GB':>10}",
+        f"{'policy':<24} {'conc':>5} {'tok/s':>9} {'good req/s':>10} {'TTFT p50':>9} {'p99':>8} "
+        f"{'TPOT p50':>9} {'p99':>8} {'preempt':>8} {'recomp':>9} {'spilled GB':>10} {'moved':>5}",
     ]
     for p in report["points"]:
         lines.append(
-            f"{p['policy']:<22} {str(p['concurrency']):>5} {p['throughput_tok_s']:>9.1f} "
+            f"{p['policy']:<24} {str(p['concurrency']):>5} {p['throughput_tok_s']:>9.1f} "
             f"{p['goodput_req_s']:>10.2f} {p['ttft_p50_s']:>9.3f} {p['ttft_p99_s']:>8.2f} "
             f"{p['tpot_p50_s'] * 1e3:>7.1f}ms {p['tpot_p99_s'] * 1e3:>6.1f}ms "
-            f"{p['preemptions']:>8} {p['recomputed_tokens']:>9} {p['spilled_bytes'] / 1e9:>10.2f}"
+            f"{p['preemptions']:>8} {p['recomputed_tokens']:>9} {p['spilled_bytes'] / 1e9:>10.2f} "
+            f"{p.get('migrations', 0):>5}"
         )
     steps, wall = report["steps"], report["wall_s"]
     lines.append(
