@@ -50,6 +50,12 @@ def drain_busiest(c: Cluster) -> tuple[str, str, list[pb.DrainProgress]]:
     return wid, other, drain_rpc(c, wid)
 
 
+def other_decode(c: Cluster, pid: int) -> int:
+    """The pid of the decode worker that is not `pid`."""
+    decodes = [p.pid for n, p in zip(c.names, c.procs) if n.startswith("decode")]
+    return next(p for p in decodes if p != pid)
+
+
 def on_fire(points: str, action) -> threading.Thread:
     """Run `action(pid, detail)` once decode.migrate fires (from a thread)."""
 
@@ -91,8 +97,7 @@ def test_the_worker_a_request_goes_to_dies_mid_move(expected, tmp_path):
         struck: list[int] = []
 
         def kill_the_other(pid: int, detail: str) -> None:
-            decodes = [p.pid for n, p in zip(c.names, c.procs) if n.startswith("decode")]
-            victim = next(p for p in decodes if p != pid)
+            victim = other_decode(c, pid)
             os.kill(victim, signal.SIGKILL)
             struck.append(victim)
 
@@ -169,8 +174,7 @@ def test_the_worker_a_request_goes_to_freezes_past_its_lease_mid_move(expected, 
         frozen: list[int] = []
 
         def freeze_the_other(pid: int, detail: str) -> None:
-            decodes = [p.pid for n, p in zip(c.names, c.procs) if n.startswith("decode")]
-            victim = next(p for p in decodes if p != pid)
+            victim = other_decode(c, pid)
             os.kill(victim, signal.SIGSTOP)
             frozen.append(victim)
             time.sleep(4)  # two leases

@@ -148,15 +148,20 @@ def test_a_corrupt_reload_is_recomputed_never_used(expected, tmp_path, caplog):
     core.close()
 
 
-def test_abort_of_a_parked_request_drops_its_spilled_kv(tmp_path):
-    core = tight(tmp_path, preemption="swap")
+def first_parked(core: EngineCore) -> str:
+    """Every prompt added, stepped until one request is parked -> its id."""
     for p in PROMPTS:
         core.add(core.make_request(p, PARAMS))
     parked: tuple[str, ...] = ()
     while not parked:
         parked = core.step().parked
         core.check_integrity()
-    victim = parked[0]
+    return parked[0]
+
+
+def test_abort_of_a_parked_request_drops_its_spilled_kv(tmp_path):
+    core = tight(tmp_path, preemption="swap")
+    victim = first_parked(core)
     assert core.kv.offload.is_parked(victim)
     done = core.abort(victim)
     assert done is not None and done.finish_reason == "abort"
@@ -167,16 +172,6 @@ def test_abort_of_a_parked_request_drops_its_spilled_kv(tmp_path):
         core.check_integrity()
     assert tier(core, "host")["used_blocks"] == 0
     core.close()
-
-
-def first_parked(core: EngineCore) -> str:
-    for p in PROMPTS:
-        core.add(core.make_request(p, PARAMS))
-    parked: tuple[str, ...] = ()
-    while not parked:
-        parked = core.step().parked
-        core.check_integrity()
-    return parked[0]
 
 
 def test_a_parked_request_detached_for_a_move_that_fails_comes_back_parked(expected, tmp_path):
