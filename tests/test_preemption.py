@@ -29,6 +29,14 @@ def run(core: EngineCore, each_step=None) -> tuple[list[list[int]], list]:
     reqs = [core.make_request(p, PARAMS) for p in PROMPTS]
     for req in reqs:
         core.add(req)
+    outs = finish(core, each_step)
+    ordered = [outs[r.request_id] for r in reqs]
+    return [o.output_token_ids for o in ordered], ordered
+
+
+def finish(core: EngineCore, each_step=None) -> dict:
+    """Step until nothing is left, check_integrity() after every step -> request id -> its
+    output."""
     outs = {}
     while core.has_unfinished:
         for done in core.step().finished:
@@ -36,8 +44,7 @@ def run(core: EngineCore, each_step=None) -> tuple[list[list[int]], list]:
         core.check_integrity()
         if each_step is not None:
             each_step(core)
-    ordered = [outs[r.request_id] for r in reqs]
-    return [o.output_token_ids for o in ordered], ordered
+    return outs
 
 
 def tight(tmp_path, **kw) -> EngineCore:
@@ -167,9 +174,7 @@ def test_abort_of_a_parked_request_drops_its_spilled_kv(tmp_path):
     assert done is not None and done.finish_reason == "abort"
     assert not core.kv.offload.is_parked(victim)
     core.check_integrity()
-    while core.has_unfinished:
-        core.step()
-        core.check_integrity()
+    finish(core)
     assert tier(core, "host")["used_blocks"] == 0
     core.close()
 
@@ -192,12 +197,7 @@ def test_a_parked_request_detached_for_a_move_that_fails_comes_back_parked(expec
         core.check_integrity()
     assert core.admit_detached(request) is None
     core.check_integrity()
-    outs = {}
-    while core.has_unfinished:
-        for done in core.step().finished:
-            outs[done.request_id] = done.output_token_ids
-        core.check_integrity()
-    assert outs[victim] == expected[int(victim)]
+    assert finish(core)[victim].output_token_ids == expected[int(victim)]
     assert core.stats().recomputed_tokens == 0
     assert tier(core, "host")["used_blocks"] == 0
     core.close()
@@ -215,9 +215,7 @@ def test_an_abort_during_a_move_ends_the_request_when_the_move_fails(tmp_path, p
     assert done is not None and done.finish_reason == "abort"
     assert not core.holds(victim) and not core.kv.is_parked(victim)
     core.check_integrity()
-    while core.has_unfinished:
-        core.step()
-        core.check_integrity()
+    finish(core)
     assert core.free_blocks == core.num_blocks
     assert tier(core, "host")["used_blocks"] == 0
     core.close()
@@ -229,9 +227,7 @@ def test_a_moved_parked_request_leaves_nothing_in_the_tier(tmp_path):
     core.handed_over(core.detach_parked(victim))
     assert not core.holds(victim) and not core.kv.is_parked(victim)
     core.check_integrity()
-    while core.has_unfinished:
-        core.step()
-        core.check_integrity()
+    finish(core)
     assert tier(core, "host")["used_blocks"] == 0
     core.close()
 

@@ -13,6 +13,7 @@ from pdserve.router.rebalance import Rebalancer
 from pdserve.router.registry import WorkerRegistry
 from pdserve.router.request import Arrival, Run
 from pdserve.rpc import pdserve_pb2 as pb
+from pdserve.sim.migrate import SimHandoff  # the two things the rebalancer reads of a Handoff
 
 CONFIG = RouterConfig(
     max_model_len=4096, missed_heartbeats=60, migrate_policy="pressure", migrate_interval_s=2.0
@@ -27,14 +28,6 @@ class Clock:
         return self.t
 
 
-class Handoff:  # the two things the rebalancer reads of the real one
-    def __init__(self) -> None:
-        import threading
-
-        self.lock = threading.Lock()
-        self.inflight: dict[str, Inflight] = {}
-
-
 class Mover:
     def __init__(self) -> None:
         self.moves: list[tuple[str, str]] = []
@@ -45,7 +38,7 @@ class Mover:
         return Moved(True)
 
 
-def streaming(handoff: Handoff, worker, rid: str, prompt: int, sent: int, max_tokens: int):
+def streaming(handoff: SimHandoff, worker, rid: str, prompt: int, sent: int, max_tokens: int):
     arrival = Arrival(rid, [1] * prompt, pb.SamplingParams(max_tokens=max_tokens), 0.0, 0.0)
     entry = Inflight(worker=worker, worker_request_id=rid, run=Run(arrival, [2] * sent))
     entry.streaming = True
@@ -58,7 +51,7 @@ def setup(free_a: int, free_b: int, headroom_a: int = 0, **stats_a):
     reg = WorkerRegistry(CONFIG, clock=clock, connect=lambda r: (None, None))
     reg.upsert(record("a", "decode", free_blocks=free_a, headroom_blocks=headroom_a, **stats_a))
     reg.upsert(record("b", "decode", free_blocks=free_b))
-    handoff, mover = Handoff(), Mover()
+    handoff, mover = SimHandoff(), Mover()
     workers = {w.worker_id: w for w in reg.alive("decode")}
     return clock, reg, handoff, mover, Rebalancer(CONFIG, reg, handoff, mover, clock), workers
 

@@ -39,6 +39,7 @@ from pdserve.sampling_params import SamplingParams
 class SimRun:
     """What the rebalancer reads of a router's Run, over the engine's request."""
 
+    rid: str  # the client's request id (the records' key)
     arrival: SimpleNamespace  # .prompt, .sampling.max_tokens
     request: Request  # on the decode worker serving it now
 
@@ -75,7 +76,6 @@ class SimMigrations:
         self.handoff = SimHandoff()
         self.rebalancer = Rebalancer(config, cluster.registry, self.handoff, self, cluster.clock)
         self.moves = 0
-        self.failed = 0
         self._stopping: dict[str, list[SimMove]] = {}  # decode name -> moves to stop there
         self._ids: dict[str, str] = {}  # a moved request's id on a worker -> the client's
 
@@ -87,7 +87,7 @@ class SimMigrations:
         worker = self.cluster.registry.find(d.name, "decode")
         arrival = SimpleNamespace(prompt=prompt, sampling=SimpleNamespace(max_tokens=max_tokens))
         entry = Inflight(worker=worker, worker_request_id=request.request_id)
-        entry.run, entry.streaming = SimRun(arrival, request), True
+        entry.run, entry.streaming = SimRun(rid, arrival, request), True
         self.handoff.inflight[rid] = entry
 
     def ended(self, rid: str) -> None:
@@ -97,14 +97,11 @@ class SimMigrations:
     def move(self, entry: Inflight, dest_worker) -> Moved:
         c = self.cluster
         now = c.clock.now
-        rid = next(k for k, e in self.handoff.inflight.items() if e is entry)
         src = c.decode_named(entry.worker.worker_id)
         dest = c.decode_named(dest_worker.worker_id)
         req = entry.run.request
-        held = src.engine.core.kv_of(req.request_id) is not None or src.engine.core.kv.is_parked(
-            req.request_id
-        )
-        if not held or req.status.finished:
+        running = src.engine.core.kv_of(req.request_id) is not None
+        if not (running or src.engine.core.kv.is_parked(req.request_id)):
             return Moved(False, "not running or parked")
         # every token but its last (whose KV is not computed), to the same total length
         context = req.token_ids[:-1]
@@ -121,11 +118,9 @@ class SimMigrations:
                 extra_tokens=min(self.config.migrate_extra_tokens, left),
             )
         except (ReservationError, ValueError) as e:
-            self.failed += 1
             return Moved(False, str(e))
-        running = src.engine.core.kv_of(req.request_id) is not None
         precopied = len(req.block_ids) if running else 0  # running: it decodes on meanwhile
-        move = SimMove(rid, entry, src, dest, dest_rid, len(req.token_ids), precopied)
+        move = SimMove(entry.run.rid, entry, src, dest, dest_rid, len(req.token_ids), precopied)
         entry.handover = move  # not picked again while it moves
         pre_copy = self._link(precopied) if precopied else 0.0
         c.at(now + c.profile.handoff.reserve_s + pre_copy, "migrate-stop", move)
@@ -182,4 +177,3 @@ class SimMigrations:
     def _abandon(self, move: SimMove) -> None:
         move.dest.state.release(move.dest_rid, unpushed=True)
         move.entry.handover = None
-        self.failed += 1
