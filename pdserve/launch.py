@@ -321,6 +321,10 @@ def run_launch(args) -> int:
         tls = TLSFiles(args.tls_cert, args.tls_key, args.tls_ca)
     if args.num_kv_blocks:
         worker_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.memory_per_rank is not None:
+        worker_args += ["--memory-per-rank", str(args.memory_per_rank)]
+    if args.gpu_memory_utilization is not None:
+        worker_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     print(
         f"starting router, {args.prefill} prefill and {args.decode} decode workers ...", flush=True
     )

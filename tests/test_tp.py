@@ -150,6 +150,40 @@ def test_a_tp2_rank_holds_half_the_weights_and_a_pool_twice_the_blocks():
         two.close()
 
 
+def test_the_pool_grows_by_the_weight_memory_tp_frees():
+    """Given what a rank may hold in all, its weights come first and its pool gets the rest:
+    a TP=2 rank holds half the weights, so its pool grows by exactly what that frees (to the
+    block), and the group holds more than twice TP=1's blocks."""
+    budget = dict(memory_per_rank=8 * 2**20, preemption="recompute")
+    one = LLM("tiny-llama", **budget)
+    two = LLM("tiny-llama", tensor_parallel_size=2, **budget)
+    try:
+        (m1,), ranks = one.memory(), two.memory()
+        held1 = m1.weight_bytes + m1.packed_weight_bytes
+        block1 = m1.kv_bytes // m1.num_blocks
+        assert m1.kv_bytes == (8 * 2**20 - held1) // block1 * block1
+        for m in ranks:
+            held2 = m.weight_bytes + m.packed_weight_bytes
+            block2 = m.kv_bytes // m.num_blocks
+            assert block2 * 2 == block1  # half the KV heads of a block
+            freed = held1 - held2
+            assert abs(held2 / held1 - 0.5) <= 0.05 * 0.5, (held2, held1)
+            assert abs((m.kv_bytes - m1.kv_bytes) - freed) < block1, (m, m1)
+        assert two.stats().pool.num_blocks > 2 * one.stats().pool.num_blocks
+    finally:
+        one.close()
+        two.close()
+
+
+def test_a_memory_budget_that_cannot_hold_the_weights_is_refused():
+    with pytest.raises(ValueError, match="memory_per_rank: 1000 bytes do not cover"):
+        LLM("tiny-llama", memory_per_rank=1000, preemption="recompute")
+    with pytest.raises(ValueError, match="gpu_memory_utilization: needs a CUDA device"):
+        LLM("tiny-llama", gpu_memory_utilization=0.9, device="cpu", preemption="recompute")
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization: must be in \(0, 1\]"):
+        LLM("tiny-llama", gpu_memory_utilization=1.5, preemption="recompute")
+
+
 def test_mla_latent_is_whole_on_every_rank():
     budget = dict(kv_cache_memory=2**20, preemption="recompute")
     one = LLM("tiny-deepseek", **budget)

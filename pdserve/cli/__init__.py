@@ -26,6 +26,7 @@ import argparse
 import sys
 
 from pdserve.cli.bench import add_bench_parser
+from pdserve.cli.common import add_memory_flags
 from pdserve.cli.demo import add_demo_parser
 from pdserve.cli.drain import add_drain_parser
 from pdserve.cli.plan import add_plan_parser
@@ -125,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port (0: free)"
     )
     launch.add_argument("--num-kv-blocks", type=int, default=None)
+    add_memory_flags(launch)
     launch.add_argument("--tls-cert", default=None, help="PEM certificate for every member")
     launch.add_argument("--tls-key", default=None, help="its private key")
     launch.add_argument("--tls-ca", default=None, help="the CA that signed it (mutual TLS)")

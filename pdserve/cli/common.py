@@ -79,3 +79,22 @@ def rate_list(text: str) -> list[float]:
 def sweep_slo_arg(text: str):
     """argparse type: seconds, or multiples of the unloaded p50s (`ttft=5x,tpot=2x`)."""
     return _slo(text, relative_ok=True)
+
+
+def add_memory_flags(p) -> None:
+    """How much a worker's ranks may hold, weights first and KV the rest (EngineArgs)."""
+    p.add_argument(
+        "--memory-per-rank",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="what each rank may hold: its weights, then a KV pool of the rest (so a wider "
+        "--tp holds more KV)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="CUDA: each rank's GPU up to this fraction of its memory, weights and KV",
+    )

@@ -21,6 +21,7 @@ import sys
 import threading
 import uuid
 
+from pdserve.cli.common import add_memory_flags
 from pdserve.engine.args import EngineArgs
 from pdserve.failpoints import Failpoints
 
@@ -74,6 +75,8 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
+        memory_per_rank=args.memory_per_rank,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         device=args.device,
@@ -358,7 +361,8 @@ def add_serve_parser(sub) -> None:
             p.add_argument("--transfer", default="nixl", choices=PROCESS_BACKENDS)
             p.add_argument("--block-size", type=int, default=16)
             p.add_argument("--num-kv-blocks", type=int, default=None)
-            p.add_argument("--kv-cache-memory", type=int, default=None)
+            p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes, per rank")
+            add_memory_flags(p)
             p.add_argument("--dtype", default="auto")
             p.add_argument("--device", default="auto")
             p.add_argument("--max-num-batched-tokens", type=int, default=2048)

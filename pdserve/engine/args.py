@@ -23,7 +23,13 @@ GPU_KV_FRACTION = 0.5  # of the memory left free after loading weights
 class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None  # wins over kv_cache_memory
-    kv_cache_memory: int | None = None  # bytes for the KV pool
+    kv_cache_memory: int | None = None  # bytes for the KV pool (of each rank)
+    # Or what a rank may hold in all, its weights first and the KV pool the rest, so a rank
+    # that holds less of the model (tensor parallelism) holds more KV: memory_per_rank in
+    # bytes (any device), or gpu_memory_utilization as in vLLM (CUDA: this fraction of the
+    # device's total memory, less everything already in use on it once the weights loaded).
+    memory_per_rank: int | None = None
+    gpu_memory_utilization: float | None = None
     max_model_len: int | None = None  # default: the model's max positions
     dtype: str = "auto"  # float32 | float16 | bfloat16 | auto (fp32 on CPU, bf16 on CUDA)
     device: str = "auto"  # cpu | cuda | cuda:N | auto
@@ -72,6 +78,11 @@ class EngineArgs:
             raise ValueError(f"num_kv_blocks: must be > 0, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory: must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.memory_per_rank is not None and self.memory_per_rank <= 0:
+            raise ValueError(f"memory_per_rank: must be > 0 bytes, got {self.memory_per_rank}")
+        util = self.gpu_memory_utilization
+        if util is not None and not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {util}")
         if self.prefix_offload and not self.enable_prefix_caching:
             raise ValueError("prefix_offload: needs enable_prefix_caching")
         for name in ("spill_host_blocks", "spill_cxl_blocks", "spill_disk_blocks"):
@@ -109,18 +120,45 @@ class EngineArgs:
         )
 
     def cache_config(
-        self, model: ModelConfig, dtype: torch.dtype, device: torch.device
+        self, model: ModelConfig, dtype: torch.dtype, device: torch.device, held_bytes: int = 0
     ) -> CacheConfig:
+        """The pool of one rank; `held_bytes` is what the rank's weights (and their packed
+        copies) already take, measured after loading (pdserve/engine/memory.py)."""
         num_blocks = self.num_kv_blocks
         if num_blocks is None:
-            budget = self.kv_cache_memory
-            if budget is None:
-                if device.type == "cuda":
-                    free, _ = torch.cuda.mem_get_info(device)
-                    budget = int(free * GPU_KV_FRACTION)
-                else:
-                    budget = DEFAULT_CPU_KV_BYTES
+            budget, field = self.kv_budget(device, held_bytes)
             num_blocks = budget // bytes_per_block(model, self.block_size, dtype)
             if num_blocks < 1:
-                raise ValueError(f"kv_cache_memory: {budget} bytes hold no KV block")
+                raise ValueError(f"{field}: {budget} bytes left for KV hold no KV block")
         return CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching)
+
+    def kv_budget(self, device: torch.device, held_bytes: int) -> tuple[int, str]:
+        """Bytes for one rank's KV pool, and the argument that decided them."""
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory, "kv_cache_memory"
+        if self.memory_per_rank is not None:
+            budget = self.memory_per_rank - held_bytes
+            if budget <= 0:
+                raise ValueError(
+                    f"memory_per_rank: {self.memory_per_rank} bytes do not cover this rank's "
+                    f"{held_bytes} bytes of weights"
+                )
+            return budget, "memory_per_rank"
+        if self.gpu_memory_utilization is not None:
+            if device.type != "cuda":
+                raise ValueError(
+                    "gpu_memory_utilization: needs a CUDA device; on CPU give memory_per_rank "
+                    "or kv_cache_memory"
+                )
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(total * self.gpu_memory_utilization) - (total - free)
+            if budget <= 0:
+                raise ValueError(
+                    f"gpu_memory_utilization: {self.gpu_memory_utilization} of {total} bytes "
+                    f"leaves nothing for KV: {total - free} bytes are in use on {device}"
+                )
+            return budget, "gpu_memory_utilization"
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * GPU_KV_FRACTION), "kv_cache_memory"
+        return DEFAULT_CPU_KV_BYTES, "kv_cache_memory"

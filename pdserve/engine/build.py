@@ -20,6 +20,7 @@ from pdserve.attention import ATTENTION_BACKENDS
 from pdserve.config import PREEMPTION, ModelConfig
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.core import EngineCore
+from pdserve.engine.memory import held_bytes
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.runner import Runner
 from pdserve.engine.scheduler import Scheduler
@@ -43,7 +44,7 @@ def build_engine(model: str, args: EngineArgs | None = None) -> tuple[EngineCore
         return build_tp_engine(model, source, args, device, dtype), source
     backend = ATTENTION_BACKENDS[args.attention_backend](device)
     net = build_model(config, dtype, device, source.weights())
-    cc = args.cache_config(config, dtype, device)
+    cc = args.cache_config(config, dtype, device, held_bytes(net))
     cache = KVCache(config, cc.num_blocks, cc.block_size, dtype, device)
     runner = ModelRunner(net, cache, backend, device, args.seed)
     core = assemble_engine(config, args, cache, tiers(args, cache), runner, source.tokenizer)
@@ -69,7 +70,7 @@ def build_tp_engine(model: str, source, args, device: torch.device, dtype: torch
         group.send_each("load", [()] * (size - 1), answered=True)  # all ranks load at once
         net = build_model(config, dtype, device, source.weights(), comm=group.comm)
         local = local_config(config, size)
-        own = args.cache_config(local, dtype, device).num_blocks
+        own = args.cache_config(local, dtype, device, held_bytes(net)).num_blocks
         budgets = group.collect("load", START_TIMEOUT_S)
         num_blocks = min([own, *(b["num_blocks"] for b in budgets)])  # the tightest rank
         group.call("cache", num_blocks)

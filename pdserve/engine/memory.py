@@ -18,7 +18,8 @@ class RankMemory:
     num_blocks: int
 
 
-def rank_memory(rank: int, model: torch.nn.Module, cache: KVCache) -> RankMemory:
+def model_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(weights, packed copies) of a loaded model, in bytes."""
     seen, weights, packed = set(), 0, 0
     for p in model.parameters():
         if p.data_ptr() not in seen:
@@ -28,4 +29,14 @@ def rank_memory(rank: int, model: torch.nn.Module, cache: KVCache) -> RankMemory
         t = getattr(m, "packed", None)
         if isinstance(t, torch.Tensor):
             packed += t.numel() * t.element_size()
+    return weights, packed
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """What a rank's model takes before its KV pool (EngineArgs.memory_per_rank's share)."""
+    return sum(model_bytes(model))
+
+
+def rank_memory(rank: int, model: torch.nn.Module, cache: KVCache) -> RankMemory:
+    weights, packed = model_bytes(model)
     return RankMemory(rank, weights, packed, cache.nbytes, cache.num_blocks)

@@ -81,7 +81,10 @@ class RankState:
         self.net = build_model(
             self.config, self.dtype, self.device, source.weights(), comm=self.comm
         )
-        budget = args.cache_config(self.local, self.dtype, self.device).num_blocks
+        from pdserve.engine.memory import held_bytes
+
+        held = held_bytes(self.net)
+        budget = args.cache_config(self.local, self.dtype, self.device, held).num_blocks
         return {"num_blocks": budget}
 
     def make_cache(self, num_blocks: int) -> None:
