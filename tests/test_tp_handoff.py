@@ -2,7 +2,7 @@
 bytes of every route land in exactly the decode rank's head slice of exactly the reserved
 blocks, layouts that cannot be mapped are refused, and launched clusters P(TP=2)->D(TP=1),
 P(TP=1)->D(TP=2), P(TP=2)->D(TP=2) give the colocated engine's greedy tokens and free every
-block; a decode rank that dies takes its worker out of service."""
+block; a rank that dies (decode or prefill) takes its worker out of service."""
 
 from __future__ import annotations
 
@@ -200,18 +200,20 @@ def _children(pid: int) -> list[str]:
     return out.stdout.split()
 
 
-def test_a_dead_decode_rank_takes_its_worker_out_of_service():
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_dead_rank_takes_its_worker_out_of_service(role):
     """The group goes (its worker exits 70, its other ranks die with it) and the router
-    serves every request on the other decode worker."""
+    serves every request on the other worker of that role."""
     from pdserve.client import Client
     from pdserve.launch import Cluster
 
     expected = colocated("tiny-llama")[:3]
-    with Cluster("tiny-llama", 1, 2, worker_args=["--num-kv-blocks", "32"], decode_tp=2) as cluster:
-        decode = cluster.procs[cluster.names.index("decode-0")]
-        (rank1,) = _children(decode.pid)
+    counts, tp = ((1, 2), dict(decode_tp=2)) if role == "decode" else ((2, 1), dict(prefill_tp=2))
+    with Cluster("tiny-llama", *counts, worker_args=["--num-kv-blocks", "32"], **tp) as cluster:
+        worker = cluster.procs[cluster.names.index(f"{role}-0")]
+        (rank1,) = _children(worker.pid)
         os.kill(int(rank1), 9)
-        assert decode.wait(DEADLINE_S) == 70  # out of service at once, and says why
+        assert worker.wait(DEADLINE_S) == 70  # out of service at once, and says why
         wait_gone(int(rank1))
         with Client(cluster.address) as client:
             got = [
@@ -219,7 +221,8 @@ def test_a_dead_decode_rank_takes_its_worker_out_of_service():
                 for p in PROMPTS[:3]
             ]
         assert [r.token_ids for r in got] == expected
-        assert {r.timings["decode_worker"] for r in got} == {_worker_id(cluster, "decode-1")}
+        survivor = _worker_id(cluster, f"{role}-1")
+        assert {r.timings[f"{role}_worker"] for r in got} == {survivor}
 
 
 def _worker_id(cluster, name: str) -> str:
