@@ -293,6 +293,7 @@ def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
     import urllib.error
     import urllib.request
 
+    from pdserve.bench.openai_load import prompt_texts, run_point
     from pdserve.client import Unauthorized
     from pdserve.rpc import PROTOCOL_VERSION
     from pdserve.serving import auth
@@ -337,6 +338,13 @@ def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
         assert post(json_type) == 401
         assert post({**json_type, "Authorization": "Bearer nope"}) == 401
         assert post({**json_type, "Authorization": "Bearer key-one-abc"}) == 200
+        # the load generator that measures vLLM (scripts/vllm_side_by_side.py) on this door
+        served = run_point(url, "m", 2, prompt_texts(3, 0), 3, "completions", "key-one-abc")
+        assert served["errors"] == 0 and served["output_tokens"] == 9
+        # (a byte tokenizer's tokens need not each decode to text: no TPOT asserted here)
+        assert all(
+            0 < r["ttft_s"] <= r["e2e_s"] and r["prompt_tokens"] > 0 for r in served["records"]
+        )
         with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
             assert r.status == 200
     out, err = capfd.readouterr()

@@ -94,6 +94,27 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return print_report(report, format_table, args.json)
 
 
+def cmd_bench_openai(args: argparse.Namespace) -> int:
+    from pdserve.bench.openai_load import bench_openai, format_table
+
+    api_key = None
+    if args.api_key_file:
+        with open(args.api_key_file) as f:
+            api_key = f.readline().strip()
+    report = bench_openai(
+        args.url,
+        args.model,
+        tuple(args.concurrency),
+        max_tokens=args.max_tokens,
+        requests=args.requests,
+        api=args.api,
+        api_key=api_key,
+        seed=args.seed,
+        slo=args.slo,
+    )
+    return print_report(report, format_table, args.json)
+
+
 def cmd_bench_parity(args: argparse.Namespace) -> int:
     from pdserve.bench.parity import bench_parity, format_table
 
@@ -348,6 +369,23 @@ def add_bench_parser(sub) -> None:
     )
     srv.set_defaults(func=cmd_bench_serve)
 
+    oai = bench_sub.add_parser(
+        "openai", help="the same streaming load against any OpenAI-compatible server"
+    )
+    oai.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    oai.add_argument("--model", required=True, help="the model name the server serves")
+    oai.add_argument("--concurrency", type=int_list, default=[1, 16, 32])
+    oai.add_argument("--max-tokens", type=int, default=128)
+    oai.add_argument("--requests", type=int, default=None, help="per point (default: 2c, >= 4)")
+    oai.add_argument("--api", choices=["chat", "completions"], default="chat")
+    oai.add_argument("--api-key-file", default=None, help="a file whose first line is the key")
+    oai.add_argument("--seed", type=int, default=0)
+    oai.add_argument(
+        "--slo", type=slo_arg, default=None, help="ttft=SECONDS,tpot=SECONDS (default 2, 0.1)"
+    )
+    oai.add_argument("--json", default=None)
+    oai.set_defaults(func=cmd_bench_openai)
+
     par = bench_sub.add_parser(
         "parity", help="a 1P1D cluster vs the in-process engine, same requests and threads"
     )
@@ -459,9 +497,10 @@ def add_bench_parser(sub) -> None:
     sw.add_argument(
         "--skew",
         default=None,
-        choices=("late-join",),
+        choices=("late-join", "scale-out"),
         help="unbalanced arrivals (2+ decode workers): all but one decode worker join only "
-        "after half of each point's requests were sent",
+        "after half of each point's requests were sent (late-join) or once the first wave, "
+        "one request per client, streams on the first (scale-out)",
     )
     sw.add_argument(
         "--workload",

