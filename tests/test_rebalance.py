@@ -29,13 +29,14 @@ class Clock:
 
 
 class Mover:
-    def __init__(self) -> None:
+    def __init__(self, blocks: int = 0) -> None:
         self.moves: list[tuple[str, str]] = []
+        self.blocks = blocks  # what each move says it reserved (0: not known)
 
     def move(self, entry: Inflight, dest) -> Moved:
         self.moves.append((entry.run.arrival.request_id, dest.worker_id))
         entry.worker = dest  # what the stream's switch does
-        return Moved(True)
+        return Moved(True, blocks=self.blocks)
 
 
 def streaming(handoff: SimHandoff, worker, rid: str, prompt: int, sent: int, max_tokens: int):
@@ -149,3 +150,27 @@ def test_a_refused_move_tries_the_next_request_of_the_same_donor():
     mover.move = refusing
     assert rb.tick()
     assert mover.moves == [("preempted", "refused"), ("running", "b")]
+
+
+def test_a_burst_on_one_worker_is_spread_in_one_round_until_the_two_are_within_the_gap():
+    """a: 4 of 64 free, b: 64 of 64; each move takes 8 blocks (0.125 of a pool) from a to b.
+    Gaps after 1, 2, 3 moves: 0.6875, 0.4375, 0.1875 (< 0.25): three moves, then the round
+    ends; the next round waits for the interval and fresh heartbeats."""
+    clock, reg, handoff, _, _, w = setup(free_a=4, free_b=64)
+    mover = Mover(blocks=8)
+    rb = Rebalancer(CONFIG, reg, handoff, mover, clock)
+    for i in range(6):
+        streaming(handoff, w["a"], f"r{i}", prompt=50, sent=10, max_tokens=900 - i)
+    assert rb.tick()
+    assert mover.moves == [("r0", "b"), ("r1", "b"), ("r2", "b")]
+    assert not rb.tick()  # the same donor within the interval
+
+
+def test_a_round_moves_at_most_its_cap():
+    clock, reg, handoff, _, _, w = setup(free_a=0, free_b=64)
+    mover = Mover(blocks=1)  # small moves: the gap would allow many more
+    rb = Rebalancer(CONFIG, reg, handoff, mover, clock)
+    for i in range(12):
+        streaming(handoff, w["a"], f"r{i}", prompt=50, sent=10, max_tokens=900 - i)
+    assert rb.tick()
+    assert len(mover.moves) == Rebalancer.MOVES_PER_ROUND

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -64,7 +65,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-async def _one(client, prompt: list[int], max_tokens: int) -> Sample:
+@dataclass(frozen=True)
+class Midway:
+    """A call made once during a run, on a thread while the load goes on: after `count`
+    requests were sent, or (`started`) after `count` of them had their first token."""
+
+    call: Callable[[], None]
+    count: int
+    started: bool = False
+
+
+async def _one(client, prompt: list[int], max_tokens: int, on_first=None) -> Sample:
     import grpc
 
     from pdserve.client import build_request, timings_of
@@ -82,6 +93,8 @@ async def _one(client, prompt: list[int], max_tokens: int) -> Sample:
             if msg.token_ids:
                 sample.output_tokens += len(msg.token_ids)
                 sample.token_times += [now] * len(msg.token_ids)
+                if first is None and on_first is not None:
+                    on_first()
                 first = first or now
                 last = now
             if msg.finished:
@@ -107,7 +120,7 @@ async def _one(client, prompt: list[int], max_tokens: int) -> Sample:
 
 async def _drive(address, work, concurrency, rate, seed, arrivals=None, midway=None):
     """-> (samples, elapsed s). `arrivals` (seconds from start) replays a trace's timing.
-    `midway()` runs (on a thread, the load going on) once half the requests were sent."""
+    `midway` (a Midway, or a bare callable: once half the requests were sent) runs once."""
     from pdserve.client import AsyncClient
 
     client = AsyncClient(address)
@@ -115,13 +128,21 @@ async def _drive(address, work, concurrency, rate, seed, arrivals=None, midway=N
     bar = progress(total=len(work.prompts), desc="bench serve", unit="req")
     rng = random.Random(seed)
     start = time.perf_counter()
-    half, sent, pending = len(work.prompts) // 2, 0, []
+    if midway is not None and not isinstance(midway, Midway):
+        midway = Midway(midway, len(work.prompts) // 2)
+    counts, pending = {"sent": 0, "started": 0}, []
+
+    def count(kind: str) -> None:
+        counts[kind] += 1
+        watched = midway is not None and kind == ("started" if midway.started else "sent")
+        if watched and counts[kind] == midway.count:
+            pending.append(asyncio.get_running_loop().run_in_executor(None, midway.call))
 
     def count_sent() -> None:
-        nonlocal sent
-        sent += 1
-        if sent == half and midway is not None:
-            pending.append(asyncio.get_running_loop().run_in_executor(None, midway))
+        count("sent")
+
+    def one(prompt, max_tokens):
+        return _one(client, prompt, max_tokens, lambda: count("started"))
 
     if rate or arrivals is not None:
         tasks = []
@@ -129,7 +150,7 @@ async def _drive(address, work, concurrency, rate, seed, arrivals=None, midway=N
             if arrivals is not None:
                 await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
             count_sent()
-            tasks.append(asyncio.create_task(_one(client, prompt, max_tokens)))
+            tasks.append(asyncio.create_task(one(prompt, max_tokens)))
             tasks[-1].add_done_callback(lambda _: bar.update(1))
             if arrivals is None:
                 await asyncio.sleep(rng.expovariate(rate))
@@ -141,7 +162,7 @@ async def _drive(address, work, concurrency, rate, seed, arrivals=None, midway=N
             while queue:
                 prompt, max_tokens = queue.pop(0)
                 count_sent()
-                samples.append(await _one(client, prompt, max_tokens))
+                samples.append(await one(prompt, max_tokens))
                 bar.update(1)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))

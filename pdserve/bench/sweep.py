@@ -18,10 +18,13 @@ deltas scraped from their Prometheus endpoints; the default policy's inputs: its
 After every point the sweep waits until every worker's blocks and every spill tier are empty
 again, and fails if they do not (a leak).
 
-Skewed arrivals (`skew="late-join"`, two or more decode workers): at every point every
-decode worker but one is drained (it gets no new requests, as a replica still starting up)
-until half the point's requests were sent, then joins; the first one fills while the others
-stand idle, which is where moving running requests (`+migrate`) pays.
+Skewed arrivals (two or more decode workers): at every point every decode worker but one is
+drained (it gets no new requests, as a replica still starting up) and joins later:
+`skew="late-join"` once half the point's requests were sent; `skew="scale-out"` (closed loop)
+once the first wave, one request per client, is streaming, all of it on the first worker (a
+burst that landed on one replica before the others came up). The first one fills while the
+others stand idle or take only what arrives after, which is where moving running requests
+(`+migrate`) pays.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from types import MappingProxyType
 
 from pdserve.bench import prometheus
 from pdserve.bench.report import machine_info, write_json
-from pdserve.bench.serve import _drive, percentile
+from pdserve.bench.serve import Midway, _drive, percentile
 from pdserve.bench.slo import DEFAULT_SWEEP_SLO, SLO, goodput, parse_slo
 from pdserve.bench.workload import make_workload, max_prompt_tokens
 from pdserve.config import DEFAULT_PREEMPTION
@@ -53,7 +56,7 @@ COUNTERS = MappingProxyType(
     }
 )
 MIGRATE = "+migrate"
-SKEWS = ("late-join",)
+SKEWS = ("late-join", "scale-out")
 
 
 def parse_policy(policy: str) -> tuple[str, str]:
@@ -190,7 +193,7 @@ def run_point(
     address, work, concurrency: int | None, seed: int, rate: float | None = None, midway=None
 ):
     """One point: `concurrency` closed-loop clients, or arrivals at `rate` requests/s;
-    `midway()` once half the requests were sent."""
+    `midway` (a Midway, or a callable run once half the requests were sent): skewed arrivals."""
     samples, elapsed = asyncio.run(_drive(address, work, concurrency, rate, seed, midway=midway))
     ok = [s for s in samples if s.error is None]
     steady, window = steady_throughput(samples, open_loop=rate is not None)
@@ -305,6 +308,8 @@ def bench_sweep(
         raise ValueError(f"skew: {skew!r}; choose {', '.join(SKEWS)}")
     if skew is not None and decode < 2:
         raise ValueError(f"skew: {skew} needs two or more decode workers, got {decode}")
+    if skew == "scale-out" and rates:
+        raise ValueError("skew: scale-out joins after the first wave of a closed loop: no --rate")
     if rates and requests_per_rate < 1:
         raise ValueError(f"requests_per_rate: at least 1, got {requests_per_rate}")
     loads: list[tuple[int | None, float | None]] = (
@@ -391,6 +396,8 @@ def bench_sweep(
                 if policy in skewed:
                     skewed[policy].hold()
                     midway = skewed[policy].join
+                    if skew == "scale-out":
+                        midway = Midway(midway, count=c, started=True)
                 before = scrape(metrics)
                 point = run_point(cluster.address, work, c, seed, rate, midway)
                 after = scrape(metrics)

@@ -158,9 +158,10 @@ def add_sim_parser(sub) -> None:
     sim.add_argument(
         "--skew",
         default=None,
-        choices=("late-join",),
+        choices=("late-join", "scale-out"),
         help="disaggregated, 2+ decode workers: all but one join after half the requests "
-        "arrived (unbalanced arrivals; a +migrate policy moves requests to them)",
+        "arrived (late-join) or once the first wave, one request per client, started "
+        "(scale-out: closed loop); a +migrate policy moves requests to them",
     )
     sim.add_argument("--num-kv-blocks", type=int, default=None, help="default: what fits")
     sim.add_argument("--block-size", type=int, default=16)

@@ -48,6 +48,7 @@ _PAUSE_S = 0.05  # between a drain's passes over the requests still on the worke
 class Moved:
     ok: bool
     why: str = ""  # when not ok
+    blocks: int = 0  # when ok: the blocks the destination reserved for it (0: not known)
 
 
 class Mover:
@@ -129,7 +130,7 @@ class Mover:
         if state == "cancelled":  # the stream released it
             return self._failed("the request was aborted while it moved")
         self.metrics.migrations.labels("completed").inc()
-        return Moved(True)
+        return Moved(True, blocks=len(reply.block_ids))
 
     def _failed(self, why: str) -> Moved:
         log.warning("a live migration failed: %s", why)

@@ -16,9 +16,12 @@ this router reserved on them since):
                 most tokens still to come (the growth the donor is spared) per token of
                 context (the KV the move copies)
 
-and moves that request (pdserve/router/migrate.py). Rate limits: one move per round, a
-donor gives at most one request per `migrate_interval_s`, and a request that moved once is
-not moved again within `migrate_interval_s` either.
+and moves that request (pdserve/router/migrate.py), then the next one, until the two are
+within `migrate_min_gap` of each other counting the blocks moved (at most MOVES_PER_ROUND):
+a burst that landed on one worker is spread in one round. Rate limits: a donor gives in at
+most one round per `migrate_interval_s`, and a request that moved once is not moved again
+within `migrate_interval_s` either; the gap rule, checked after every move, keeps a round
+from making the receiver the next donor.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ def relief_per_byte(entry: Inflight) -> float:
 
 
 class Rebalancer:
-    TRIES = 4  # requests tried per round: the router cannot see which ones run right now
+    TRIES = 4  # refusals per round: the router cannot see which requests run right now
+    MOVES_PER_ROUND = 8
 
     def __init__(
         self,
@@ -115,24 +119,45 @@ class Rebalancer:
         )
 
     def tick(self) -> bool:
-        """One round -> whether a request moved."""
+        """One round -> whether a request moved. A round moves requests off the donor until
+        the two are within `migrate_min_gap` of each other (each move counted at the blocks
+        the receiver reserved for it; a move of unknown size ends the round), at most
+        MOVES_PER_ROUND, so that a burst on one worker is spread in one round, not one
+        request per `migrate_interval_s` while the donor preempts."""
         paired = self.pair()
         if paired is None:
             return False
         donor, receiver = paired
-        tries = self.pick(donor)[: self.TRIES]
+        tries = self.pick(donor)
         if not tries:
             return False
         self._last_gave[donor.worker_id] = self.clock()
-        moved = False
+        moved = failed = shifted = 0
         for entry in tries:  # a request preempted there (no KV to move) refuses: the next
-            if self.mover.move(entry, receiver).ok:
-                self._moved_at[id(entry)] = self.clock()
-                log.info("moved a request from %s to %s", donor.worker_id, receiver.worker_id)
-                moved = True
+            if failed >= self.TRIES or moved >= self.MOVES_PER_ROUND:
+                break
+            result = self.mover.move(entry, receiver)
+            if not result.ok:
+                failed += 1
+                continue
+            self._moved_at[id(entry)] = self.clock()
+            log.info("moved a request from %s to %s", donor.worker_id, receiver.worker_id)
+            moved += 1
+            if result.blocks <= 0:
+                break
+            shifted += result.blocks
+            if self._gap_after(donor, receiver, shifted) < self.config.migrate_min_gap:
                 break
         self._forget_ended()
-        return moved
+        return moved > 0
+
+    @staticmethod
+    def _gap_after(donor: Worker, receiver: Worker, shifted: int) -> float:
+        """The receiver's free fraction less the donor's once `shifted` blocks moved."""
+        d, r = donor.record.stats, receiver.record.stats
+        donor_free = free_fraction(donor) + shifted / max(1, d.total_blocks)
+        receiver_free = free_fraction(receiver) - shifted / max(1, r.total_blocks)
+        return receiver_free - donor_free
 
     def _forget_ended(self) -> None:
         with self.handoff.lock:

@@ -19,7 +19,8 @@ all the real classes, wired by events instead of gRPC and NIXL.
 With `migrate` (a `+migrate` policy) the router's rebalancer runs every
 `rebalance_period_s` and moves requests between decode workers (pdserve/sim/migrate.py).
 With `skew="late-join"` every decode worker but the first takes no new requests until half
-the requests arrived (WorkerRegistry.drain, as `pdserve drain` does), as in the sweep.
+the requests arrived (WorkerRegistry.drain, as `pdserve drain` does), as in the sweep; with
+`skew="scale-out"` (closed loop) until the first wave, one request per client, started.
 
 The handoff's calls cost what the profile's `handoff` says (reserve, the prefill call's
 transit, start); the decode worker's steps and the prefill batches cost what its `cluster`
@@ -132,6 +133,7 @@ class ClusterSim:
         self.steps = 0
         self.migrations = SimMigrations(self, self.router) if migrate else None
         self._records: dict[str, Record] = {}
+        self._wave = None  # scale-out: (join, first-wave requests yet to start)
         self._ended = None
 
     def at(self, t: float, kind: str, *payload) -> None:
@@ -179,9 +181,17 @@ class ClusterSim:
         hs = self.profile.handoff
         self._heartbeat()  # every worker registers
         late = [self.registry.find(d.name, "decode") for d in self.decodes[1:]]
-        if self.skew == "late-join":  # drained until half the requests arrived
+        if self.skew is not None:  # drained until they join
+            if self.skew == "scale-out" and concurrency is None:
+                raise ValueError("skew: scale-out joins after the first wave of a closed loop")
             for w in late:
                 self.registry.drain(w)
+
+        def join() -> None:
+            for w in late:  # they join: the next request may go to them
+                self.registry.drain(w, undo=True)
+
+        self._wave = (join, concurrency) if self.skew == "scale-out" else None
         sent = 0
         self._at(self.router.heartbeat_s, "heartbeat")
         if self.migrations is not None:
@@ -204,8 +214,7 @@ class ClusterSim:
                 for at, i in arrivals.pop_due(now):
                     sent += 1
                     if self.skew == "late-join" and sent == len(specs) // 2 + 1:
-                        for w in late:  # they join: this request may go to them
-                            self.registry.drain(w, undo=True)
+                        join()
                     rid = f"r{i}"
                     spec = specs[i]
                     records[rid] = Record(rid, at, spec.output_tokens)
@@ -328,6 +337,11 @@ class ClusterSim:
         d.engine.clock.now = max(d.engine.clock.now, now)
         records[rid].first = now + self.profile.handoff.per_token_s
         records[rid].where = d.name
+        if self._wave is not None:  # scale-out: the late ones join once the wave streams
+            join, left = self._wave
+            self._wave = (join, left - 1) if left > 1 else None
+            if left == 1:
+                join()
         res, done = d.state.start(rid, token)
         if self.migrations is not None and done is None:
             flight = flights[rid]

@@ -110,7 +110,7 @@ class SimMigrations:
         dest_rid = f"{req.request_id}~m"
         dest.engine.clock.now = max(dest.engine.clock.now, now)
         try:
-            dest.state.reserve(
+            reserved = dest.state.reserve(
                 dest_rid,
                 context,
                 params,
@@ -124,7 +124,7 @@ class SimMigrations:
         entry.handover = move  # not picked again while it moves
         pre_copy = self._link(precopied) if precopied else 0.0
         c.at(now + c.profile.handoff.reserve_s + pre_copy, "migrate-stop", move)
-        return Moved(True)
+        return Moved(True, blocks=len(reserved.block_ids))
 
     def _link(self, blocks: int) -> float:
         link = self.cluster.profile.link
