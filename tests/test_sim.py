@@ -133,6 +133,25 @@ def test_simulated_migration_moves_requests_to_a_late_replica_and_leaks_nothing(
         simulate(colocated, "greedy+swap+migrate", specs, 4)
 
 
+def test_scale_out_sends_the_first_wave_to_one_worker_and_the_rest_anywhere():
+    """skew="scale-out": decode-1 takes nothing until every request of the first wave (one
+    per client) started on decode-0 (a draining worker takes work only when no other can:
+    the wave's prompts fit on decode-0, and its growth does not: it preempts there)."""
+    import dataclasses
+
+    config = model_config("tiny-deepseek")
+    specs = specs_of("reasoning", 24, seed=2, mean_output=40, max_output=80)
+    args = EngineArgs(block_size=4, num_kv_blocks=100)
+    setup = Setup(config, load_profile("h200"), Topology(prefill=1, decode=2), args)
+    setup = dataclasses.replace(setup, skew="scale-out")
+    wave = simulate(setup, "greedy+recompute", specs[:12], concurrency=12, label="")
+    assert wave["per_worker"]["decode-1"]["requests"] == 0 and wave["preemptions"] > 0
+    assert wave["generated_tokens"] == sum(s.output_tokens for s in specs[:12])
+    two = simulate(setup, "greedy+recompute", specs, concurrency=12, label="")
+    assert two["per_worker"]["decode-1"]["requests"] > 0  # the second wave may go there
+    assert two["generated_tokens"] == sum(s.output_tokens for s in specs)
+
+
 def test_h200_kv_capacity_is_the_arithmetic():
     from pdserve.sim.engine import kv_blocks
     from pdserve.sim.shape import ModelShape

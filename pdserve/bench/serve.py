@@ -120,7 +120,7 @@ async def _one(client, prompt: list[int], max_tokens: int, on_first=None) -> Sam
 
 async def _drive(address, work, concurrency, rate, seed, arrivals=None, midway=None):
     """-> (samples, elapsed s). `arrivals` (seconds from start) replays a trace's timing.
-    `midway` (a Midway, or a bare callable: once half the requests were sent) runs once."""
+    `midway` (a Midway) runs once, when its count is reached."""
     from pdserve.client import AsyncClient
 
     client = AsyncClient(address)
@@ -128,8 +128,6 @@ async def _drive(address, work, concurrency, rate, seed, arrivals=None, midway=N
     bar = progress(total=len(work.prompts), desc="bench serve", unit="req")
     rng = random.Random(seed)
     start = time.perf_counter()
-    if midway is not None and not isinstance(midway, Midway):
-        midway = Midway(midway, len(work.prompts) // 2)
     counts, pending = {"sent": 0, "started": 0}, []
 
     def count(kind: str) -> None:
@@ -137,9 +135,6 @@ async def _drive(address, work, concurrency, rate, seed, arrivals=None, midway=N
         watched = midway is not None and kind == ("started" if midway.started else "sent")
         if watched and counts[kind] == midway.count:
             pending.append(asyncio.get_running_loop().run_in_executor(None, midway.call))
-
-    def count_sent() -> None:
-        count("sent")
 
     def one(prompt, max_tokens):
         return _one(client, prompt, max_tokens, lambda: count("started"))
@@ -149,7 +144,7 @@ async def _drive(address, work, concurrency, rate, seed, arrivals=None, midway=N
         for i, (prompt, max_tokens) in enumerate(zip(work.prompts, work.max_tokens)):
             if arrivals is not None:
                 await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
-            count_sent()
+            count("sent")
             tasks.append(asyncio.create_task(one(prompt, max_tokens)))
             tasks[-1].add_done_callback(lambda _: bar.update(1))
             if arrivals is None:
@@ -161,7 +156,7 @@ async def _drive(address, work, concurrency, rate, seed, arrivals=None, midway=N
         async def worker():
             while queue:
                 prompt, max_tokens = queue.pop(0)
-                count_sent()
+                count("sent")
                 samples.append(await one(prompt, max_tokens))
                 bar.update(1)
 

@@ -193,7 +193,7 @@ def run_point(
     address, work, concurrency: int | None, seed: int, rate: float | None = None, midway=None
 ):
     """One point: `concurrency` closed-loop clients, or arrivals at `rate` requests/s;
-    `midway` (a Midway, or a callable run once half the requests were sent): skewed arrivals."""
+    `midway`: a Midway (skewed arrivals: when the late decode workers join)."""
     samples, elapsed = asyncio.run(_drive(address, work, concurrency, rate, seed, midway=midway))
     ok = [s for s in samples if s.error is None]
     steady, window = steady_throughput(samples, open_loop=rate is not None)
@@ -395,9 +395,12 @@ def bench_sweep(
                 midway = None
                 if policy in skewed:
                     skewed[policy].hold()
-                    midway = skewed[policy].join
-                    if skew == "scale-out":
-                        midway = Midway(midway, count=c, started=True)
+                    join = skewed[policy].join
+                    midway = (
+                        Midway(join, count=c, started=True)  # the first wave streams
+                        if skew == "scale-out"
+                        else Midway(join, count=len(work.prompts) // 2)  # half were sent
+                    )
                 before = scrape(metrics)
                 point = run_point(cluster.address, work, c, seed, rate, midway)
                 after = scrape(metrics)

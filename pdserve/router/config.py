@@ -30,11 +30,9 @@ class RouterConfig:
     stream_timeout_s: float = 3600.0  # a decode stream's deadline
     # live migration (pdserve/router/migrate.py): a move's deadline (every pre-copy round
     # and the last, on the worker it leaves), the tokens of room its destination reserves
-    # beyond the context (the request decodes on while it moves: a few steps' worth, since
-    # the move stops early when its growth nears the end of that room; reserved blocks count
-    # as used: 256 tokens of room per move filled a 48-block receiver after two moves; with
-    # 48 the move often stopped early and stalled up to 3.6x a token gap),
-    # and how long a drain keeps moving what is left before it gives up
+    # beyond the context (the request decodes on while it moves; the blocks count as used
+    # on the receiver, and too little room makes moves stop early: docs/migration.md), and
+    # how long a drain keeps moving what is left before it gives up
     migrate_timeout_s: float = 30.0
     migrate_extra_tokens: int = 128
     drain_timeout_s: float = 600.0

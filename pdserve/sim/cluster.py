@@ -133,7 +133,8 @@ class ClusterSim:
         self.steps = 0
         self.migrations = SimMigrations(self, self.router) if migrate else None
         self._records: dict[str, Record] = {}
-        self._wave = None  # scale-out: (join, first-wave requests yet to start)
+        self._join = None  # scale-out: how the late workers join, once ...
+        self._wave_left = 0  # ... this many first-wave requests more have started
         self._ended = None
 
     def at(self, t: float, kind: str, *payload) -> None:
@@ -191,7 +192,8 @@ class ClusterSim:
             for w in late:  # they join: the next request may go to them
                 self.registry.drain(w, undo=True)
 
-        self._wave = (join, concurrency) if self.skew == "scale-out" else None
+        if self.skew == "scale-out":
+            self._join, self._wave_left = join, concurrency
         sent = 0
         self._at(self.router.heartbeat_s, "heartbeat")
         if self.migrations is not None:
@@ -337,11 +339,11 @@ class ClusterSim:
         d.engine.clock.now = max(d.engine.clock.now, now)
         records[rid].first = now + self.profile.handoff.per_token_s
         records[rid].where = d.name
-        if self._wave is not None:  # scale-out: the late ones join once the wave streams
-            join, left = self._wave
-            self._wave = (join, left - 1) if left > 1 else None
-            if left == 1:
-                join()
+        if self._join is not None:  # scale-out: the late ones join once the wave streams
+            self._wave_left -= 1
+            if self._wave_left == 0:
+                self._join()
+                self._join = None
         res, done = d.state.start(rid, token)
         if self.migrations is not None and done is None:
             flight = flights[rid]
