@@ -11,6 +11,10 @@ reserved for it (the router's Reserve there, with room to grow), while it keeps 
     then           its blocks come back here and its stream ends "migrated": the router
                    starts it on the destination with the tokens it was sent
 
+While it moves, the request's KV may not grow past the destination's blocks (the engine
+holds it there, not scheduled, until the last round stops it: core.hold()): a fast decoder
+can outrun a slow pre-copy round, and then waiting a round beats a move that must fail.
+
 A parked request (preempted, its KV in a spill tier) moves in one round: taken out of the
 parked queue, its KV unpacked from the tier into a staging buffer registered with the agent
 for the move, WRITTEN from there, and dropped from the tier once it landed; a failed move
@@ -120,13 +124,35 @@ class Migrator:
                 raise MigrationFailed(f"destination {dest.worker_id}: {e}", True) from None
         bs = worker.core.block_size
         deadline = time.monotonic() + timeout_s
-        sent = dest.cached_blocks  # blocks [0, sent) are there and final
         with worker.lock:
             parked = worker.core.detach_parked(request_id)
         if parked is not None:
             return self._move_parked(parked, peer, remote, dest, dest_request_id, deadline)
+        with worker.lock:  # it waits at the destination's size rather than outgrow it
+            worker.core.hold(request_id, len(dest.block_ids) * bs)
+        try:
+            return self._move_running(
+                request_id, peer, remote, dest, dest_request_id, max_rounds, deadline
+            )
+        finally:  # moved (gone from here), or going on here: no bound either way
+            with worker.lock:
+                worker.core.hold(request_id, None)
+
+    def _move_running(
+        self,
+        request_id: str,
+        peer: str,
+        remote: PoolSide,
+        dest: Destination,
+        dest_request_id: str,
+        max_rounds: int,
+        deadline: float,
+    ) -> Migrated:
+        """Pre-copy rounds while it decodes, then the last with it stopped."""
+        bs = self.worker.core.block_size
+        sent = dest.cached_blocks  # blocks [0, sent) are there and final
         rounds, nbytes, growth = 0, 0, bs
-        limit = max_rounds or worker.config.migrate_max_rounds
+        limit = max_rounds or self.worker.config.migrate_max_rounds
         while True:
             request, blocks, computed = self._next(
                 request_id, sent, rounds >= limit - 1, growth, dest, deadline

@@ -72,7 +72,9 @@ class Move:
     context the client has seen (all but its last token, whose KV may not exist yet), with
     room to grow; move; then start there with the tokens produced meanwhile."""
 
-    def __init__(self, src, dst, rid: str, new_rid: str, prompt: list[int], sent: list[int]):
+    def __init__(
+        self, src, dst, rid: str, new_rid: str, prompt: list[int], sent: list[int], extra=64
+    ):
         self.src, self.dst, self.rid, self.new_rid = src, dst, rid, new_rid
         self.prompt, self.sent_at_reserve = prompt, len(sent)
         self.reserved = dst.reserve(
@@ -80,7 +82,7 @@ class Move:
             prompt + sent[:-1],
             params(MAX_NEW - len(sent) + 1),
             lease_s=30,
-            extra_tokens=64,
+            extra_tokens=extra,
         )
         self.dest = destination(dst, self.reserved)
 
@@ -150,6 +152,46 @@ def test_a_request_migrated_twice_keeps_its_tokens(trio, expected):
     assert reason == "migrated"
     sent += more
     tokens, reason = rest(second.start(sent))
+    assert (sent + tokens, reason) == (expected[model], "length")
+    for w in (a, b):
+        w.check_integrity()
+        assert w.stats().free_blocks == NUM_BLOCKS
+
+
+def test_a_request_that_outruns_its_pre_copy_waits_at_the_destination_size(trio, expected):
+    """A fast decoder can produce more tokens during one pre-copy round than the destination
+    has room for (CI once saw 134 tokens against 8 reserved blocks, and the move failed):
+    the request waits at the destination's size, steps going on without it, until its last
+    round moves it; B finishes it with the colocated engine's tokens."""
+    model, prefill, a, b = trio
+    stream = started(prefill, a, "r6")
+    sent = take(stream, 4)
+    move = Move(a, b, "r6", "r6~m1", PROMPT, sent, extra=128)  # room for pre-copy rounds
+    capacity = len(move.reserved.block_ids) * 16
+    write = a.migrator._write
+
+    def computed() -> int:
+        with a.lock:
+            kv = a.core.kv_of("r6")
+        assert kv is not None, "r6 stopped running before its last round"
+        return kv[1]
+
+    def slow_pre_copy(*args):
+        nbytes = write(*args)
+        if args[7] == b"":  # a pre-copy round: it ends only once the request could outrun it
+            wait_for(lambda: computed() >= capacity, "r6 reaching the destination's size")
+            steps = a.core.scheduler.steps
+            wait_for(lambda: a.core.scheduler.steps >= steps + 3, "three more steps")
+            assert computed() == capacity
+        return nbytes
+
+    a.migrator._write = slow_pre_copy
+    moved = move.run()
+    more, reason = rest(stream)
+    assert reason == "migrated"
+    sent += more
+    assert moved.rounds >= 2 and moved.num_tokens == capacity + 1  # the last token has no KV
+    tokens, reason = rest(move.start(sent))
     assert (sent + tokens, reason) == (expected[model], "length")
     for w in (a, b):
         w.check_integrity()

@@ -232,6 +232,29 @@ def test_a_moved_parked_request_leaves_nothing_in_the_tier(tmp_path):
     core.close()
 
 
+def test_a_held_request_waits_at_its_bound_while_the_others_decode(expected):
+    """A request being moved may not outgrow the destination's blocks: held at 24 tokens it
+    is not scheduled past them while the rest run on; unbound, it finishes with the same
+    tokens as if it had never waited."""
+    core = engine(block_size=4, num_kv_blocks=256)
+    reqs = [core.make_request(p, PARAMS) for p in PROMPTS]
+    for req in reqs:
+        core.add(req)
+    core.step()  # every prompt computed
+    held = reqs[2].request_id
+    assert core.hold(held, 24)
+    others = [r for r in reqs if r.request_id != held]
+    for _ in range(12):
+        core.step()
+        core.check_integrity()
+    assert core.kv_of(held)[1] == 24  # 20 prompt tokens, then 4 decoded, then nothing
+    assert all(r.num_computed_tokens == 20 + 12 for r in others)
+    assert core.hold(held, None)
+    outs = finish(core)
+    assert [outs[r.request_id].output_token_ids for r in reqs] == expected
+    assert not core.hold(held, 30)  # finished: nothing to hold
+
+
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="preemption: unknown 'drop'; choose one of recompute"):
         EngineArgs(preemption="drop")

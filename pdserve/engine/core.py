@@ -224,6 +224,16 @@ class EngineCore:
             return None
         return list(req.block_ids), req.num_computed_tokens, req.max_total_tokens
 
+    def hold(self, request_id: str, tokens: int | None) -> bool:
+        """Let a running request's KV grow to `tokens` at most (None: no bound again): it
+        waits there, not scheduled, until the bound goes (a move whose destination holds no
+        more ends first) -> whether it is running here."""
+        req = self.scheduler.find(request_id)
+        if req is None or (tokens is not None and req.status is not RequestStatus.RUNNING):
+            return False
+        req.hold_at = tokens
+        return True
+
     def detach(self, request_id: str) -> Request | None:
         """Take a running request out of the engine with its blocks, at a step boundary (its
         KV moves to another worker; handed_over() or admit_detached() ends the move) ->
@@ -250,6 +260,7 @@ class EngineCore:
         None; or, when it was aborted during the move, its output (reason "abort")."""
         rid = request.request_id
         _, parked = self._detached.pop(rid)
+        request.hold_at = None
         if rid in self._abort_detached:
             self._abort_detached.discard(rid)
             if parked:

@@ -37,6 +37,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     dropped_tokens: int = 0  # KV dropped by a preemption, not yet computed again
+    # its KV stops growing at this many tokens (a move's destination holds no more) until
+    # the move ends; None: no bound but max_total_tokens
+    hold_at: int | None = None
     # the scheduler step of its last preemption, until it runs again
     preempted_at_step: int | None = None
     # prefix caching: the chain hashes of its full blocks (by content, kept across

@@ -94,6 +94,11 @@ class Scheduler:
         while idx < len(running) and budget > 0:
             req = running[idx]
             n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            if req.hold_at is not None:  # being moved: it waits at the destination's size
+                n = min(n, req.hold_at - req.num_computed_tokens)
+                if n <= 0:
+                    idx += 1
+                    continue
             copies = grow(req.block_ids, req.num_computed_tokens, n)
             if copies is None:
                 copies = self._make_room(req, n, batch)
