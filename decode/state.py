@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from decode.config import DecodeConfig
 from decode.reservations import Reservation, Reservations
-from pdserve.engine.admission import ADMISSION
+from pdserve.engine.admission import ADMISSION, projected_blocks
 from pdserve.engine.core import EngineCore, StepPlan
 from pdserve.engine.costs import PreemptionCosts
 from pdserve.engine.length_estimator import OutputLengthEstimator
@@ -190,11 +190,14 @@ class DecodeState:
 
     def stats(self) -> WorkerStats:
         s = self.core.stats()
+        held = self.held()
+        projected = projected_blocks(self.admission.pool, self.estimator, held)
         return WorkerStats(
             free_blocks=s.pool.free_blocks,
             total_blocks=s.pool.num_blocks,
             running=s.running,
-            headroom_blocks=self.admission.headroom(self.held()),
+            headroom_blocks=self.admission.headroom(held),
+            projected_free_blocks=s.pool.num_blocks - projected,
             preempted=self.core.preempted(),
             parked=tuple(self.core.parked_ids(MAX_PARKED_IDS)),
         )

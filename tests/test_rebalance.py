@@ -81,6 +81,29 @@ def test_negative_projected_headroom_is_pressure_too():
     assert rb.tick() and mover.moves == [("r", "b")]
 
 
+def test_a_worker_projected_short_is_pressure_whatever_its_admission_policy():
+    """Greedy admission reports its free blocks as headroom, never negative; the heartbeat's
+    projection (its requests grown by the output it expects) says it will run out: a
+    worker half free but projected 10 blocks short gives; one projected to fit does not,
+    nor one whose projection is not reported (an older decode worker)."""
+    _, _, handoff, mover, rb, w = setup(free_a=32, free_b=64, projected_free_blocks=-10)
+    streaming(handoff, w["a"], "r", prompt=50, sent=10, max_tokens=900)
+    assert rb.tick() and mover.moves == [("r", "b")]
+    for projected in (0, None):
+        _, _, handoff, mover, rb, w = setup(free_a=32, free_b=64, projected_free_blocks=projected)
+        streaming(handoff, w["a"], "r", prompt=50, sent=10, max_tokens=900)
+        assert not rb.tick() and mover.moves == []
+
+
+def test_what_this_router_reserved_since_the_heartbeat_counts_against_the_projection():
+    _, reg, handoff, mover, rb, w = setup(free_a=32, free_b=64, projected_free_blocks=3)
+    streaming(handoff, w["a"], "r", prompt=50, sent=10, max_tokens=900)
+    reg.reserved(w["a"], 2)
+    assert not rb.tick()  # 1 block to spare
+    reg.reserved(w["a"], 2)
+    assert rb.tick() and mover.moves == [("r", "b")]
+
+
 def test_requests_waiting_after_a_preemption_are_pressure_and_parked_ones_move_first():
     """30 of 64 blocks free is no pressure by itself, but two requests wait there after a
     preemption: the parked ones (as the heartbeat names them, longest parked first) move

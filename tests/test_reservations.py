@@ -159,3 +159,18 @@ def test_leases_and_windows_that_never_end_are_refused(books, bad):
     with pytest.raises(ValueError, match="lease_s"):
         state.renew("r", r.fence, bad)
     assert free(state) == 5
+
+
+def test_the_heartbeat_projects_growth_whatever_the_admission_policy(books):
+    """Greedy admission's headroom is the free blocks; the heartbeat also says how many
+    blocks are left once every held request has grown by the output expected of it (before
+    any request finished: its max_tokens), which the router's rebalancer reads."""
+    state, _ = books
+    state.reserve("short", PROMPT, GREEDY, lease_s=5, push_window_s=20)  # 44 tokens: 3 blocks
+    stats = state.stats()
+    assert (stats.free_blocks, stats.headroom_blocks, stats.projected_free_blocks) == (5, 5, 5)
+    long = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+    state.reserve("long", PROMPT, long, lease_s=5, push_window_s=20)  # 120 tokens: 8 blocks
+    stats = state.stats()
+    assert (stats.free_blocks, stats.headroom_blocks, stats.projected_free_blocks) == (2, 2, -3)
+    state.check_integrity()

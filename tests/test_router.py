@@ -201,3 +201,22 @@ def test_without_workers_a_request_fails_unavailable_after_the_queue_timeout(rou
     with pytest.raises(Unavailable, match="no prefill and no decode worker is registered"):
         Client(address).generate([1, 2], max_tokens=4)
     assert time.monotonic() - started >= CONFIG.queue_timeout_s
+
+
+@pytest.mark.parametrize("projected", [-7, 0, 12, None])
+def test_a_heartbeats_projection_reaches_the_registry_as_sent(projected):
+    """Negative, zero and positive projections arrive as sent; one never sent (a worker that
+    does not report it) stays None, not a 0 that would read as 'full'."""
+    from pdserve.router.service import check_worker_info, record_from_proto, record_to_proto
+    from pdserve.serving.convert import worker_info
+
+    base = pb.WorkerInfo(worker_id="d", role="decode", address="127.0.0.1:5")
+    sent = WorkerStats(free_blocks=3, total_blocks=8, projected_free_blocks=projected)
+    info = worker_info(base, sent)
+    check_worker_info(info)
+    record = record_from_proto(info)
+    assert record.stats == sent
+    assert record_from_proto(record_to_proto(record, 0.5)).stats == sent
+    info.projected_free_blocks = 2**31 - 1
+    with pytest.raises(ValueError, match="projected_free_blocks"):
+        check_worker_info(info)

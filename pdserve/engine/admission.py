@@ -98,6 +98,20 @@ class PolicyInputs:
     longest_stall_steps: int = 0
 
 
+def projected_blocks(
+    pool: PoolView, estimator: OutputLengthEstimator, held: Sequence[HeldRequest]
+) -> int:
+    """Blocks the held requests will hold once each has grown by the output `estimator`
+    expects of it (blocks they share counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for h in held:
+        remaining = round(estimator.remaining(h.generated, h.max_tokens))
+        total += pool.blocks_needed(h.tokens + remaining) - len(seen.intersection(h.block_ids))
+        seen.update(h.block_ids)
+    return total
+
+
 class GreedyAdmission:
     """Admit whenever the prompt's blocks are free now."""
 
@@ -137,15 +151,7 @@ class KVAwareAdmission(GreedyAdmission):
         return int((1 - self.margin) * self.pool.num_blocks)
 
     def projected_blocks(self, held: Sequence[HeldRequest]) -> int:
-        seen: set[int] = set()
-        total = 0
-        for h in held:
-            remaining = round(self.estimator.remaining(h.generated, h.max_tokens))
-            total += self.pool.blocks_needed(h.tokens + remaining) - len(
-                seen.intersection(h.block_ids)
-            )
-            seen.update(h.block_ids)
-        return total
+        return projected_blocks(self.pool, self.estimator, held)
 
     def headroom(self, held: Sequence[HeldRequest]) -> int:
         return self.budget - self.projected_blocks(held)

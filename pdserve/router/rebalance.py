@@ -4,9 +4,11 @@ Every `rebalance_period_s` it looks at the decode workers' last heartbeats (and 
 this router reserved on them since):
 
     donor       the one with the least free KV, when under `migrate_low_free` of its pool
-                is free, its admission policy projects negative headroom (it is about to
-                preempt what it runs) or requests wait there after a preemption (parked in
-                a tier, or to be computed again)
+                is free, it is projected short (its requests, grown by the output it
+                expects of each, would not fit its pool: it will preempt unless some
+                leave; whatever its admission policy), its admission policy projects
+                negative headroom, or requests wait there after a preemption (parked in a
+                tier, or to be computed again)
     receiver    the one with the most free KV, at least `migrate_min_gap` of a pool freer
                 than the donor (so that a move never makes the receiver the next donor:
                 no thrashing back and forth)
@@ -48,6 +50,13 @@ def free_fraction(worker: Worker) -> float:
     return max(0, s.free_blocks - worker.pending_blocks) / s.total_blocks
 
 
+def projected_short(worker: Worker) -> bool:
+    """Its heartbeat projects its requests' growth past its pool (less what this router
+    reserved on it since)."""
+    projected = worker.record.stats.projected_free_blocks
+    return projected is not None and projected - worker.pending_blocks < 0
+
+
 def relief_per_byte(entry: Inflight) -> float:
     """Tokens the request may still generate per token of KV it holds now."""
     run = entry.run
@@ -83,6 +92,7 @@ class Rebalancer:
         stats = donor.record.stats
         pressed = (
             free_fraction(donor) < self.config.migrate_low_free
+            or projected_short(donor)
             or stats.headroom_blocks < 0
             or stats.preempted > 0
         )

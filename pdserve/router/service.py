@@ -67,6 +67,8 @@ def check_worker_info(info: pb.WorkerInfo) -> None:
         raise ValueError("worker.free_blocks: exceeds total_blocks")
     if not -_COUNT_MAX <= info.headroom_blocks <= _COUNT_MAX:
         raise ValueError(f"worker.headroom_blocks: must be in [-{_COUNT_MAX}, {_COUNT_MAX}]")
+    if not -_COUNT_MAX <= info.projected_free_blocks <= _COUNT_MAX:
+        raise ValueError(f"worker.projected_free_blocks: must be in [-{_COUNT_MAX}, {_COUNT_MAX}]")
     if not 0 <= info.preempted <= _COUNT_MAX:
         raise ValueError(f"worker.preempted: must be in [0, {_COUNT_MAX}]")
     if len(info.parked_request_ids) > MAX_PARKED_IDS:
@@ -89,6 +91,9 @@ def record_from_proto(info: pb.WorkerInfo) -> WorkerRecord:
             headroom_blocks=info.headroom_blocks,
             preempted=info.preempted,
             parked=tuple(info.parked_request_ids),
+            projected_free_blocks=(
+                info.projected_free_blocks if info.HasField("projected_free_blocks") else None
+            ),
         ),
     )
 
@@ -107,6 +112,7 @@ def record_to_proto(record: WorkerRecord, age_s: float) -> pb.WorkerInfo:
         headroom_blocks=s.headroom_blocks,
         preempted=s.preempted,
         parked_request_ids=list(s.parked),
+        projected_free_blocks=s.projected_free_blocks,
         last_heartbeat_age_s=age_s,
     )
 

@@ -143,7 +143,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., text: _Optional[str] = ..., trace: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "metrics_address", "free_blocks", "total_blocks", "queued_tokens", "running", "last_heartbeat_age_s", "headroom_blocks", "preempted", "parked_request_ids")
+    __slots__ = ("worker_id", "role", "address", "metrics_address", "free_blocks", "total_blocks", "queued_tokens", "running", "last_heartbeat_age_s", "headroom_blocks", "preempted", "parked_request_ids", "projected_free_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class WorkerInfo(_message.Message):
     HEADROOM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     PARKED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROJECTED_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -168,7 +169,8 @@ class WorkerInfo(_message.Message):
     headroom_blocks: int
     preempted: int
     parked_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., headroom_blocks: _Optional[int] = ..., preempted: _Optional[int] = ..., parked_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    projected_free_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., headroom_blocks: _Optional[int] = ..., preempted: _Optional[int] = ..., parked_request_ids: _Optional[_Iterable[str]] = ..., projected_free_blocks: _Optional[int] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)

@@ -62,4 +62,6 @@ def worker_info(base: pb.WorkerInfo, stats: WorkerStats) -> pb.WorkerInfo:
     info.headroom_blocks = stats.headroom_blocks
     info.preempted = stats.preempted
     info.parked_request_ids[:] = stats.parked
+    if stats.projected_free_blocks is not None:
+        info.projected_free_blocks = stats.projected_free_blocks
     return info

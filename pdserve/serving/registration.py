@@ -46,6 +46,9 @@ class WorkerStats:
     headroom_blocks: int = 0
     preempted: int = 0  # decode: waiting for room after a preemption (parked or to recompute)
     parked: tuple[str, ...] = ()  # decode: ids of parked requests, longest parked first
+    # decode: blocks left once every held request grew by its expected output (any policy;
+    # negative: projected to preempt). None: not reported (a prefill worker, an old decode)
+    projected_free_blocks: int | None = None
 
 
 def stop_this_process() -> None:
