@@ -1,10 +1,12 @@
 """The decode worker's gRPC face: Reserve, Renew, Start (token stream), Release, Health,
-Migrate (move a running request's KV to another decode worker)."""
+Migrate (move a running request's KV to another decode worker), Shutdown (stop as on
+SIGTERM: the router's Drain with stop calls it once nothing is left here)."""
 
 from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -21,14 +23,18 @@ from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving.convert import sampling_from_proto, spans_to_proto
 from pdserve.serving.destination import destination_from_proto
 from pdserve.serving.kv_pool import layout_to_proto, ranks_to_proto
+from pdserve.serving.registration import stop_this_process
 from pdserve.serving.server import health
 
 STREAM_FAILPOINT_AT = 4  # decode.stream strikes once a stream handed this many tokens over
 
 
 class DecodeService(rpc.DecodeServicer):
-    def __init__(self, worker: DecodeWorker) -> None:
+    def __init__(
+        self, worker: DecodeWorker, on_shutdown: Callable[[], None] = stop_this_process
+    ) -> None:
         self.worker = worker
+        self.on_shutdown = on_shutdown  # the process's own graceful stop (SIGTERM)
 
     def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         try:
@@ -140,3 +146,7 @@ class DecodeService(rpc.DecodeServicer):
 
     def Health(self, request, context) -> pb.HealthResponse:
         return health("decode", self.worker.worker_id)
+
+    def Shutdown(self, request, context) -> pb.Empty:
+        self.on_shutdown()  # returns at once: the stop runs on the main thread
+        return pb.Empty()

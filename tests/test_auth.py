@@ -205,6 +205,9 @@ def test_a_duplicate_id_is_refused_the_same_way_whoever_owns_the_first(cluster):
     owner.close()
 
 
+SHUTDOWNS: list[str] = []  # the decode worker's Shutdown calls that got through
+
+
 @pytest.fixture(scope="module")
 def workers():
     """A real decode and a real prefill worker behind the secret -> (decode, prefill,
@@ -215,7 +218,9 @@ def workers():
     servers = []
     addresses = []
     for add in (
-        lambda s: rpc.add_DecodeServicer_to_server(DecodeService(decode), s),
+        lambda s: rpc.add_DecodeServicer_to_server(
+            DecodeService(decode, on_shutdown=lambda: SHUTDOWNS.append("d-auth")), s
+        ),
         lambda s: rpc.add_PrefillServicer_to_server(PrefillService(prefill), s),
     ):
         server, port = start_server(add, "127.0.0.1", 0, security=MEMBER)
@@ -253,11 +258,15 @@ def test_internal_rpcs_without_the_secret_are_refused_and_change_nothing(workers
                 lambda s=stub: list(s.Start(pb.StartRequest(request_id="r1"), timeout=5)),
                 lambda s=stub: s.Release(pb.AbortRequest(request_id="r1"), timeout=5),
                 lambda s=prefill_stub: s.Prefill(push, timeout=5),
+                lambda s=stub: s.Shutdown(pb.Empty(), timeout=5),
             )
-            assert [_code(call) for call in calls] == [grpc.StatusCode.UNAUTHENTICATED] * 4
+            assert [_code(call) for call in calls] == [grpc.StatusCode.UNAUTHENTICATED] * 5
             assert stub.Health(pb.Empty(), timeout=5).ok  # Health stays open
     assert decode.stats().free_blocks == free  # nothing reserved, nothing released
-    assert prefill.stats().queued_tokens == 0
+    assert prefill.stats().queued_tokens == 0 and SHUTDOWNS == []  # and nothing stopped
+    with auth.channel(decode_at, MEMBER) as channel:  # a member may stop it
+        rpc.DecodeStub(channel).Shutdown(pb.Empty(), timeout=5)
+    assert SHUTDOWNS == ["d-auth"]
     with auth.channel(decode_at, MEMBER) as channel:
         assert rpc.DecodeStub(channel).Release(pb.AbortRequest(request_id="r1"), timeout=5).found
     decode.check_integrity()

@@ -99,10 +99,19 @@ def test_drain_moves_every_stream_off_a_decode_worker_with_nothing_recomputed(
         assert moved and all(t["decode_worker"] != stopped for t in moved)
         all_free(client, dead={stopped})
 
+        # --stop: once nothing is left on it, the router tells it to stop and it exits 0
+        last = next(w for w in decodes if w != stopped)
+        proc = c.procs[c.names.index(registered(c)[last])]
+        done = pdserve_drain(c, last, "--stop")
+        assert done.returncode == 0, done.stderr
+        assert f"{last} drained: 0 moved" in done.stdout and f"{last} told to stop" in done.stdout
+        assert proc.wait(timeout=60) == 0
 
-def pdserve_drain(cluster, worker_id: str) -> subprocess.CompletedProcess:
+
+def pdserve_drain(cluster, worker_id: str, *flags: str) -> subprocess.CompletedProcess:
     """`pdserve drain` as a user runs it, with the cluster's secret in its environment."""
     cmd = [sys.executable, "-m", "pdserve.cli", "drain", worker_id, "--router", cluster.address]
+    cmd += flags
     env = {**os.environ, "PDSERVE_CLUSTER_SECRET": cluster.security.cluster_secret or ""}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
 

@@ -216,7 +216,20 @@ class RouterService(rpc.RouterServicer):
             self.registry.drain(worker, undo=True)
             yield pb.DrainProgress(done=True)
             return
-        yield from self.mover.drain(worker)
+        for progress in self.mover.drain(worker):
+            if progress.done and request.stop:
+                progress.stopped = self._shutdown(worker)
+            yield progress
+
+    def _shutdown(self, worker) -> bool:
+        """Tell a drained decode worker to stop -> whether it said it will."""
+        try:
+            worker.stub.Shutdown(pb.Empty(), timeout=self.config.release_rpc_timeout_s)
+        except grpc.RpcError as e:
+            log.warning("%s was drained but not stopped: %s", worker.worker_id, e.code().name)
+            return False
+        log.info("%s drained and told to stop", worker.worker_id)
+        return True
 
     # -- requests -----------------------------------------------------------------------------
     def _prompt(self, request: pb.GenerateRequest) -> list[int]:

@@ -195,24 +195,28 @@ class RegisterResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ("worker_id", "undo")
+    __slots__ = ("worker_id", "undo", "stop")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     UNDO_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     undo: bool
-    def __init__(self, worker_id: _Optional[str] = ..., undo: _Optional[bool] = ...) -> None: ...
+    stop: bool
+    def __init__(self, worker_id: _Optional[str] = ..., undo: _Optional[bool] = ..., stop: _Optional[bool] = ...) -> None: ...
 
 class DrainProgress(_message.Message):
-    __slots__ = ("moved", "failed", "remaining", "done")
+    __slots__ = ("moved", "failed", "remaining", "done", "stopped")
     MOVED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     REMAINING_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
     moved: int
     failed: int
     remaining: int
     done: bool
-    def __init__(self, moved: _Optional[int] = ..., failed: _Optional[int] = ..., remaining: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
+    stopped: bool
+    def __init__(self, moved: _Optional[int] = ..., failed: _Optional[int] = ..., remaining: _Optional[int] = ..., done: _Optional[bool] = ..., stopped: _Optional[bool] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("wire_version", "layout_hash", "num_blocks", "block_bytes", "planes_per_layer", "region", "head_start", "head_stop", "total_heads", "tp_rank", "tp_size")

@@ -354,6 +354,11 @@ class DecodeStub:
                 request_serializer=pdserve__pb2.MigrateRequest.SerializeToString,
                 response_deserializer=pdserve__pb2.MigrateResponse.FromString,
                 _registered_method=True)
+        self.Shutdown = channel.unary_unary(
+                '/pdserve.v1.Decode/Shutdown',
+                request_serializer=pdserve__pb2.Empty.SerializeToString,
+                response_deserializer=pdserve__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -396,6 +401,14 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Shutdown(self, request, context):
+        """Stop this worker as SIGTERM does (streams it still has are drained first); the
+        router's Drain with stop set calls it. The cluster secret only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -428,6 +441,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Migrate,
                     request_deserializer=pdserve__pb2.MigrateRequest.FromString,
                     response_serializer=pdserve__pb2.MigrateResponse.SerializeToString,
+            ),
+            'Shutdown': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shutdown,
+                    request_deserializer=pdserve__pb2.Empty.FromString,
+                    response_serializer=pdserve__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -592,6 +610,33 @@ class Decode:
             '/pdserve.v1.Decode/Migrate',
             pdserve__pb2.MigrateRequest.SerializeToString,
             pdserve__pb2.MigrateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shutdown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/Shutdown',
+            pdserve__pb2.Empty.SerializeToString,
+            pdserve__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

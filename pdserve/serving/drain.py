@@ -12,13 +12,19 @@ from pdserve.serving import auth
 
 
 def drain(
-    router: str, security, worker_id: str, undo: bool = False, timeout_s: float = 900.0
+    router: str,
+    security,
+    worker_id: str,
+    undo: bool = False,
+    timeout_s: float = 900.0,
+    stop: bool = False,
 ) -> Iterator[pb.DrainProgress]:
-    """Drain `worker_id` (or, `undo`, give it new requests again) -> each progress message,
-    the last with `done` set when nothing is left on it. grpc.RpcError as the router says."""
+    """Drain `worker_id` (or, `undo`, give it new requests again; `stop`: then stop it) ->
+    each progress message, the last with `done` set when nothing is left on it (and
+    `stopped` when it was told to stop). grpc.RpcError as the router says."""
     with auth.channel(router, security) as channel:
         yield from rpc.RouterStub(channel).Drain(
-            pb.DrainRequest(worker_id=worker_id, undo=undo), timeout=timeout_s
+            pb.DrainRequest(worker_id=worker_id, undo=undo, stop=stop), timeout=timeout_s
         )
 
 
