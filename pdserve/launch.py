@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from pdserve.lifetime import die_with
+from pdserve.lifetime import child_env
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving import auth
@@ -163,12 +163,13 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if k not in _CREDENTIAL_ENV}
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", *argv],
-            env=env,  # this cluster's secret comes on stdin; a user's exported one stays here
+            # this cluster's secret comes on stdin (a user's exported one stays here); a
+            # killed launcher takes its children along (pdserve/lifetime.py: no preexec_fn)
+            env=child_env(env, os.getpid()),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,  # its own process group: close() reaches its children
-            preexec_fn=die_with(os.getpid()),  # and a killed parent takes them along
         )
         if index is None:
             self.procs.append(proc)

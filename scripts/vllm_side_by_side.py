@@ -47,10 +47,20 @@ from pathlib import Path
 
 from pdserve.bench.openai_load import HEADER, point_row, prompt_texts, run_point
 from pdserve.bench.report import machine_info, write_json
-from pdserve.lifetime import die_with
 
 MODEL = "smollm2-135m"
 READY_TIMEOUT_S = 900.0  # vLLM's first start compiles kernels
+
+
+# `python -c DIE_WITH_PARENT PARENT_PID MODULE ARGS...`: SIGTERM when PARENT_PID dies
+# (PR_SET_PDEATHSIG; exit at once if it is gone already), then run MODULE as __main__
+DIE_WITH_PARENT = (
+    "import ctypes, os, runpy, signal, sys; "
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+    "os.getppid() == int(sys.argv[1]) or os._exit(1); "
+    "sys.argv = sys.argv[2:]; "
+    "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
+)
 
 
 def export_checkpoint(out: Path) -> Path:
@@ -107,7 +117,10 @@ def start_vllm(python: str, model_dir: Path, log: Path, max_len: int, bind: str 
     if bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     argv = [
-        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        # vLLM's interpreter has no pdserve: the same death signal as pdserve/lifetime.py's
+        # adopt(), asked for by the child (a preexec_fn would fork this threaded process)
+        python, "-c", DIE_WITH_PARENT, str(os.getpid()),
+        "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--max-model-len", str(max_len),
     ]  # fmt: skip
@@ -118,7 +131,6 @@ def start_vllm(python: str, model_dir: Path, log: Path, max_len: int, bind: str 
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=die_with(os.getpid()),
         )
     return proc, f"http://127.0.0.1:{port}", argv
 

@@ -247,18 +247,27 @@ def test_an_idle_cluster_uses_almost_no_cpu(transfer):
 
 
 def test_workers_die_with_a_killed_launcher(tmp_path):
-    """A launcher killed with SIGKILL runs no cleanup: its children still go (PDEATHSIG)."""
+    """A launcher killed with SIGKILL runs no cleanup: its children still go (PDEATHSIG,
+    asked for by the child itself). Starting them forks nothing: no at-fork handler runs in
+    the launcher (gRPC's made a child abort before exec when a preexec_fn forked it)."""
     import signal
     import subprocess
     import sys
 
     pidfile = tmp_path / "child.pid"
+    adopted = tmp_path / "adopted"
+    child_code = (
+        "from pdserve.lifetime import adopt; adopt(); "
+        f"open({str(adopted)!r}, 'w').close(); import time; time.sleep(120)"
+    )
     launcher = (
         "import os, subprocess, sys\n"
-        "from pdserve.lifetime import die_with\n"
-        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],"
-        " preexec_fn=die_with(os.getpid()), start_new_session=True)\n"
-        f"open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+        "from pdserve.lifetime import child_env\n"
+        "forks = []\n"
+        "os.register_at_fork(before=lambda: forks.append(1))\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {child_code!r}],"
+        " env=child_env(os.environ, os.getpid()), start_new_session=True)\n"
+        f"open({str(pidfile)!r}, 'w').write(f'{{p.pid}} {{len(forks)}}')\n"
         "import time; time.sleep(120)\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", launcher])
@@ -266,7 +275,12 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
     while not pidfile.exists() or not pidfile.read_text():
         assert time.monotonic() < deadline, "the launcher did not start its child"
         time.sleep(0.05)
-    child = int(pidfile.read_text())
+    child, forks = map(int, pidfile.read_text().split())
+    assert forks == 0
+    deadline = time.monotonic() + 60  # killed after adopt(): the kernel's signal, not the check
+    while not adopted.exists():
+        assert time.monotonic() < deadline, "the child did not adopt its parent"
+        time.sleep(0.05)
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
     deadline = time.monotonic() + 10

@@ -2,6 +2,10 @@
 
 import sys
 
-from pdserve.cli import main
+from pdserve.lifetime import adopt
+
+adopt()  # started by a launcher: die with it (pdserve/lifetime.py)
+
+from pdserve.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.lifetime import die_with
+from pdserve.lifetime import child_env
 from pdserve.parallel.comm import RankFailed, TPComm, first_rank, make_store
 
 log = logging.getLogger(__name__)
@@ -133,9 +133,8 @@ class TPGroup:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pdserve.engine.tp_rank", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
-                env=env,
+                env=child_env(env, os.getpid()),  # a killed rank 0 takes its ranks along
                 stdin=subprocess.DEVNULL,
-                preexec_fn=die_with(os.getpid()),  # a killed rank 0 takes its ranks along
                 # out of rank 0's process group: a signal to the group (Ctrl-C, a launcher
                 # stopping its children) reaches rank 0, which stops its ranks in order
                 start_new_session=True,

@@ -204,4 +204,8 @@ def _report(conn, message: str) -> None:
 if __name__ == "__main__":
     from multiprocessing.connection import Connection
 
+    from pdserve.lifetime import adopt
+
+    adopt()  # a killed rank 0 takes us along (pdserve/lifetime.py)
+
     rank_main(Connection(int(sys.argv[1])))
