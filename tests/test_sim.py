@@ -3,6 +3,7 @@ the same response to a policy change; its command line; its refusals of bad inpu
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -90,6 +91,44 @@ def test_dp_replicas_route_by_headroom_and_leak_nothing():
         assert p["errors"] == 0 and p["generated_tokens"] == sum(s.output_tokens for s in specs)
         assert set(p["per_worker"]) == {"replica-0", "replica-1", "replica-2"}
         assert all(w["requests"] > 0 for w in p["per_worker"].values())
+
+
+def test_a_simulated_run_keeps_the_garbage_collector_out_of_its_steps(monkeypatch):
+    """A full collection walks every token id alive; a simulated run pauses the collector
+    for its steps (pdserve/sim/run.py collector_paused) and turns it on again after."""
+    import pdserve.sim.run as sim_run
+
+    config = model_config("tiny-llama")
+    specs = specs_of("reasoning", 40, seed=1, mean_output=60, max_output=100)
+    args = EngineArgs(block_size=4, num_kv_blocks=60)
+    collections, seen = [], {}
+
+    def counted(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    def watched(*a, **kw):
+        seen["enabled"], before = gc.isenabled(), len(collections)
+        out = run_sim(*a, **kw)
+        seen["collected"] = len(collections) - before
+        return out
+
+    gc.callbacks.append(counted)
+    try:
+        eng = sim_engine(config, args, COST, load_profile("h200"), 60)
+        run_sim(
+            [(Replica("bare", eng.core), eng)], specs, prompts_for(specs, config.vocab_size, 1), 16
+        )
+        unpaused = len(collections)
+        monkeypatch.setattr(sim_run, "run_sim", watched)
+        setup = Setup(config, load_profile("h200"), Topology(dp=2), args)
+        point = simulate(setup, "greedy+recompute", specs, concurrency=16)
+    finally:
+        gc.callbacks.remove(counted)
+    assert unpaused > 0, "the load must be big enough to collect without the pause"
+    assert seen == {"enabled": False, "collected": 0}
+    assert gc.isenabled()
+    assert point["generated_tokens"] == sum(s.output_tokens for s in specs)
 
 
 def test_a_disaggregated_cluster_serves_every_request():

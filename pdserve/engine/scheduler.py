@@ -32,6 +32,10 @@ from pdserve.engine.output import NewToken
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.kv.manager import KVManager
 
+# builds a NamedTuple from a tuple without its Python-level __new__: the scheduler makes one
+# ScheduledChunk and one NewToken per request per step
+_chunk = tuple.__new__
+
 
 @dataclass
 class ScheduledBatch:
@@ -89,26 +93,45 @@ class Scheduler:
         self.steps += 1
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch()
-        idx = 0
-        running, grow = self.running, self.kv.grow  # the hot loop: one pass per request
-        while idx < len(running) and budget > 0:
-            req = running[idx]
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+        # the hot loop, one pass per request (the simulator runs it millions of times:
+        # locals bound once, the chunk built inline as _add_chunk() does). A preemption
+        # pops victims off the list's tail, which ends the iteration before them.
+        grow, requests, chunks = self.kv.grow, batch.requests, batch.chunks
+        for req in self.running:
+            if budget <= 0:
+                break
+            start, tokens = req.num_computed_tokens, req.token_ids
+            total = len(tokens)
+            n = total - start
+            if n > budget:
+                n = budget
             if req.hold_at is not None:  # being moved: it waits at the destination's size
-                n = min(n, req.hold_at - req.num_computed_tokens)
+                n = min(n, req.hold_at - start)
                 if n <= 0:
-                    idx += 1
                     continue
-            copies = grow(req.block_ids, req.num_computed_tokens, n)
+            copies = grow(req.block_ids, start, n)
             if copies is None:
                 copies = self._make_room(req, n, batch)
                 if copies is None:
                     break  # req itself was preempted; everything after it is gone too
             if copies:
                 batch.copies += copies
-            self._add_chunk(batch, req, n)
+            end = start + n
+            requests.append(req)
+            chunks.append(
+                _chunk(
+                    ScheduledChunk,
+                    (
+                        tokens[start:end],
+                        start,
+                        req.block_ids,
+                        end == total,
+                        req.params,
+                        req.generator,
+                    ),
+                )
+            )
             budget -= n
-            idx += 1
         budget = self._unpark(batch, budget)
         while self.waiting and budget > 0 and not batch.preempted and not self.parked:
             if len(self.running) >= self.config.max_num_seqs:
@@ -210,13 +233,16 @@ class Scheduler:
         tokens = req.token_ids
         batch.requests.append(req)
         batch.chunks.append(
-            ScheduledChunk(
-                tokens[start : start + n],  # token_ids
-                start,
-                req.block_ids,
-                start + n == len(tokens),  # sample
-                req.params,
-                req.generator,
+            _chunk(
+                ScheduledChunk,
+                (
+                    tokens[start : start + n],  # token_ids
+                    start,
+                    req.block_ids,
+                    start + n == len(tokens),  # sample
+                    req.params,
+                    req.generator,
+                ),
             )
         )
 
@@ -241,7 +267,7 @@ class Scheduler:
             if logprobs is not None:
                 req.logprobs.append(logprobs[k])
             token = sampled[k]
-            new.append(NewToken(req.request_id, token))
+            new.append(_chunk(NewToken, (req.request_id, token)))
             k += 1
             if req.append_token(token):
                 self._release(req, now)
