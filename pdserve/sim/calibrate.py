@@ -1,9 +1,10 @@
 """`pdserve sim calibrate`: measure this machine's real engine and fit a profile of it.
 
     engine     the in-process engine (`LLM`'s core) under closed loops of 1-32 clients over
-               prompts of 32-1,024 tokens, driven as `bench sim-vs-real` drives it; every
-               step's work and cycle time, fitted linear in what the step computes
-               (pdserve/sim/fit.py)
+               prompts of 32-1,024 tokens with short outputs, then one wave of 64-token
+               outputs per batch size (decode-only steps), driven as `bench sim-vs-real`
+               drives it; every step's work and cycle time, fitted linear in what the step
+               computes (pdserve/sim/fit.py)
     tiers      a park + unpark through each real spill tier (host, CXL, disk) of 1 and of
                `big` blocks: latency and bytes/s from the two
     cluster    (with --cluster) a launched 1P1D cluster on this machine: its decode workers'
@@ -44,6 +45,7 @@ def measure_engine(
     contexts=CONTEXTS,
     outputs: int = 12,
     seed: int = 0,
+    decode_outputs: int = 64,
 ) -> list[tuple[StepWork, float]]:
     """Closed loops of `b` clients over prompts of `c` tokens, run as the real benchmark
     runs the engine (pdserve/sim/replica.py run_real): each step's work and cycle time."""
@@ -53,9 +55,12 @@ def measure_engine(
     samples: list[tuple[StepWork, float]] = []
     warm = [RequestSpec(0.0, 8, 2)]
     run_real(Replica("warm-up", core), warm, prompts_for(warm, vocab, seed), 1, label="warm-up")
-    grid = [(b, c) for b in batches for c in contexts]
-    for i, (b, c) in enumerate(progress(grid, desc="calibrate engine", unit="point")):
-        specs = [RequestSpec(0.0, c, outputs)] * (2 * b)
+    # the grid: prompts of every context, short outputs (mixed prefill/decode steps); then
+    # one wave of long outputs per batch size (decode-only steps, as serving mostly runs)
+    grid = [(b, c, outputs, 2 * b) for b in batches for c in contexts]
+    grid += [(b, min(contexts), decode_outputs, b) for b in batches]
+    for i, (b, c, out, n) in enumerate(progress(grid, desc="calibrate engine", unit="point")):
+        specs = [RequestSpec(0.0, c, out)] * n
         replica = Replica(f"b{b}-c{c}", core)
         run_real(replica, specs, prompts_for(specs, vocab, seed + i), b, samples=samples, label="")
     return samples
