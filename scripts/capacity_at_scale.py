@@ -1,6 +1,7 @@
 """The capacity trap at its own scale, SIMULATED: the runs behind docs/capacity-trap-at-scale.md.
 
     python scripts/capacity_at_scale.py --out docs/results/capacity-at-scale [--only NAME]
+        [--policies greedy+recompute,kv-aware+tiered,cost-aware+tiered]
 
 Every part writes its own JSON (and plots) as it finishes, so a long run can be resumed
 with --only. Parts:
@@ -297,7 +298,13 @@ def main() -> int:
     parser.add_argument("--out", default="docs/results/capacity-at-scale")
     parser.add_argument("--only", default=None, help=f"comma-separated: {', '.join(PARTS)}")
     parser.add_argument("--tables", action="store_true", help="print the sweeps as markdown")
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="comma-separated admission+preemption policies of the sweeps and `stranded`",
+    )
     args = parser.parse_args()
+    POLICIES[:] = args.policies.split(",")
     if args.tables:
         print(tables(args.out))
         return 0

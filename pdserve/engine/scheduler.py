@@ -34,7 +34,7 @@ from pdserve.kv.manager import KVManager
 
 # builds a NamedTuple from a tuple without its Python-level __new__: the scheduler makes one
 # ScheduledChunk and one NewToken per request per step
-_chunk = tuple.__new__
+_tuple_of = tuple.__new__
 
 
 @dataclass
@@ -119,7 +119,7 @@ class Scheduler:
             end = start + n
             requests.append(req)
             chunks.append(
-                _chunk(
+                _tuple_of(
                     ScheduledChunk,
                     (
                         tokens[start:end],
@@ -233,7 +233,7 @@ class Scheduler:
         tokens = req.token_ids
         batch.requests.append(req)
         batch.chunks.append(
-            _chunk(
+            _tuple_of(
                 ScheduledChunk,
                 (
                     tokens[start : start + n],  # token_ids
@@ -267,7 +267,7 @@ class Scheduler:
             if logprobs is not None:
                 req.logprobs.append(logprobs[k])
             token = sampled[k]
-            new.append(_chunk(NewToken, (req.request_id, token)))
+            new.append(_tuple_of(NewToken, (req.request_id, token)))
             k += 1
             if req.append_token(token):
                 self._release(req, now)
