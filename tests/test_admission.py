@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pdserve.engine import length_estimator
@@ -10,6 +11,7 @@ from pdserve.engine.admission import (
     CostAwareAdmission,
     GreedyAdmission,
     KVAwareAdmission,
+    may_share,
 )
 from pdserve.engine.costs import PreemptionCosts
 from pdserve.engine.length_estimator import OutputLengthEstimator
@@ -47,6 +49,10 @@ class Pool:
     def shared_blocks(self, token_ids) -> list[int]:
         return self.alloc.match_prefix(token_ids)
 
+    @property
+    def num_shared_blocks(self) -> int:
+        return self.alloc.num_shared
+
 
 def Held(tokens, generated, max_tokens, block_ids=()):  # noqa: N802 - reads as the old record
     return HeldRequest("r", tokens, generated, max_tokens, tuple(block_ids))
@@ -71,6 +77,52 @@ def test_estimator_conditions_on_tokens_generated_and_caps_at_max_tokens():
     assert est.remaining(25, 1000) == (30 + 200) / 2 - 25
     assert est.remaining(250, 300) == 50  # outlived everything seen: assume the cap
     assert est.remaining(300, 300) == 0
+
+
+def test_estimator_moments_are_the_conditioned_capped_tail_exactly():
+    """Against the definition computed directly (numpy over the capped tail): the same mean
+    to the last bit, the variance to rounding."""
+    rng = np.random.default_rng(7)
+    est = OutputLengthEstimator(window=300)
+    for n in rng.integers(1, 5000, size=700):  # the window keeps the last 300
+        est.observe(int(n))
+    lengths = np.array(list(est._recent))
+    for g, m in [(0, 10_000), (0, 100), (17, 4000), (2500, 2600), (4999, 6000), (300, 200)]:
+        tail = lengths[lengths > g]
+        mean, var = est.moments(g, m)
+        if tail.size == 0:
+            assert (mean, var) == (max(0, m - g), 0.0)
+            continue
+        capped = np.minimum(tail, m)
+        assert mean == float(capped.mean()) - g
+        assert var == pytest.approx(float(capped.var()), rel=1e-12, abs=1e-9)
+    assert est.mean_length() == float(lengths.mean())
+
+
+def test_unshared_pools_skip_the_shared_block_sets_and_count_the_same():
+    """With no block of two owners, owners' tables are disjoint: the count needs no sets,
+    and a candidate's prefix hits still count once."""
+    alloc = BlockAllocator(40, 4)  # prefix caching on
+    est = OutputLengthEstimator()
+    for _ in range(10):
+        est.observe(16)
+    adm = kv_aware(alloc, est, margin=0.1)
+    a = alloc.allocate(list(range(8))).block_ids
+    alloc.commit(a, list(range(8)), 8)
+    c = alloc.allocate(list(range(50, 62))).block_ids
+    held = [Held(8, 0, 64, a), Held(12, 0, 64, c)]
+    assert alloc.num_shared == 0 and not may_share(adm.pool, held)
+    assert adm.projected_blocks(held) == 6 + 7
+    candidate = adm._new(list(range(8)) + [99], 64)  # hits a's two cached blocks
+    assert candidate.block_ids == tuple(a) and may_share(adm.pool, [*held, candidate])
+    assert adm.projected_blocks([*held, candidate]) == 6 + 7 + 7 - 2
+    b = alloc.allocate(list(range(8)) + [99]).block_ids  # admitted: a's blocks have 2 owners
+    assert alloc.num_shared == 2 and may_share(adm.pool, held)
+    assert adm.projected_blocks([*held, Held(9, 0, 64, b)]) == 6 + 7 + 7 - 2
+    for blocks in (a, b, c):
+        alloc.free(blocks)
+    alloc.check_integrity()
+    assert alloc.num_shared == 0
 
 
 def test_estimator_window_forgets_old_lengths():
@@ -127,9 +179,15 @@ def test_kv_aware_counts_a_shared_prefix_block_once():
     for _ in range(10):
         est.observe(16)
     adm = kv_aware(alloc, est, margin=0.1)  # budget: 18 blocks
-    # requests of 8 tokens + 16 expected: 6 blocks each
-    assert adm.projected_blocks([Held(8, 0, 64, (0, 1)), Held(8, 0, 64, (0, 2))]) == 11
-    assert adm.projected_blocks([Held(8, 0, 64, (0, 1)), Held(8, 0, 64, (3, 4))]) == 12
+    # requests of 8 tokens + 16 expected: 6 blocks each; b shares a's first block
+    a = alloc.allocate(list(range(100, 108))).block_ids
+    b = [*alloc.fork(a[:1]), *alloc.allocate_fresh(1).block_ids]
+    c = alloc.allocate(list(range(200, 208))).block_ids
+    assert adm.projected_blocks([Held(8, 0, 64, a), Held(8, 0, 64, b)]) == 11
+    assert adm.projected_blocks([Held(8, 0, 64, a), Held(8, 0, 64, c)]) == 12
+    alloc.free(a)
+    alloc.free(b)
+    alloc.free(c)
     # a holds the two cached blocks of tokens 0..7; c holds two other blocks
     blocks = alloc.allocate(list(range(8))).block_ids
     alloc.commit(blocks, list(range(8)), 8)

@@ -76,6 +76,9 @@ class PoolView(Protocol):
     def block_size(self) -> int: ...
 
     @property
+    def num_shared_blocks(self) -> int: ...
+
+    @property
     def parks_victims(self) -> bool: ...
 
     def longest_preempted_wait(self) -> int: ...
@@ -98,17 +101,27 @@ class PolicyInputs:
     longest_stall_steps: int = 0
 
 
+def may_share(pool: PoolView, held: Sequence[HeldRequest]) -> bool:
+    """Whether two of `held` can list a block in common. Only a block with two owners is in
+    two owners' tables, so while the pool has none, only a request not admitted yet (its
+    prompt's prefix hits) can: otherwise the shared-block bookkeeping, a set over every
+    block held (hundreds of thousands at GPU scale, per check), is skipped."""
+    return pool.num_shared_blocks > 0 or any(h.block_ids and not h.owns for h in held)
+
+
 def projected_blocks(
     pool: PoolView, estimator: OutputLengthEstimator, held: Sequence[HeldRequest]
 ) -> int:
     """Blocks the held requests will hold once each has grown by the output `estimator`
     expects of it (blocks they share counted once)."""
-    seen: set[int] = set()
+    seen: set[int] | None = set() if may_share(pool, held) else None
     total = 0
     for h in held:
         remaining = round(estimator.remaining(h.generated, h.max_tokens))
-        total += pool.blocks_needed(h.tokens + remaining) - len(seen.intersection(h.block_ids))
-        seen.update(h.block_ids)
+        total += pool.blocks_needed(h.tokens + remaining)
+        if seen is not None:
+            total -= len(seen.intersection(h.block_ids))
+            seen.update(h.block_ids)
     return total
 
 
@@ -157,7 +170,8 @@ class KVAwareAdmission(GreedyAdmission):
         return self.budget - self.projected_blocks(held)
 
     def _new(self, prompt: list[int], max_tokens: int) -> HeldRequest:
-        return HeldRequest("", len(prompt), 0, max_tokens, tuple(self.pool.shared_blocks(prompt)))
+        hits = tuple(self.pool.shared_blocks(prompt))
+        return HeldRequest("", len(prompt), 0, max_tokens, hits, owns=False)
 
     def cost(self, prompt: list[int], max_tokens: int) -> int:
         new = self._new(prompt, max_tokens)
@@ -191,14 +205,14 @@ class CostAwareAdmission(KVAwareAdmission):
 
     def _demand(self, held: Sequence[HeldRequest]) -> tuple[int, float]:
         """(D_mean, D_sd) in blocks; shared blocks count once, as projected_blocks()."""
-        seen: set[int] = set()
+        seen: set[int] | None = set() if may_share(self.pool, held) else None
         total, var = 0, 0.0
         for h in held:
             mean, v = self.estimator.moments(h.generated, h.max_tokens)
-            total += self.pool.blocks_needed(h.tokens + round(mean)) - len(
-                seen.intersection(h.block_ids)
-            )
-            seen.update(h.block_ids)
+            total += self.pool.blocks_needed(h.tokens + round(mean))
+            if seen is not None:
+                total -= len(seen.intersection(h.block_ids))
+                seen.update(h.block_ids)
             var += v
         return total, var**0.5 / self.pool.block_size
 

@@ -432,6 +432,11 @@ class EngineCore:
     def blocks_needed(self, num_tokens: int) -> int:
         return self.kv.blocks_needed(num_tokens)
 
+    @property
+    def num_shared_blocks(self) -> int:
+        """Blocks two or more requests (or reservations) hold at once."""
+        return self.kv.num_shared_blocks
+
     def shared_blocks(self, token_ids: list[int]) -> list[int]:
         """Device blocks a new prompt would share with cached ones."""
         return self.kv.shared_blocks(token_ids)

@@ -15,9 +15,9 @@ when it is the cap), for a policy that looks past the mean.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
-
-import numpy as np
+from itertools import accumulate
 
 MEMO_MAX = 4096
 
@@ -27,9 +27,14 @@ class OutputLengthEstimator:
         if window <= 0:
             raise ValueError(f"window: must be > 0, got {window}")
         self._recent: deque[int] = deque(maxlen=window)
-        self._sorted: np.ndarray | None = np.zeros(0, dtype=np.int64)
+        # the observations sorted, with prefix sums of them and of their squares (exact
+        # integers), rebuilt lazily after an observation: any (g, M) is then two bisections
+        # and a few integer sums, where admission asks one per held request per check
+        self._sorted: list[int] | None = []
+        self._sums: list[int] = [0]
+        self._squares: list[int] = [0]
         # answers since the last observation: admission asks the same (g, M) for every
-        # request in a batch, once per candidate (quadratic work without it)
+        # request in a batch, once per candidate
         self._memo: dict[tuple[int, int], tuple[float, float]] = {}
         self._mean: float | None = None
 
@@ -46,7 +51,7 @@ class OutputLengthEstimator:
     def mean_length(self) -> float | None:
         """The mean observed output length (None before the first)."""
         if self._mean is None and self._recent:
-            self._mean = float(np.mean(self._recent))
+            self._mean = sum(self._recent) / len(self._recent)
         return self._mean
 
     def remaining(self, generated: int, max_tokens: int) -> float:
@@ -59,17 +64,24 @@ class OutputLengthEstimator:
         if key not in self._memo:
             if len(self._memo) >= MEMO_MAX:  # long runs with no request finishing
                 self._memo.clear()
-            tail = self._tail(generated, max_tokens)
-            self._memo[key] = (
-                (float(max(0, max_tokens - generated)), 0.0)
-                if tail is None
-                else (float(tail.mean() - generated), float(tail.var()))
-            )
+            self._memo[key] = self._moments(generated, max_tokens)
         return self._memo[key]
 
-    def _tail(self, generated: int, max_tokens: int) -> np.ndarray | None:
-        """Observed lengths that outlived `generated`, capped at max_tokens (None: none)."""
+    def _moments(self, generated: int, max_tokens: int) -> tuple[float, float]:
+        """The observed lengths that outlived `generated`, each capped at max_tokens: their
+        mean less `generated`, and their variance (the cap M - g and 0 when there are none).
+        Sums are exact integers, so each figure is rounded once."""
         if self._sorted is None:
-            self._sorted = np.sort(np.fromiter(self._recent, dtype=np.int64))
-        tail = self._sorted[np.searchsorted(self._sorted, generated, side="right") :]
-        return np.minimum(tail, max_tokens) if tail.size else None
+            self._sorted = sorted(self._recent)
+            self._sums = [0, *accumulate(self._sorted)]
+            self._squares = [0, *accumulate(x * x for x in self._sorted)]
+        lengths = self._sorted
+        first = bisect_right(lengths, generated)
+        n = len(lengths) - first
+        if n == 0:
+            return float(max(0, max_tokens - generated)), 0.0
+        capped = max(first, bisect_right(lengths, max_tokens))  # from here on, each is M
+        over = len(lengths) - capped
+        total = self._sums[capped] - self._sums[first] + over * max_tokens
+        squares = self._squares[capped] - self._squares[first] + over * max_tokens * max_tokens
+        return total / n - generated, (n * squares - total * total) / (n * n)

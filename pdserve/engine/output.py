@@ -71,6 +71,8 @@ class HeldRequest:
     generated: int
     max_tokens: int
     block_ids: tuple[int, ...] = ()  # the blocks it holds now (shared ones count once)
+    # whether it owns block_ids (False: a request not admitted yet, its prompt's prefix hits)
+    owns: bool = True
 
     @staticmethod
     def of(req: Request) -> HeldRequest:

@@ -84,6 +84,9 @@ class BlockAllocator:
         self._num_free = num_blocks
         self._free_heap: list[int] = list(range(num_blocks))  # may hold stale ids
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        # blocks held by two or more owners (a shared prefix, a fork): while there are none,
+        # no two owners' block tables have a block in common (admission reads this)
+        self.num_shared = 0
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -151,6 +154,8 @@ class BlockAllocator:
         for block in hits:
             if self.ref_counts[block] == 0:
                 del self._evictable[block]
+            elif self.ref_counts[block] == 1:
+                self.num_shared += 1
             self.ref_counts[block] += 1
         evicted: list[Evicted] = []
         fresh = self._take_run(self.blocks_needed(len(token_ids)) - len(hits), evicted)
@@ -181,6 +186,8 @@ class BlockAllocator:
             src = block_ids[-1]
             dst = self._take(evicted)
             self.ref_counts[src] -= 1
+            if self.ref_counts[src] == 1:
+                self.num_shared -= 1
             block_ids[-1] = dst
             copies.append((src, dst))
         block_ids.extend(self._take(evicted) for _ in range(needed))
@@ -201,6 +208,8 @@ class BlockAllocator:
         """Share all of a sequence's blocks with a new sequence (refcounts + 1)."""
         for block in block_ids:
             assert self.ref_counts[block] > 0, f"fork of unowned block {block}"
+            if self.ref_counts[block] == 1:
+                self.num_shared += 1
             self.ref_counts[block] += 1
         return list(block_ids)
 
@@ -241,7 +250,9 @@ class BlockAllocator:
         for block in reversed(block_ids):
             assert self.ref_counts[block] > 0, f"double free of block {block}"
             self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
+            if self.ref_counts[block] == 1:
+                self.num_shared -= 1
+            elif self.ref_counts[block] == 0:
                 if self.block_hash[block] is None:
                     self._release(block)
                 else:
@@ -307,6 +318,8 @@ class BlockAllocator:
         used = {b for b in range(self.num_blocks) if self.ref_counts[b] > 0}
         assert not (used & (free | cached)), "used block on a free list"
         assert len(free) + len(cached) + len(used) == self.num_blocks, "a block is in no state"
+        shared = sum(1 for r in self.ref_counts if r > 1)
+        assert self.num_shared == shared, f"{self.num_shared} shared blocks counted, {shared} are"
         assert all(self.block_hash[b] is None for b in free), "free block keeps a hash"
         assert all(self.block_hash[b] is not None for b in cached), "cached block without hash"
         for h, b in self.hash_to_block.items():

@@ -67,6 +67,11 @@ class KVManager:
         return self.allocator.num_free_blocks
 
     @property
+    def num_shared_blocks(self) -> int:
+        """Blocks held by two or more owners."""
+        return self.allocator.num_shared
+
+    @property
     def prefix_caching(self) -> bool:
         return self.allocator.enable_prefix_caching
 
