@@ -40,9 +40,21 @@ def test_noiseless_steps_give_back_the_model_exactly():
     assert report["max_abs_rel_error"] < 1e-6
 
 
+def test_a_step_flat_to_a_knee_then_rising_is_fitted_piecewise():
+    """Flat while the weights' read dominates, then a slope per sequence: the knee terms
+    carry it, where one line through both regions would be low at small batches."""
+    true = {"intercept": 0.035, "decode_context": 3e-6, "seqs_past_8": 0.0015}
+    model = FittedCost(true)
+    coef, report = fit_steps([(w, model.step_seconds(w)) for w in steps()])
+    assert report["max_abs_rel_error"] < 1e-6
+    assert coef["seqs_past_8"] == pytest.approx(0.0015, rel=1e-6)
+    fitted = FittedCost(coef)
+    assert fitted.step_seconds(decode(2, 256)) == pytest.approx(0.035 + 3e-6 * 512, rel=1e-6)
+
+
 def test_a_coefficient_the_data_would_make_negative_is_dropped():
     # more sequences make these steps *faster*: no non-negative seqs term can say that
-    samples = [(decode(b, 100), 0.05 - 0.0005 * b) for b in (1, 2, 4, 8, 16, 32)]
+    samples = [(decode(b, 100), 0.05 - 0.0005 * b) for b in range(1, 33)]
     coef, _ = fit_steps(samples)
     assert "seqs" not in coef and all(v > 0 for v in coef.values())
 
