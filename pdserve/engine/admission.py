@@ -47,8 +47,9 @@ heartbeat).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Protocol
 
 from pdserve.engine.costs import PreemptionCosts
@@ -109,20 +110,28 @@ def may_share(pool: PoolView, held: Sequence[HeldRequest]) -> bool:
     return pool.num_shared_blocks > 0 or any(h.block_ids and not h.owns for h in held)
 
 
+def counted_before(pool: PoolView, held: Sequence[HeldRequest]) -> Iterator[int]:
+    """For each held request in order, how many of its blocks an earlier one lists (so that
+    a block they share counts once); all 0 when none can share (may_share)."""
+    if not may_share(pool, held):
+        yield from repeat(0, len(held))
+        return
+    seen: set[int] = set()
+    for h in held:
+        yield len(seen.intersection(h.block_ids))
+        seen.update(h.block_ids)
+
+
 def projected_blocks(
     pool: PoolView, estimator: OutputLengthEstimator, held: Sequence[HeldRequest]
 ) -> int:
     """Blocks the held requests will hold once each has grown by the output `estimator`
     expects of it (blocks they share counted once)."""
-    seen: set[int] | None = set() if may_share(pool, held) else None
-    total = 0
-    for h in held:
-        remaining = round(estimator.remaining(h.generated, h.max_tokens))
-        total += pool.blocks_needed(h.tokens + remaining)
-        if seen is not None:
-            total -= len(seen.intersection(h.block_ids))
-            seen.update(h.block_ids)
-    return total
+    return sum(
+        pool.blocks_needed(h.tokens + round(estimator.remaining(h.generated, h.max_tokens)))
+        - counted
+        for h, counted in zip(held, counted_before(pool, held))
+    )
 
 
 class GreedyAdmission:
@@ -205,14 +214,10 @@ class CostAwareAdmission(KVAwareAdmission):
 
     def _demand(self, held: Sequence[HeldRequest]) -> tuple[int, float]:
         """(D_mean, D_sd) in blocks; shared blocks count once, as projected_blocks()."""
-        seen: set[int] | None = set() if may_share(self.pool, held) else None
         total, var = 0, 0.0
-        for h in held:
+        for h, counted in zip(held, counted_before(self.pool, held)):
             mean, v = self.estimator.moments(h.generated, h.max_tokens)
-            total += self.pool.blocks_needed(h.tokens + round(mean))
-            if seen is not None:
-                total -= len(seen.intersection(h.block_ids))
-                seen.update(h.block_ids)
+            total += self.pool.blocks_needed(h.tokens + round(mean)) - counted
             var += v
         return total, var**0.5 / self.pool.block_size
 

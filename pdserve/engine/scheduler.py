@@ -93,16 +93,15 @@ class Scheduler:
         self.steps += 1
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch()
-        # the hot loop, one pass per request (the simulator runs it millions of times:
-        # locals bound once, the chunk built inline as _add_chunk() does). A preemption
-        # pops victims off the list's tail, which ends the iteration before them.
-        grow, requests, chunks = self.kv.grow, batch.requests, batch.chunks
+        # the hot loop, one pass per request (the simulator runs it millions of times, so
+        # its lookups are bound once). A preemption pops victims off the list's tail, which
+        # ends the iteration before them.
+        grow, add = self.kv.grow, self._add_chunk
         for req in self.running:
             if budget <= 0:
                 break
-            start, tokens = req.num_computed_tokens, req.token_ids
-            total = len(tokens)
-            n = total - start
+            start = req.num_computed_tokens
+            n = len(req.token_ids) - start
             if n > budget:
                 n = budget
             if req.hold_at is not None:  # being moved: it waits at the destination's size
@@ -116,21 +115,7 @@ class Scheduler:
                     break  # req itself was preempted; everything after it is gone too
             if copies:
                 batch.copies += copies
-            end = start + n
-            requests.append(req)
-            chunks.append(
-                _tuple_of(
-                    ScheduledChunk,
-                    (
-                        tokens[start:end],
-                        start,
-                        req.block_ids,
-                        end == total,
-                        req.params,
-                        req.generator,
-                    ),
-                )
-            )
+            add(batch, req, n)
             budget -= n
         budget = self._unpark(batch, budget)
         while self.waiting and budget > 0 and not batch.preempted and not self.parked:
