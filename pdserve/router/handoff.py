@@ -36,6 +36,7 @@ import grpc
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.leases import LeaseKeeper
+from pdserve.router.line import ReserveLine
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Worker, WorkerRegistry
 from pdserve.router.request import Arrival, Failure, Finished, Run, final_message
@@ -58,6 +59,8 @@ _CLIENT_CODES = (_Code.RESOURCE_EXHAUSTED, _Code.UNAVAILABLE)
 # a call on a channel the registry closed (the worker re-registered elsewhere, or was
 # forgotten) raises ValueError instead of an RpcError
 _CALL_ERRORS = (grpc.RpcError, ValueError)
+# how often a request waiting its turn for decode room checks its client and its deadline
+_TURN_CHECK_S = 0.2
 
 
 MIGRATED = "migrated"  # a decode stream's end when its request's KV moved to another worker
@@ -148,6 +151,7 @@ class Handoff:
         self._lock = threading.Lock()  # every check-and-change of `inflight` and entries
         self.leases = LeaseKeeper(config.lease_s, skip=lambda w: w.suspect or registry.silent(w))
         self.watch = StreamWatch(registry, config.heartbeat_s)
+        self.line = ReserveLine()  # requests waiting for decode room, in turn
         # releases of failed attempts: a frozen worker must not delay the resume
         self._releases = ThreadPoolExecutor(max_workers=8, thread_name_prefix="router-release")
 
@@ -380,6 +384,8 @@ class Handoff:
 
     def _final(self, run: Run, reason: str, finished: Finished | None) -> pb.GenerateResponse:
         msg = final_message(run, reason, finished, self.tokenizer)
+        if finished is not None:
+            self.line.kick()  # its decode worker freed its blocks
         m, t = self.metrics, msg.timings
         m.ttft.observe(t.ttft_s)
         m.e2e.observe(t.e2e_s)
@@ -425,54 +431,25 @@ class Handoff:
     def _reserve(
         self, rid: str, prompt: list[int], sampling, deadline: float, context, run: Run, entry
     ):
-        """Reserve blocks on the decode worker with the most headroom -> (worker, answer,
-        time.monotonic() when the successful call was sent), None when the request was
-        aborted meanwhile. The first attempt records
+        """Reserve blocks on the decode worker with the most headroom, in turn: the request
+        waits in the line (pdserve/router/line.py; a resumed one at its front) and asks
+        only at its head -> (worker, answer, time.monotonic() when the successful call was
+        sent), None when the request was aborted meanwhile. The first attempt records
         router.queue (arrival -> that call) and decode.reserve (the call)."""
-        pause = self.config.reserve_retry_s[0]
+        ticket = self.line.join(front=run.resumes > 0)
+        try:
+            return self._reserve_in_line(
+                ticket, rid, prompt, sampling, deadline, context, run, entry
+            )
+        finally:
+            self.line.leave(ticket)
+
+    def _reserve_in_line(self, ticket, rid, prompt, sampling, deadline, context, run, entry):
+        first, longest = self.config.reserve_retry_s
+        pause = first
         while True:
             if entry.released:
                 return None
-            tried: set[str] = set()
-            while (worker := self.registry.pick_decode(tried)) is not None:
-                tried.add(worker.worker_id)
-                asked, asked_wall = time.monotonic(), now()
-                try:
-                    reply = worker.stub.Reserve(
-                        pb.ReserveRequest(
-                            request_id=rid,
-                            prompt_token_ids=prompt,
-                            sampling=sampling,
-                            lease_s=self.config.lease_s,
-                            push_window_s=self.config.push_window_s,
-                        ),
-                        timeout=self.config.reserve_rpc_timeout_s,
-                    )
-                except _CALL_ERRORS as e:
-                    self.registry.not_reserved(worker)
-                    code = _code(e)
-                    if code == _Code.INVALID_ARGUMENT:
-                        context.abort(_Code.INVALID_ARGUMENT, _details(e))
-                    if code in _INTERNAL_REFUSALS:
-                        context.abort(
-                            _Code.UNAVAILABLE,
-                            f"decode worker {worker.worker_id} refused the router's "
-                            f"credentials ({code.name}): is the cluster secret the same?",
-                        )
-                    if code in _SILENT:
-                        # no answer in time, or none at all: the next worker, and this one
-                        # gets nothing new until it heartbeats again (a frozen worker got
-                        # request after request, each failing after the timeout)
-                        self.registry.suspect(worker)
-                    continue  # any other refusal: the next worker (never an untyped error)
-                self.registry.reserved(worker, reply.headroom_cost_blocks)
-                if run.resumes == 0:
-                    run.queued_s = time.monotonic() - run.arrival.at
-                    run.spans.append(
-                        Span("router.queue", run.arrival.at_wall, asked_wall, "router")
-                    )
-                    run.spans.append(Span("decode.reserve", asked_wall, now(), worker.worker_id))
-                return worker, reply, asked
             if time.monotonic() > deadline or not context.is_active():
                 if not self.registry.alive("decode"):
                     context.abort(_Code.UNAVAILABLE, "no decode worker is registered")
@@ -481,7 +458,58 @@ class Handoff:
                     f"no decode worker had room for {len(prompt)} prompt tokens within "
                     f"{self.config.queue_timeout_s}s",
                 )
-            pause = self._pause(pause)
+            if not self.line.wait_turn(ticket, _TURN_CHECK_S):
+                continue  # not the head yet: check the client and the deadline again
+            self.line.asking(ticket)
+            if got := self._ask_each_worker(rid, prompt, sampling, context, run):
+                return got
+            # every worker refused: ask again when room may have come back (a request
+            # ended, blocks were released, a worker heartbeat), at the latest after the pause
+            kicked = self.line.wait_room(ticket, pause)
+            pause = first if kicked else min(longest, pause * 2)
+
+    def _ask_each_worker(self, rid, prompt, sampling, context, run):
+        """One Reserve per live decode worker, the most headroom first -> the first
+        (worker, answer, sent) that reserved, None when every one refused."""
+        tried: set[str] = set()
+        while (worker := self.registry.pick_decode(tried)) is not None:
+            tried.add(worker.worker_id)
+            asked, asked_wall = time.monotonic(), now()
+            try:
+                reply = worker.stub.Reserve(
+                    pb.ReserveRequest(
+                        request_id=rid,
+                        prompt_token_ids=prompt,
+                        sampling=sampling,
+                        lease_s=self.config.lease_s,
+                        push_window_s=self.config.push_window_s,
+                    ),
+                    timeout=self.config.reserve_rpc_timeout_s,
+                )
+            except _CALL_ERRORS as e:
+                self.registry.not_reserved(worker)
+                code = _code(e)
+                if code == _Code.INVALID_ARGUMENT:
+                    context.abort(_Code.INVALID_ARGUMENT, _details(e))
+                if code in _INTERNAL_REFUSALS:
+                    context.abort(
+                        _Code.UNAVAILABLE,
+                        f"decode worker {worker.worker_id} refused the router's "
+                        f"credentials ({code.name}): is the cluster secret the same?",
+                    )
+                if code in _SILENT:
+                    # no answer in time, or none at all: the next worker, and this one
+                    # gets nothing new until it heartbeats again (a frozen worker got
+                    # request after request, each failing after the timeout)
+                    self.registry.suspect(worker)
+                continue  # any other refusal: the next worker (never an untyped error)
+            self.registry.reserved(worker, reply.headroom_cost_blocks)
+            if run.resumes == 0:
+                run.queued_s = time.monotonic() - run.arrival.at
+                run.spans.append(Span("router.queue", run.arrival.at_wall, asked_wall, "router"))
+                run.spans.append(Span("decode.reserve", asked_wall, now(), worker.worker_id))
+            return worker, reply, asked
+        return None
 
     # -- releasing --------------------------------------------------------------------------
     def release_later(self, worker: Worker, worker_request_id: str, unpushed: bool = False):
@@ -497,6 +525,8 @@ class Handoff:
             except _CALL_ERRORS as e:
                 if _code(e) in _SILENT:
                     self.registry.suspect(worker)
+            finally:
+                self.line.kick()  # its blocks are free (or its lease will free them)
 
         self._releases.submit(release)
 

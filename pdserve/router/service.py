@@ -179,6 +179,8 @@ class RouterService(rpc.RouterServicer):
             )
         self.registry.upsert(record)
         s = record.stats
+        if record.role == "decode":
+            self.handoff.line.kick()  # its room may have changed: the line's head asks again
         if record.role == "decode" and s.total_blocks > 0:
             self.metrics.kv_usage.labels(record.worker_id).set(1 - s.free_blocks / s.total_blocks)
         return pb.RegisterResponse(accepted=True, heartbeat_interval_s=self.config.heartbeat_s)
