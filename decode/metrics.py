@@ -20,7 +20,7 @@ The cost-aware admission policy's inputs at its last look (pdserve/engine/admiss
 not measured yet): pdserve_decode_policy_step_seconds,
 pdserve_decode_policy_recompute_seconds_per_token,
 pdserve_decode_policy_park_seconds_per_block{tier}, pdserve_decode_policy_overcommit_blocks
-(R), pdserve_decode_policy_demand_blocks (D_mean), pdserve_decode_policy_demand_sd_blocks,
+(R), pdserve_decode_policy_demand_blocks (D_peak), pdserve_decode_policy_demand_sd_blocks,
 pdserve_decode_policy_tier_free_blocks, pdserve_decode_policy_stall_limit_steps,
 pdserve_decode_policy_longest_stall_steps.
 """

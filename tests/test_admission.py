@@ -309,13 +309,18 @@ def test_cost_aware_stops_at_a_tier_slower_than_recomputing():
 def test_cost_aware_keeps_the_tail_of_the_demand_in_the_tiers():
     alloc = BlockAllocator(20, 4, enable_prefix_caching=False)
     est = OutputLengthEstimator()
-    for n in (8, 24):
-        est.observe(n)  # remaining 16 +- 8 tokens: variance 64 per request
-    held = [Held(8, 0, 64)] * 4  # variance 256 tokens^2: sd 16 tokens = 4 blocks
+    for n in (8, 40):
+        est.observe(n)  # half the requests end after 8 tokens, half after 40
+    held = [Held(8, 0, 64)] * 4
     adm = cost_aware(alloc, est, {"host": tier(10)}, step_s=0.05)
     adm.headroom(held)
-    assert adm.inputs.demand_sd_blocks == 4.0
-    assert adm.inputs.overcommit_blocks == 10 - 4
+    # the demand peaks 38 steps on: each request alive with probability 1/2, holding 12
+    # blocks (46 tokens): 4 * 6 = 24 blocks, variance 4 * 144 / 4 = 144, sd 12 blocks
+    assert adm.inputs.demand_blocks == 24
+    assert adm.inputs.demand_sd_blocks == 12.0
+    # the tail (1 sd) is more than the tier holds: 2 blocks of the pool are kept for it
+    assert adm.inputs.overcommit_blocks == 10 - 12
+    assert adm.headroom(held) == 18 - 2 - 24
 
 
 def test_cost_aware_lets_no_one_in_while_a_preempted_request_waits_too_long():

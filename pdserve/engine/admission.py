@@ -14,27 +14,33 @@ request's term leaves out the blocks already counted for an earlier one, and the
 request's leaves out the held blocks its prompt would share.
 A request refused here waits (its TTFT grows) instead of being preempted later.
 
-`cost-aware` (the default) is kv-aware admission that overcommits the pool by what parking
-costs on this deployment (pdserve/engine/costs.py measures it):
+`cost-aware` (the default) admits by the peak of the expected demand instead of its sum,
+and overcommits the pool by what parking costs on this deployment (pdserve/engine/costs.py
+measures it):
 
     admit when  the prompt's blocks are free now,
                 no preempted request has waited more than STALL * L steps, and
-                D_mean  <=  (1 - margin) * pool blocks + R
+                D_peak  <=  (1 - margin) * pool blocks + R
 
-    R = max(0, ROOM - Z * D_sd),  ROOM = the tier blocks that fit the parking-time budget
-                                  PARK_OVERHEAD * L * step_s, tiers filled in order, each
-                                  block of tier t costing park_s(t)
+    R = ROOM - Z * D_sd,  ROOM = the tier blocks that fit the parking-time budget
+                          PARK_OVERHEAD * L * step_s, tiers filled in order, each block of
+                          tier t costing park_s(t)
 
-D_mean is the projected demand above (new request included) and D_sd the standard deviation
-of the held requests' remaining lengths, in blocks (independent requests: variances add);
-L the mean observed output length (the steps a request lives), step_s a decode step's time
-and park_s(t) a block's spill + reload time in tier t. The reasoning: with R blocks of
-expected demand above the pool, about R blocks' worth of requests sit in the tiers at any
-time and each moves out and back about once a request lifetime, so parking takes about
-sum_t R_t * park_s(t) / L seconds per step; ROOM is the most blocks the tiers have free that
-keeps this under PARK_OVERHEAD of a step, and R leaves room for the demand to run Z standard
-deviations above its mean. When parking is impossible (recompute preemption, no tiers,
-tiers full) or slower than computing the block again, R = 0 and the policy is kv-aware.
+D_peak is the most blocks the held requests (the new one included) are expected to hold at
+once over the coming steps, each alive with the probability the observed lengths give for
+its age (pdserve/engine/peak_demand.py): kv-aware's sum has every request at its expected
+end at the same time, which in a steady state is about twice what the pool ever holds
+(simulated H200 reasoning runs: kv-aware kept the pool 66% full). D_sd is the standard
+deviation of the demand at that peak, in blocks. L is the mean observed output length (the
+steps a request lives), step_s a decode step's time and park_s(t) a block's spill + reload
+time in tier t. The reasoning: with R blocks of expected demand above the pool, about R
+blocks' worth of requests sit in the tiers at any time and each moves out and back about
+once a request lifetime, so parking takes about sum_t R_t * park_s(t) / L seconds per step;
+ROOM is the most blocks the tiers have free that keeps this under PARK_OVERHEAD of a step,
+and R keeps room for the demand to run Z standard deviations above its expected peak (R < 0,
+inside the pool, when the tiers cannot hold that much). When parking is impossible
+(recompute preemption, no tiers, tiers full) or slower than computing the block again,
+ROOM = 0 and the policy admits only while the expected peak plus Z sd fits the pool.
 The stall bound keeps the tail short: no new request is let in while someone preempted has
 waited STALL of a typical lifetime, so a parked request comes back (oldest first, the
 scheduler's rule) within about that, and its TPOT grows by about STALL at worst.
@@ -47,6 +53,7 @@ heartbeat).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -55,6 +62,7 @@ from typing import Protocol
 from pdserve.engine.costs import PreemptionCosts
 from pdserve.engine.length_estimator import OutputLengthEstimator
 from pdserve.engine.output import HeldRequest
+from pdserve.engine.peak_demand import peak_demand
 from pdserve.registry import Registry
 
 
@@ -96,7 +104,7 @@ class PolicyInputs:
     park_s_per_block: dict[str, float | None] = field(default_factory=dict)
     tier_free_blocks: int = 0
     overcommit_blocks: int = 0  # R
-    demand_blocks: int = 0  # D_mean of the held requests
+    demand_blocks: int = 0  # D_peak of the held requests
     demand_sd_blocks: float = 0.0
     stall_limit_steps: int = 0
     longest_stall_steps: int = 0
@@ -213,13 +221,11 @@ class CostAwareAdmission(KVAwareAdmission):
         return mean if mean is not None else float(max_tokens)
 
     def _demand(self, held: Sequence[HeldRequest]) -> tuple[int, float]:
-        """(D_mean, D_sd) in blocks; shared blocks count once, as projected_blocks()."""
-        total, var = 0, 0.0
-        for h, counted in zip(held, counted_before(self.pool, held)):
-            mean, v = self.estimator.moments(h.generated, h.max_tokens)
-            total += self.pool.blocks_needed(h.tokens + round(mean)) - counted
-            var += v
-        return total, var**0.5 / self.pool.block_size
+        """(D_peak, its standard deviation) in blocks: pdserve/engine/peak_demand.py; shared
+        blocks count once, as projected_blocks()."""
+        counted = list(counted_before(self.pool, held))
+        peak = peak_demand(held, counted, self.estimator, self.pool.block_size)
+        return math.ceil(peak.blocks), peak.sd_blocks
 
     def _room(self, lifetime: float) -> tuple[float, dict[str, float | None], dict[str, int]]:
         """(ROOM, park_s per tier, free blocks per tier). The tiers are filled in the order
@@ -249,11 +255,11 @@ class CostAwareAdmission(KVAwareAdmission):
         return room, park_s, free
 
     def _limit(self, held: Sequence[HeldRequest], max_tokens: int) -> tuple[int, int]:
-        """(D_mean of `held`, the most it may reach: budget + R); records the inputs."""
+        """(D_peak of `held`, the most it may reach: budget + R); records the inputs."""
         lifetime = self._lifetime(max_tokens)
         demand, sd = self._demand(held)
         room, park_s, free = self._room(lifetime)
-        r = max(0, int(room - self.Z * sd))
+        r = int(room - self.Z * sd)  # below 0: the tiers cannot hold the tail, keep it in
         self.inputs = PolicyInputs(
             step_s=self.costs.step_s,
             recompute_s_per_token=self.costs.recompute_s_per_token,

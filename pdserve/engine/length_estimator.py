@@ -19,6 +19,8 @@ from bisect import bisect_right
 from collections import deque
 from itertools import accumulate
 
+import numpy as np
+
 MEMO_MAX = 4096
 
 
@@ -37,12 +39,14 @@ class OutputLengthEstimator:
         # request in a batch, once per candidate
         self._memo: dict[tuple[int, int], tuple[float, float]] = {}
         self._mean: float | None = None
+        self._array: np.ndarray | None = None
 
     def observe(self, output_tokens: int) -> None:
         self._recent.append(int(output_tokens))
         self._sorted = None  # re-sorted lazily
         self._memo.clear()
         self._mean = None
+        self._array = None
 
     @property
     def count(self) -> int:
@@ -53,6 +57,12 @@ class OutputLengthEstimator:
         if self._mean is None and self._recent:
             self._mean = sum(self._recent) / len(self._recent)
         return self._mean
+
+    def sorted_lengths(self) -> np.ndarray:
+        """The observed lengths, ascending (int64; cached until the next observation)."""
+        if self._array is None:
+            self._array = np.sort(np.fromiter(self._recent, np.int64, len(self._recent)))
+        return self._array
 
     def remaining(self, generated: int, max_tokens: int) -> float:
         """E_rem(g, M) above; never negative, never above M - g."""
