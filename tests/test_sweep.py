@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.bench.serve import Sample
 from pdserve.bench.slo import SLO, goodput, parse_slo
-from pdserve.bench.sweep import analyze, apply_slo, steady_throughput
+from pdserve.bench.sweep import analyze, apply_slo, steady_throughput, warm_throughput
 
 
 def sample(sent, first, end, tokens):
@@ -24,6 +24,30 @@ def test_steady_throughput_counts_only_the_busy_window():
         [sample(0, 0, 10, 11), sample(0, 0, 20, 21), sample(10, 10, 30, 21)]
     )
     assert window == 20 and rate == (11 + 21 + (1 + 20 * 0.5)) / 20
+
+
+def test_warm_throughput_starts_after_the_first_wave():
+    # two clients, three requests each, 1 token/s; ends at 10, 20, 20, 30, 35, 40
+    reqs = [
+        sample(0, 0, 10, 11),  # client a
+        sample(0, 0, 20, 21),  # client b
+        sample(10, 10, 20, 11),  # a
+        sample(20, 20, 30, 11),  # b
+        sample(20, 20, 35, 16),  # a
+        sample(30, 30, 40, 11),  # b, the last send (30 s)
+    ]
+    # busy window: until the first end after the last send (30 s) -> 35 s; the first wave
+    # is over once 2 requests ended (at 20 s): 20-35 s
+    rate, window = warm_throughput(reqs, 2)
+    assert window == 15
+    # in (20, 35]: none of the first three; the 4th all 10 tokens after its first (at 20),
+    # the 5th its 15 after 20, the 6th 1 + 5 of its 10 evenly spread ones
+    assert rate == (10 + 15 + 6) / 15
+    for r in reqs:
+        r.token_times = [r.first_at + i for i in range(r.output_tokens)]
+    assert warm_throughput(reqs, 2) == (rate, 15)  # the same, counted by arrival times
+    # nothing after the first wave
+    assert warm_throughput(reqs[:2], 2) == (None, 0.0)
 
 
 def test_analyze_finds_the_knee_and_the_fall_past_it():

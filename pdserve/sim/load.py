@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from pdserve.bench.serve import percentile
 from pdserve.bench.slo import SLO
-from pdserve.bench.sweep import steady_throughput
+from pdserve.bench.sweep import steady_throughput, warm_throughput
 from pdserve.bench.workload import RequestSpec
 
 
@@ -125,12 +125,15 @@ class Series:
             self._every *= 2
 
 
-def summarize(records: list[Record], slo: SLO) -> dict:
+def summarize(records: list[Record], slo: SLO, concurrency: int | None = None) -> dict:
     ok = [r for r in records if r.end is not None]
     tokens = sum(r.output_tokens for r in ok)
     start = min((r.arrival for r in records), default=0.0)
     end = max((r.end for r in ok), default=start)
     steady, window = steady_throughput(records)
+    warm, warm_window = (
+        (None, 0.0) if concurrency is None else warm_throughput(records, concurrency)
+    )
     good = [r for r in ok if slo.meets(r.ttft_s, r.tpot_s)]
     elapsed = end - start
     ttft = [r.ttft_s for r in ok]
@@ -143,6 +146,8 @@ def summarize(records: list[Record], slo: SLO) -> dict:
         "generated_tokens": tokens,
         "throughput_tok_s": steady,
         "steady_window_s": window,
+        "warm_tok_s": warm,  # closed loop, after the first wave (bench sweep's field)
+        "warm_window_s": warm_window,
         "overall_tok_s": tokens / elapsed if elapsed > 0 else 0.0,
         "goodput_req_s": len(good) / elapsed if elapsed > 0 else 0.0,
         "goodput_tok_s": sum(r.output_tokens for r in good) / elapsed if elapsed > 0 else 0.0,

@@ -170,7 +170,7 @@ def simulate(
             moves = 0
             series = {rep.name: rep.series.points for rep, _ in replicas}
     wall = time.perf_counter() - started
-    point = summarize(records, setup.slo)
+    point = summarize(records, setup.slo, concurrency)
     stats = [e.core.stats() for e in engines]
     point.update(
         policy=policy,
