@@ -9,9 +9,24 @@ import time
 from pdserve.router.line import ReserveLine
 
 
+def test_everyone_asks_until_someone_is_refused():
+    line = ReserveLine()
+    a, b = line.join(), line.join()
+    assert line.wait_turn(a, 0) and line.wait_turn(b, 0)  # open: a burst asks at once
+    line.refused()
+    assert line.wait_turn(a, 0) and not line.wait_turn(b, 0)  # closed: the head only
+    c = line.join()
+    assert not line.wait_turn(c, 0)  # a newcomer waits behind them
+    for t in (a, b, c):
+        line.leave(t)
+    d, e = line.join(), line.join()  # it was empty: open again
+    assert line.wait_turn(d, 0) and line.wait_turn(e, 0)
+
+
 def test_only_the_head_has_its_turn_in_arrival_order():
     line = ReserveLine()
     a, b, c = line.join(), line.join(), line.join()
+    line.refused()
     assert len(line) == 3
     assert line.wait_turn(a, 0)
     assert not line.wait_turn(b, 0)
@@ -28,6 +43,7 @@ def test_only_the_head_has_its_turn_in_arrival_order():
 def test_a_resumed_request_goes_to_the_front():
     line = ReserveLine()
     a = line.join()
+    line.refused()
     resumed = line.join(front=True)
     assert line.head() is resumed
     assert not line.wait_turn(a, 0)
@@ -38,6 +54,7 @@ def test_a_resumed_request_goes_to_the_front():
 def test_waiting_for_the_turn_ends_when_the_head_leaves():
     line = ReserveLine()
     a, b = line.join(), line.join()
+    line.refused()
     got = []
     waiter = threading.Thread(target=lambda: got.append(line.wait_turn(b, 30.0)))
     waiter.start()
@@ -51,6 +68,7 @@ def test_wait_turn_gives_up_after_its_timeout():
     line = ReserveLine()
     line.join()
     b = line.join()
+    line.refused()
     t0 = time.monotonic()
     assert not line.wait_turn(b, 0.05)
     assert 0.04 <= time.monotonic() - t0 < 5

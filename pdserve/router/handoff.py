@@ -463,8 +463,10 @@ class Handoff:
             self.line.asking(ticket)
             if got := self._ask_each_worker(rid, prompt, sampling, context, run):
                 return got
-            # every worker refused: ask again when room may have come back (a request
-            # ended, blocks were released, a worker heartbeat), at the latest after the pause
+            # every worker refused: from now on the line goes in turn; ask again when room
+            # may have come back (a request ended, blocks were released, a worker
+            # heartbeat), at the latest after the pause
+            self.line.refused()
             kicked = self.line.wait_room(ticket, pause)
             pause = first if kicked else min(longest, pause * 2)
 

@@ -8,7 +8,10 @@ that was a TTFT p99 of 126 s against a p50 of 9.5 s, and 15,000 refused Reserve 
 96 requests. Here only the request at the head of the line asks; the others wait their
 turn, and the head asks again as soon as room may have come back (a request ended, a
 reservation was released) or its backoff runs out. A resumed request (its client already
-has tokens) goes to the front.
+has tokens) goes to the front. While nobody has been refused since the line was last empty,
+there is no line to keep: everyone asks at once (a burst of arrivals into free room is not
+held to one Reserve at a time); the first request every worker refuses closes it to all but
+the head until it empties again.
 
     ticket = line.join(front=resumed)
     try:
@@ -18,6 +21,7 @@ has tokens) goes to the front.
             line.asking(ticket)                   # kicks from now on count for this try
             reserved = try_every_worker()
             if not reserved:
+                line.refused()                    # from now on only the head asks
                 line.wait_room(ticket, pause)     # a kick or the pause, whichever first
     finally:
         line.leave(ticket)
@@ -44,6 +48,7 @@ class ReserveLine:
         self._cond = threading.Condition()
         self._queue: deque[Ticket] = deque()
         self._kicks = 0  # how many times room may have come back
+        self._closed = False  # someone was refused since the line was last empty
 
     def __len__(self) -> int:
         with self._cond:
@@ -67,7 +72,15 @@ class ReserveLine:
                 self._queue.remove(ticket)
             except ValueError:
                 return
+            if not self._queue:
+                self._closed = False
             self._cond.notify_all()
+
+    def refused(self) -> None:
+        """Every worker refused a request: from now on only the head asks, until the line
+        is empty."""
+        with self._cond:
+            self._closed = True
 
     def kick(self) -> None:
         """Room may have come back (a request ended, blocks were released): the head asks
@@ -77,11 +90,12 @@ class ReserveLine:
             self._cond.notify_all()
 
     def wait_turn(self, ticket: Ticket, timeout: float) -> bool:
-        """Whether `ticket` is at the head, waiting up to `timeout` seconds for it (a waiter
-        returns now and then to check its client and its deadline)."""
+        """Whether `ticket` may ask now (it is at the head, or the line is open), waiting up
+        to `timeout` seconds for it (a waiter returns now and then to check its client and
+        its deadline)."""
         end = time.monotonic() + timeout
         with self._cond:
-            while not (self._queue and self._queue[0] is ticket):
+            while self._closed and not (self._queue and self._queue[0] is ticket):
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
