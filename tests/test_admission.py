@@ -29,9 +29,13 @@ class Pool:
         self.tiers = tiers or {}  # name -> TierStats-like dict (OffloadStats.tiers)
         self.parks_victims = parks_victims and bool(self.tiers)
         self.stall = 0  # steps the longest-waiting preempted request has waited
+        self.waiting = False  # whether a preempted request waits for room
 
     def longest_preempted_wait(self) -> int:
         return self.stall
+
+    def preempted_waiting(self) -> bool:
+        return self.waiting
 
     def tier_stats(self) -> dict[str, dict]:
         return self.tiers
@@ -140,6 +144,21 @@ def test_greedy_admits_while_blocks_are_free_now():
     assert adm.cost([1] * 8, 1000) == 2  # the prompt's blocks: greedy's headroom is free blocks
     alloc.allocate([1] * 36)  # 9 of 10 blocks now in use
     assert "2 KV blocks needed, 1 free" in adm.check([1] * 8, 10, [])
+
+
+def test_greedy_and_kv_aware_let_no_one_ahead_of_a_preempted_request():
+    alloc = BlockAllocator(10, 4, enable_prefix_caching=False)
+    for adm in (greedy(alloc), kv_aware(alloc, sixteen(), 0.0)):
+        adm.pool.waiting = True  # room for the prompt, but a preempted request waits
+        assert adm.check([1] * 4, 16, []) == (
+            "a preempted request is waiting for room (first come, first served)"
+        )
+        adm.pool.waiting = False
+        assert adm.check([1] * 4, 16, []) is None
+    # cost-aware has its own bound on how long a preempted request waits (the stall bound)
+    adm = cost_aware(alloc, sixteen(), {"host": tier(100)}, step_s=0.05)
+    adm.pool.waiting = True
+    assert adm.check([1] * 4, 16, []) is None
 
 
 def test_kv_aware_counts_expected_growth_of_everyone_held():

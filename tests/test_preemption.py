@@ -88,12 +88,17 @@ def test_the_longest_preempted_wait_is_counted_in_steps(expected, tmp_path):
         s = c.scheduler
         since = [r.preempted_at_step for r in (*s.parked, *s.waiting) if r.preempted_at_step]
         assert c.longest_preempted_wait() == (s.steps - min(since) if since else 0)
+        preempted = [r for r in (*s.parked, *s.waiting) if r.preempted_at_step is not None]
+        assert c.preempted_waiting() == bool(preempted)
         assert all(r.preempted_at_step is None for r in s.running)
         waits.append(c.longest_preempted_wait())
+        flags.append(c.preempted_waiting())
 
+    flags = []
     tokens, _ = run(core, note)
     assert tokens == expected
     assert max(waits) > 0 and waits[-1] == 0
+    assert any(flags) and not flags[-1]
     core.close()
 
 

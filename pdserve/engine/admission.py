@@ -92,6 +92,8 @@ class PoolView(Protocol):
 
     def longest_preempted_wait(self) -> int: ...
 
+    def preempted_waiting(self) -> bool: ...
+
     def tier_stats(self) -> dict[str, dict]: ...
 
 
@@ -166,7 +168,16 @@ class GreedyAdmission:
         return self.pool.blocks_needed(len(prompt)) - len(self.pool.shared_blocks(prompt))
 
     def check(self, prompt: list[int], max_tokens: int, held: Sequence[HeldRequest]) -> str | None:
-        """None when the request may be admitted, else why not."""
+        """None when the request may be admitted, else why not. First come, first served,
+        as vLLM's and SGLang's schedulers do: while a preempted request waits for room, a
+        new one waits behind it (a decode worker's Reserve takes blocks directly, so
+        without this a new request took the blocks a preempted one was waiting for)."""
+        if self.pool.preempted_waiting():
+            return "a preempted request is waiting for room (first come, first served)"
+        return self.prompt_fits(prompt)
+
+    def prompt_fits(self, prompt: list[int]) -> str | None:
+        """None when the prompt's blocks are free now, else why not."""
         pool = self.pool
         if not pool.can_reserve(prompt):
             return f"{pool.blocks_needed(len(prompt))} KV blocks needed, {pool.free_blocks} free"
@@ -278,7 +289,7 @@ class CostAwareAdmission(KVAwareAdmission):
         return limit - demand
 
     def check(self, prompt: list[int], max_tokens: int, held: Sequence[HeldRequest]) -> str | None:
-        refused = GreedyAdmission.check(self, prompt, max_tokens, held)
+        refused = self.prompt_fits(prompt)  # no FCFS rule: the stall bound below instead
         if refused is not None:
             return refused
         stall = self.pool.longest_preempted_wait()

@@ -310,6 +310,10 @@ class EngineCore:
         """The ids of at most `limit` parked requests, longest parked first."""
         return [r.request_id for r in itertools.islice(self.scheduler.parked, limit)]
 
+    def preempted_waiting(self) -> bool:
+        """Whether a preempted request waits for room (new ones must wait behind it)."""
+        return self.scheduler.preempted_waiting()
+
     def longest_preempted_wait(self) -> int:
         """Steps the longest-waiting preempted request has waited for room (0: none)."""
         return self.scheduler.longest_preempted_wait()

@@ -142,6 +142,10 @@ class Scheduler:
             budget -= n
         return batch
 
+    def preempted_waiting(self) -> bool:
+        """Whether a preempted request (parked, or to be computed again) waits for room."""
+        return bool(self.parked) or any(r.preempted_at_step is not None for r in self.waiting)
+
     def longest_preempted_wait(self) -> int:
         """Steps the longest-waiting preempted request (parked or to be computed again) has
         waited for room; 0 when none waits."""
