@@ -48,6 +48,9 @@ def test_warm_throughput_starts_after_the_first_wave():
     assert warm_throughput(reqs, 2) == (rate, 15)  # the same, counted by arrival times
     # nothing after the first wave
     assert warm_throughput(reqs[:2], 2) == (None, 0.0)
+    # the first four: the window after the first wave (20-30 s) sees one request end, fewer
+    # than the two clients: a moment, not a state
+    assert warm_throughput(reqs[:4], 2) == (None, 0.0)
 
 
 def test_analyze_finds_the_knee_and_the_fall_past_it():

@@ -174,13 +174,18 @@ def warm_throughput(samples, concurrency: int) -> tuple[float | None, float]:
     requests than the pool can in a steady state (contexts spread over their lives): with
     long outputs and few requests per client that start is most of the window (a simulated
     H200 run at 50 clients: 1,444 tok/s with 2 requests each, 847 with 6, 775 after the
-    first wave). None when nothing is left after the first wave."""
+    first wave). None unless as many requests again end inside that window: with two
+    requests per client it is a moment, not a state (a few tokens over a fraction of a
+    second read as hundreds of tokens per second)."""
     ok = [s for s in samples if s.error is None and s.output_tokens > 0]
     ends = sorted(s.end_at for s in ok)
     if not ok or len(ends) <= concurrency:
         return None, 0.0
     start, end = ends[concurrency - 1], _busy_end(ok, False)
-    if end <= start:
+    if (
+        end <= start
+        or bisect.bisect_right(ends, end) - bisect.bisect_right(ends, start) < concurrency
+    ):
         return None, 0.0
     return tokens_between(ok, start, end) / (end - start), end - start
 
