@@ -325,6 +325,29 @@ def test_cost_aware_stops_at_a_tier_slower_than_recomputing():
     assert adm.headroom(held) == 18 + 12 - 18
 
 
+def test_a_worker_holding_nothing_admits_whatever_fits():
+    # one request alone: 15 of 100 observed outputs end at 100 tokens, 85 run to 14,000;
+    # its prompt plus cap (944 blocks of 16) fits the 950-block budget, but its expected
+    # peak (750 blocks) plus one standard deviation of it (alive with probability 0.85)
+    # would not: an empty worker must not refuse it for its spread, or it waits forever
+    alloc = BlockAllocator(1000, 16, enable_prefix_caching=False)
+    est = OutputLengthEstimator()
+    for n in [100] * 15 + [14_000] * 85:
+        est.observe(n)
+    for adm in (
+        cost_aware(alloc, est, margin=0.05),  # recompute: no tiers
+        cost_aware(alloc, est, {"host": tier(10)}, margin=0.05),
+        kv_aware(alloc, est, 0.05),
+    ):
+        assert adm.check([1] * 100, 15_000, []) is None
+    # with one request held the same newcomer counts: the tail is kept inside the pool, but
+    # never more of it than both at their caps would hold (here less than the tail)
+    adm = cost_aware(alloc, est, margin=0.05)
+    small = [Held(16, 0, 16)]  # 2 blocks at its cap
+    assert adm.check([1] * 100, 15_000, small) is None
+    assert adm.inputs.overcommit_blocks == -(944 + 2 - adm.inputs.demand_blocks)
+
+
 def test_cost_aware_keeps_the_tail_of_the_demand_in_the_tiers():
     alloc = BlockAllocator(20, 4, enable_prefix_caching=False)
     est = OutputLengthEstimator()
@@ -345,10 +368,11 @@ def test_cost_aware_keeps_the_tail_of_the_demand_in_the_tiers():
 def test_cost_aware_lets_no_one_in_while_a_preempted_request_waits_too_long():
     alloc = BlockAllocator(20, 4, enable_prefix_caching=False)
     adm = cost_aware(alloc, sixteen(), {"host": tier(100)}, step_s=0.05)
+    held = [Held(4, 0, 64)]
     adm.pool.stall = 4  # STALL * 16 steps = 4: still fine
-    assert adm.check([1] * 8, 64, []) is None
+    assert adm.check([1] * 8, 64, held) is None
     adm.pool.stall = 5
-    assert adm.check([1] * 8, 64, []) == (
+    assert adm.check([1] * 8, 64, held) == (
         "a preempted request has waited 5 steps for room (more than 4; cost-aware admission)"
     )
     assert adm.inputs.stall_limit_steps == 4

@@ -8,6 +8,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.admission import CostAwareAdmission, KVAwareAdmission
+from pdserve.engine.output import HeldRequest
 
 PROMPTS = [[i + 5] * 20 for i in range(6)]
 PARAMS = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
@@ -65,8 +66,11 @@ def test_an_idle_engine_takes_a_request_the_policy_would_refuse():
     llm = _tight(admission="kv-aware", preemption="recompute")
     long = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)  # 25 of 26 blocks
     prompt = [7] * 20
-    refused = llm.gate.admission.check(prompt, long.max_tokens, [])
+    admission = llm.gate.admission
+    held = [HeldRequest("other", 20, 0, long.max_tokens)]  # one such request running
+    refused = admission.check(prompt, long.max_tokens, held)
     assert refused is not None and "exceeds" in refused
+    assert admission.check(prompt, long.max_tokens, []) is None  # nothing held: it fits
     out = llm.generate([prompt, prompt], long)
     assert [len(o.token_ids) for o in out] == [80, 80]
     _empty(llm)

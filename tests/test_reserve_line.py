@@ -40,15 +40,17 @@ def test_only_the_head_has_its_turn_in_arrival_order():
     line.leave(b)  # leaving twice is harmless
 
 
-def test_a_resumed_request_goes_to_the_front():
+def test_resumed_requests_go_ahead_of_new_ones_in_their_own_order():
     line = ReserveLine()
     a = line.join()
     line.refused()
-    resumed = line.join(front=True)
-    assert line.head() is resumed
-    assert not line.wait_turn(a, 0)
-    line.leave(resumed)
-    assert line.wait_turn(a, 0)
+    first, second = line.join(front=True), line.join(front=True)  # a dead worker's two
+    b = line.join()
+    order = []
+    while line.head() is not None:
+        order.append(line.head())
+        line.leave(order[-1])
+    assert order == [first, second, a, b]
 
 
 def test_waiting_for_the_turn_ends_when_the_head_leaves():

@@ -1,7 +1,9 @@
 """Admission policies: may a new request's KV join this decode worker's pool now?
 
 `greedy` (the baseline, as vLLM v1 and SGLang do): admit while the prompt's blocks are free
-now. `kv-aware`: admit only while the projected demand fits,
+now and no preempted request waits for room (first come, first served; kv-aware too). A
+worker holding nothing admits whatever fits, whatever the policy. `kv-aware`: admit only
+while the projected demand fits,
 
     sum over held requests of blocks(len_r + E_rem(g_r, M_r))
       + blocks(prompt + E_rem(0, M_new))  <=  (1 - margin) * pool blocks
@@ -62,7 +64,7 @@ from typing import Protocol
 from pdserve.engine.costs import PreemptionCosts
 from pdserve.engine.length_estimator import OutputLengthEstimator
 from pdserve.engine.output import HeldRequest
-from pdserve.engine.peak_demand import peak_demand
+from pdserve.engine.peak_demand import PeakDemand, peak_demand
 from pdserve.registry import Registry
 
 
@@ -162,7 +164,8 @@ class GreedyAdmission:
         self.costs = costs or PreemptionCosts()  # what cost-aware reads; measured by the worker
 
     def headroom(self, held: Sequence[HeldRequest]) -> int:
-        return self.pool.free_blocks
+        # nothing new gets in while a preempted request waits: no room to route to
+        return 0 if self.pool.preempted_waiting() else self.pool.free_blocks
 
     def cost(self, prompt: list[int], max_tokens: int) -> int:
         return self.pool.blocks_needed(len(prompt)) - len(self.pool.shared_blocks(prompt))
@@ -207,7 +210,7 @@ class KVAwareAdmission(GreedyAdmission):
 
     def check(self, prompt: list[int], max_tokens: int, held: Sequence[HeldRequest]) -> str | None:
         refused = super().check(prompt, max_tokens, held)
-        if refused is not None:
+        if refused is not None or not held:  # a worker holding nothing takes what fits
             return refused
         demand = self.projected_blocks([*held, self._new(prompt, max_tokens)])
         if demand > self.budget:
@@ -231,12 +234,17 @@ class CostAwareAdmission(KVAwareAdmission):
         mean = self.estimator.mean_length()
         return mean if mean is not None else float(max_tokens)
 
-    def _demand(self, held: Sequence[HeldRequest]) -> tuple[int, float]:
-        """(D_peak, its standard deviation) in blocks: pdserve/engine/peak_demand.py; shared
-        blocks count once, as projected_blocks()."""
+    def _demand(self, held: Sequence[HeldRequest]) -> tuple[int, float, PeakDemand]:
+        """(D_peak, the tail to keep room for: Z * D_sd, never past the worst case, the
+        peak's figures) in
+        blocks: pdserve/engine/peak_demand.py; shared blocks count once, as
+        projected_blocks()."""
         counted = list(counted_before(self.pool, held))
         peak = peak_demand(held, counted, self.estimator, self.pool.block_size)
-        return math.ceil(peak.blocks), peak.sd_blocks
+        demand = math.ceil(peak.blocks)
+        # every request at its cap at once is the most the demand can be: a request that
+        # fits the pool at its cap is never refused for its spread
+        return demand, min(self.Z * peak.sd_blocks, max(0, peak.worst_blocks - demand)), peak
 
     def _room(self, lifetime: float) -> tuple[float, dict[str, float | None], dict[str, int]]:
         """(ROOM, park_s per tier, free blocks per tier). The tiers are filled in the order
@@ -268,9 +276,9 @@ class CostAwareAdmission(KVAwareAdmission):
     def _limit(self, held: Sequence[HeldRequest], max_tokens: int) -> tuple[int, int]:
         """(D_peak of `held`, the most it may reach: budget + R); records the inputs."""
         lifetime = self._lifetime(max_tokens)
-        demand, sd = self._demand(held)
+        demand, tail, peak = self._demand(held)
         room, park_s, free = self._room(lifetime)
-        r = int(room - self.Z * sd)  # below 0: the tiers cannot hold the tail, keep it in
+        r = int(room - tail)  # below 0: the tiers cannot hold the tail, keep it in the pool
         self.inputs = PolicyInputs(
             step_s=self.costs.step_s,
             recompute_s_per_token=self.costs.recompute_s_per_token,
@@ -278,7 +286,7 @@ class CostAwareAdmission(KVAwareAdmission):
             tier_free_blocks=sum(free.values()),
             overcommit_blocks=r,
             demand_blocks=demand,
-            demand_sd_blocks=sd,
+            demand_sd_blocks=peak.sd_blocks,
             stall_limit_steps=int(self.STALL * lifetime),
             longest_stall_steps=self.pool.longest_preempted_wait(),
         )
@@ -299,6 +307,8 @@ class CostAwareAdmission(KVAwareAdmission):
                 f"a preempted request has waited {stall} steps for room "
                 f"(more than {limit_steps:.0f}; cost-aware admission)"
             )
+        if not held:  # a worker holding nothing takes what fits (else it could wait forever)
+            return None
         # one pass over everyone held, the new request included (its spread counts too)
         demand, limit = self._limit([*held, self._new(prompt, max_tokens)], max_tokens)
         if demand > limit:

@@ -21,6 +21,12 @@ and admission reads its peak over t (on a grid), U(0) being what is held now, wi
 standard deviation of the demand at that peak (each request alive or not independently:
 sum_r blocks(T_r + t*)^2 S_r (1 - S_r)). Arrays, so that a check over a thousand held
 requests takes well under a millisecond.
+
+Approximations (each can only under-count, by a little): a block an earlier request lists is
+left out of the later one's term at every horizon, also once the earlier one has likely
+ended; and U is read on a grid (denser near now, plus the step before each request's cap or
+longest observed length, a spread of 48 of them past 48 requests), so a peak just before an
+intermediate observed length may be read a few steps early.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class PeakDemand:
     sd_blocks: float  # its standard deviation at that t
     horizon: int  # the t (steps from now) of the peak
     now_blocks: int  # U(0): what the held requests hold (or will, once their prompt lands)
+    worst_blocks: int = 0  # every request at its cap at once: no demand can exceed it
 
 
 def peak_demand(
@@ -52,7 +59,7 @@ def peak_demand(
 ) -> PeakDemand:
     """U's peak for `held`; `counted[i]`: how many of held[i]'s blocks an earlier one lists."""
     if not held:
-        return PeakDemand(0.0, 0.0, 0, 0)
+        return PeakDemand(0.0, 0.0, 0, 0, 0)
     tokens = np.fromiter((h.tokens for h in held), np.int64, len(held))
     gen = np.fromiter((h.generated for h in held), np.int64, len(held))
     cap = np.fromiter((h.max_tokens for h in held), np.int64, len(held))
@@ -85,4 +92,7 @@ def peak_demand(
     demand = (blocks * alive).sum(axis=0)
     k = int(np.argmax(demand))
     var = float((blocks[:, k] ** 2 * alive[:, k] * (1 - alive[:, k])).sum())
-    return PeakDemand(float(demand[k]), var**0.5, int(t[k]), int(blocks[:, 0].sum()))
+    worst = int(np.maximum(-(-(tokens + left) // block_size) - shared, 0).sum())
+    # float sums of like terms can land a hair above a whole number (26.000000000000004)
+    peak = round(float(demand[k]), 9)
+    return PeakDemand(peak, var**0.5, int(t[k]), int(blocks[:, 0].sum()), worst)

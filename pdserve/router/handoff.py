@@ -1,9 +1,9 @@
 """One request's way through the cluster, as the router drives it:
 
-    wait for workers -> decode.Reserve (most projected headroom; retried with backoff while
-    none has room) -> prefill.Prefill (fewest queued tokens; KV pushed into the reserved
-    blocks, the lease renewed meanwhile) -> decode.Start -> tokens streamed to the client ->
-    final message with timings, text and every process's spans
+    wait for workers -> decode.Reserve (most projected headroom; while none has room, in
+    turn: pdserve/router/line.py) -> prefill.Prefill (fewest queued tokens; KV pushed into
+    the reserved blocks, the lease renewed meanwhile) -> decode.Start -> tokens streamed to
+    the client -> final message with timings, text and every process's spans
 
 A request that arrives before both roles are registered waits in the queue like one that
 waits for room, up to the queue timeout, then fails UNAVAILABLE. Whatever ends the request
@@ -432,9 +432,10 @@ class Handoff:
         self, rid: str, prompt: list[int], sampling, deadline: float, context, run: Run, entry
     ):
         """Reserve blocks on the decode worker with the most headroom, in turn: the request
-        waits in the line (pdserve/router/line.py; a resumed one at its front) and asks
-        only at its head -> (worker, answer, time.monotonic() when the successful call was
-        sent), None when the request was aborted meanwhile. The first attempt records
+        waits in the line (pdserve/router/line.py; a resumed one ahead of new ones) and,
+        once someone has been refused everywhere, asks only at its head -> (worker, answer,
+        time.monotonic() when the successful call was sent), None when the request was
+        aborted meanwhile. The first attempt records
         router.queue (arrival -> that call) and decode.reserve (the call)."""
         ticket = self.line.join(front=run.resumes > 0)
         try:

@@ -4,14 +4,15 @@ Before, every waiting request retried Reserve on its own backoff (10 -> 200 ms):
 happened to ask right after blocks were freed got them, usually a request that had just
 arrived (a closed-loop client sends its next request the moment the last one ends) while
 requests that had waited longest slept through their pause. In the 1P2D demo at 24 clients
-that was a TTFT p99 of 126 s against a p50 of 9.5 s, and 15,000 refused Reserve calls for
-96 requests. Here only the request at the head of the line asks; the others wait their
-turn, and the head asks again as soon as room may have come back (a request ended, a
-reservation was released) or its backoff runs out. A resumed request (its client already
-has tokens) goes to the front. While nobody has been refused since the line was last empty,
+that was a TTFT p99 of 126 s against a p50 of 9.5 s, and 15,000 refused Reserve calls at
+that point (48 requests). Here only the request at the head of the line asks; the others
+wait their turn, and the head asks again as soon as room may have come back (a request
+ended, a reservation was released, a decode worker heartbeat) or its backoff runs out. A
+resumed request (its client already has tokens) goes ahead of every new one, behind the
+resumed ones already waiting. While nobody has been refused since the line was last empty
 there is no line to keep: everyone asks at once (a burst of arrivals into free room is not
-held to one Reserve at a time); the first request every worker refuses closes it to all but
-the head until it empties again.
+held to one Reserve at a time); the first request every worker refuses closes it to all
+but the head until it empties again.
 
     ticket = line.join(front=resumed)
     try:
@@ -37,10 +38,11 @@ from collections import deque
 class Ticket:
     """One waiting request's place (compared by identity)."""
 
-    __slots__ = ("kicks",)
+    __slots__ = ("kicks", "front")
 
-    def __init__(self) -> None:
+    def __init__(self, front: bool = False) -> None:
         self.kicks = 0  # the line's kick count when this ticket last asked
+        self.front = front  # a resumed request's: ahead of every new one
 
 
 class ReserveLine:
@@ -55,11 +57,12 @@ class ReserveLine:
             return len(self._queue)
 
     def join(self, front: bool = False) -> Ticket:
-        ticket = Ticket()
+        ticket = Ticket(front)
         with self._cond:
             ticket.kicks = self._kicks
-            if front:
-                self._queue.appendleft(ticket)
+            if front:  # behind the resumed ones already there, ahead of every new one
+                at = next((i for i, t in enumerate(self._queue) if not t.front), len(self._queue))
+                self._queue.insert(at, ticket)
             else:
                 self._queue.append(ticket)
             self._cond.notify_all()  # a new head (front) must not wait for the old one

@@ -3,8 +3,11 @@ workers' books (admission, reservations, the engine core) and prefill workers' b
 all the real classes, wired by events instead of gRPC and NIXL.
 
     arrive      the router asks decode workers to Reserve, the one with the most headroom
-                first (WorkerRegistry.pick_decode, as pdserve/router/handoff.py does); none
-                has room: try again after the router's backoff (10 ms doubling to 200 ms)
+                first (WorkerRegistry.pick_decode, as pdserve/router/handoff.py does), in
+                the router's line (pdserve/router/line.py): everyone asks until someone is
+                refused everywhere, then only the line's head, again when a request ends or
+                a heartbeat comes (a kick), at the latest after the router's backoff (10 ms
+                doubling to 200 ms; a kick starts it over), until the line empties
     prefill     the prefill worker with the fewest queued tokens gets the prompt; its batcher
                 forms batches under the token budget (prefill/batcher.py); a batch takes its
                 cost model's time, then its push: the link's bytes/s, all of it after the
@@ -32,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 
 from decode.config import DecodeConfig
@@ -82,6 +86,8 @@ class _Flight:
     pause: float
     decode: _Decode | None = None
     tried: set[str] = field(default_factory=set)
+    attempt: int = 0  # its "reserve" events carry this; a later kick makes older ones stale
+    in_line: bool = False
 
 
 class ClusterSim:
@@ -136,6 +142,10 @@ class ClusterSim:
         self._join = None  # scale-out: how the late workers join, once ...
         self._wave_left = 0  # ... this many first-wave requests more have started
         self._ended = None
+        # the router's line of requests waiting for decode room (pdserve/router/line.py)
+        self._line: deque[str] = deque()
+        self._line_closed = False  # someone was refused since the line was last empty
+        self._flights: dict[str, _Flight] = {}
 
     def at(self, t: float, kind: str, *payload) -> None:
         self._at(t, kind, *payload)
@@ -167,9 +177,11 @@ class ClusterSim:
     def _at(self, t: float, kind: str, *payload) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, now: float = 0.0) -> None:
         for d in self.decodes:
             self.registry.upsert(WorkerRecord(d.name, "decode", d.name, "", d.state.stats()))
+        if self._line_closed:
+            self._ask_head(now)  # a decode heartbeat kicks the router's line
         for p in self.prefills:
             core = p.engine.core
             stats = WorkerStats(core.free_blocks, core.num_blocks, queued_tokens=p.queued)
@@ -178,7 +190,7 @@ class ClusterSim:
     def run(self, specs: list[RequestSpec], prompts: list[list[int]], concurrency: int | None):
         arrivals = Arrivals(specs, concurrency)
         records: dict[str, Record] = self._records
-        flights: dict[str, _Flight] = {}
+        flights: dict[str, _Flight] = self._flights
         hs = self.profile.handoff
         self._heartbeat()  # every worker registers
         late = [self.registry.find(d.name, "decode") for d in self.decodes[1:]]
@@ -224,7 +236,7 @@ class ClusterSim:
                         max_tokens=spec.output_tokens, temperature=0, ignore_eos=True
                     )
                     flights[rid] = _Flight(i, prompts[i], params, self.router.reserve_retry_s[0])
-                    self._at(at, "reserve", rid)
+                    self._at(at, "reserve", rid, 0)
 
             now = 0.0
             arrive(now)
@@ -237,11 +249,13 @@ class ClusterSim:
                 now, _, kind, payload = heapq.heappop(self._events)
                 self.clock.now = now
                 if kind == "heartbeat":
-                    self._heartbeat()
+                    self._heartbeat(now)
                     if flights or not arrivals.exhausted:
                         self._at(now + self.router.heartbeat_s, "heartbeat")
                 elif kind == "reserve":
-                    self._reserve(now, payload[0], flights[payload[0]])
+                    rid, attempt = payload
+                    if rid in flights and flights[rid].attempt == attempt:  # else stale
+                        self._reserve(now, rid, flights[rid])
                 elif kind == "submit":
                     self._submit(now, *payload)
                 elif kind == "prefilled":
@@ -262,7 +276,22 @@ class ClusterSim:
         return list(records.values())
 
     # -- the router -----------------------------------------------------------------------
+    def _ask_head(self, now: float, kicked: bool = True) -> None:
+        """The line's head asks now (a kick: room may be back; its backoff starts over)."""
+        if not self._line:
+            return
+        flight = self._flights[self._line[0]]
+        if kicked:
+            flight.pause = self.router.reserve_retry_s[0]
+        flight.attempt += 1
+        self._at(now, "reserve", self._line[0], flight.attempt)
+
     def _reserve(self, now: float, rid: str, flight: _Flight) -> None:
+        if not flight.in_line:  # it joins at its first try, in arrival order
+            flight.in_line = True
+            self._line.append(rid)
+        if self._line_closed and self._line[0] != rid:
+            return  # its turn comes when the ones ahead have reserved
         hs = self.profile.handoff
         tried: set[str] = set()
         while (worker := self.registry.pick_decode(tried)) is not None:
@@ -278,6 +307,12 @@ class ClusterSim:
                 self.registry.not_reserved(worker)
                 continue
             self.registry.reserved(worker, reserved.headroom_cost)
+            self._line.remove(rid)
+            flight.in_line = False
+            if not self._line:
+                self._line_closed = False
+            elif self._line_closed:
+                self._ask_head(now, kicked=False)  # the next one asks at once
             flight.decode = d
             prefill = self.registry.pick_prefill(len(flight.prompt))
             p = next(x for x in self.prefills if x.name == prefill.worker_id)
@@ -285,7 +320,11 @@ class ClusterSim:
             dest = Destination(d.name, b"", None, reserved.block_ids, reserved.cached_blocks)
             self._at(now + hs.reserve_s + hs.prefill_rpc_s / 2, "submit", p, rid, dest, flight)
             return
-        self._at(now + flight.pause, "reserve", rid)
+        self._line_closed = True
+        if self._line[0] != rid:
+            return  # refused while the line was open: it waits its turn now
+        flight.attempt += 1
+        self._at(now + flight.pause, "reserve", rid, flight.attempt)
         flight.pause = min(self.router.reserve_retry_s[1], flight.pause * 2)
 
     # -- prefill workers --------------------------------------------------------------------
@@ -401,6 +440,8 @@ class ClusterSim:
         r.preemptions += done.metrics.preemptions
         r.recomputed_tokens += done.metrics.recomputed_tokens
         self._ended(rid, now)
+        if self._line_closed:
+            self._ask_head(now)  # its blocks are free: the router's final message kicks
 
 
 def run_cluster(
