@@ -220,3 +220,98 @@ def test_a_heartbeats_projection_reaches_the_registry_as_sent(projected):
     info.projected_free_blocks = 2**31 - 1
     with pytest.raises(ValueError, match="projected_free_blocks"):
         check_worker_info(info)
+
+
+class OneAtATime(FakeDecode):
+    """Room for one request: Reserve is refused (RESOURCE_EXHAUSTED) while one holds it,
+    and a request's stream ends when the test sets its event in `go`."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, 1)
+        self.lock = threading.Lock()
+        self.holder: str | None = None
+        self.refused: list[str] = []  # who asked and was refused, in order
+        self.go: dict[str, threading.Event] = {}
+
+    def Reserve(self, request, context):
+        with self.lock:
+            if self.holder is not None:
+                self.refused.append(request.request_id)
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room")
+            self.holder = request.request_id
+            self.go[request.request_id] = threading.Event()
+        return super().Reserve(request, context)
+
+    def Start(self, request, context):
+        self.go[request.request_id].wait(30)
+        yield pb.TokenChunk(token_ids=[request.first_token])
+        with self.lock:
+            self.holder = None  # its blocks are free before the router hears it ended
+        yield pb.TokenChunk(finished=True, finish_reason="length")
+
+
+def test_requests_waiting_for_room_are_served_in_turn_and_woken_when_room_is_back():
+    """Four requests for a decode worker with room for one: they reserve in arrival order,
+    only the line's head asks while it waits, and it asks again as soon as the request
+    ahead ends (a kick), not after its pause: the pause here is 5 s, the run about 1 s."""
+    config = RouterConfig(
+        max_model_len=4096, queue_timeout_s=30.0, missed_heartbeats=60, reserve_retry_s=(5, 5)
+    )
+    service = RouterService(config, vocab_size=100, tokenizer=None)
+    servers = []
+    try:
+        for add in (lambda s: rpc.add_RouterServicer_to_server(service, s),):
+            server, port = start_server(add, "127.0.0.1", 0)
+            servers.append(server)
+        address = f"127.0.0.1:{port}"
+        decode = OneAtATime("d")
+        stub = rpc.RouterStub(grpc.insecure_channel(address))
+        for name, role, add in (
+            ("d", "decode", lambda s: rpc.add_DecodeServicer_to_server(decode, s)),
+            ("p", "prefill", lambda s: rpc.add_PrefillServicer_to_server(FakePrefill(), s)),
+        ):
+            server, port = start_server(add, "127.0.0.1", 0)
+            servers.append(server)
+            info = pb.WorkerInfo(
+                worker_id=name, role=role, address=f"127.0.0.1:{port}", total_blocks=64
+            )
+            stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, worker=info))
+
+        line = service.handoff.line
+        results: dict[str, list[int]] = {}
+        names = ["a", "b", "c", "d"]
+
+        def send(rid: str) -> None:
+            results[rid] = Client(address).generate([1, 2], max_tokens=2, request_id=rid).token_ids
+
+        def until(condition, what: str) -> None:
+            deadline = time.monotonic() + 10
+            while not condition():
+                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                time.sleep(0.005)
+
+        threads = []
+        for i, rid in enumerate(names):
+            threads.append(threading.Thread(target=send, args=(rid,)))
+            threads[-1].start()
+            if i == 0:
+                until(lambda: decode.holder == "a", "a to reserve")
+            elif i == 1:
+                until(lambda: decode.refused == ["b"], "b to be refused")
+            else:
+                until(lambda n=i: len(line) == n, f"{rid} to join the line")
+        started = time.monotonic()
+        for rid in names:
+            until(lambda r=rid: decode.holder == r, f"{rid} to reserve")
+            decode.go[rid].set()
+        for t in threads:
+            t.join(timeout=10)
+        assert results == {rid: [7] for rid in names}
+        assert decode.reserved == names  # first come, first served
+        # only the head asked while the line was closed: b until it got in, then c, then d
+        assert decode.refused == sorted(decode.refused) and decode.refused[0] == "b"
+        assert time.monotonic() - started < 4.0  # kicked each time, never a 5 s pause
+        assert len(line) == 0
+    finally:
+        for server in servers:
+            server.stop(grace=0)
