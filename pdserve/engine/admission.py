@@ -24,9 +24,10 @@ measures it):
                 no preempted request has waited more than STALL * L steps, and
                 D_peak  <=  (1 - margin) * pool blocks + R
 
-    R = ROOM - Z * D_sd,  ROOM = the tier blocks that fit the parking-time budget
+    R = ROOM - min(Z * D_sd, D_worst - D_peak),
+                          ROOM = the tier blocks that fit the parking-time budget
                           PARK_OVERHEAD * L * step_s, tiers filled in order, each block of
-                          tier t costing park_s(t)
+                          tier t costing park_s(t); D_worst = every request at its cap
 
 D_peak is the most blocks the held requests (the new one included) are expected to hold at
 once over the coming steps, each alive with the probability the observed lengths give for
@@ -42,7 +43,9 @@ ROOM is the most blocks the tiers have free that keeps this under PARK_OVERHEAD 
 and R keeps room for the demand to run Z standard deviations above its expected peak (R < 0,
 inside the pool, when the tiers cannot hold that much). When parking is impossible
 (recompute preemption, no tiers, tiers full) or slower than computing the block again,
-ROOM = 0 and the policy admits only while the expected peak plus Z sd fits the pool.
+ROOM = 0 and the policy admits only while the expected peak plus Z sd fits the pool. A
+worker holding nothing admits whatever fits (else a request alone, whose cap fits, could be
+refused for its spread forever).
 The stall bound keeps the tail short: no new request is let in while someone preempted has
 waited STALL of a typical lifetime, so a parked request comes back (oldest first, the
 scheduler's rule) within about that, and its TPOT grows by about STALL at worst.
