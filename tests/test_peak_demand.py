@@ -28,27 +28,27 @@ def test_requests_that_end_before_others_grow_are_not_counted_at_their_end():
     # kv-aware's sum: blocks(20 + 4) + blocks(8 + 16) = 6 + 6 = 12. The peak, first reached
     # 1 step on: the first holds blocks(21) = 6 and the second blocks(9) = 3 until the first
     # ends after 3 more; the second alone never holds more than 6
-    assert peak_demand(reqs, [0, 0], est, 4) == PeakDemand(9.0, 0.0, 1, 7, 18 + 18)
+    assert peak_demand(reqs, [0, 0], est, 4) == PeakDemand(9.0, 0.0, 1, 18 + 18)
 
 
 def test_without_observations_each_request_runs_to_its_cap():
     reqs = [held(8, 0, 8), held(4, 0, 16)]
     # from 5 steps on: blocks(13) + blocks(9) = 4 + 3 until the first ends at its cap of 8;
     # then only the second (at most blocks(19) = 5)
-    assert peak_demand(reqs, [0, 0], OutputLengthEstimator(), 4) == PeakDemand(7.0, 0.0, 5, 3, 9)
+    assert peak_demand(reqs, [0, 0], OutputLengthEstimator(), 4) == PeakDemand(7.0, 0.0, 5, 9)
 
 
 def test_no_request_outlives_its_cap():
     est = observed(100, 100)
     # 10 tokens at most: 9 steps on it holds 17 tokens (5 blocks), then it is done
-    assert peak_demand([held(8, 0, 10)], [0], est, 4) == PeakDemand(5.0, 0.0, 9, 2, 5)
+    assert peak_demand([held(8, 0, 10)], [0], est, 4) == PeakDemand(5.0, 0.0, 9, 5)
 
 
 def test_a_request_older_than_every_observation_runs_to_its_cap():
     est = observed(4, 4)
     # 10 generated, longer than anything seen: alive until its cap of 12 (2 more steps),
     # holding blocks(18) and blocks(19) = 5: the peak is now
-    assert peak_demand([held(18, 10, 12)], [0], est, 4) == PeakDemand(5.0, 0.0, 0, 5, 5)
+    assert peak_demand([held(18, 10, 12)], [0], est, 4) == PeakDemand(5.0, 0.0, 0, 5)
     # a cap far off: it grows to blocks(18 + 89) = 27 before its cap of 100
     assert peak_demand([held(18, 10, 100)], [0], est, 4).blocks == 27
 
@@ -79,4 +79,4 @@ def test_identical_requests_sum_to_whole_blocks():
 
 
 def test_nothing_held():
-    assert peak_demand([], [], observed(5), 4) == PeakDemand(0.0, 0.0, 0, 0, 0)
+    assert peak_demand([], [], observed(5), 4) == PeakDemand(0.0, 0.0, 0, 0)

@@ -179,7 +179,7 @@ def warm_throughput(samples, concurrency: int) -> tuple[float | None, float]:
     second read as hundreds of tokens per second)."""
     ok = [s for s in samples if s.error is None and s.output_tokens > 0]
     ends = sorted(s.end_at for s in ok)
-    if not ok or len(ends) <= concurrency:
+    if len(ends) <= concurrency:
         return None, 0.0
     start, end = ends[concurrency - 1], _busy_end(ok, False)
     if (

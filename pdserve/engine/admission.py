@@ -238,10 +238,9 @@ class CostAwareAdmission(KVAwareAdmission):
         return mean if mean is not None else float(max_tokens)
 
     def _demand(self, held: Sequence[HeldRequest]) -> tuple[int, float, PeakDemand]:
-        """(D_peak, the tail to keep room for: Z * D_sd, never past the worst case, the
-        peak's figures) in
-        blocks: pdserve/engine/peak_demand.py; shared blocks count once, as
-        projected_blocks()."""
+        """(D_peak, the tail to keep room for: Z * D_sd but never past the worst case, the
+        peak's figures), in blocks (pdserve/engine/peak_demand.py); shared blocks count
+        once, as in projected_blocks()."""
         counted = list(counted_before(self.pool, held))
         peak = peak_demand(held, counted, self.estimator, self.pool.block_size)
         demand = math.ceil(peak.blocks)

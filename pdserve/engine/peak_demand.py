@@ -47,8 +47,7 @@ class PeakDemand:
     blocks: float  # max over t of U(t)
     sd_blocks: float  # its standard deviation at that t
     horizon: int  # the t (steps from now) of the peak
-    now_blocks: int  # U(0): what the held requests hold (or will, once their prompt lands)
-    worst_blocks: int = 0  # every request at its cap at once: no demand can exceed it
+    worst_blocks: int  # every request at its cap at once: no demand can exceed it
 
 
 def peak_demand(
@@ -59,7 +58,7 @@ def peak_demand(
 ) -> PeakDemand:
     """U's peak for `held`; `counted[i]`: how many of held[i]'s blocks an earlier one lists."""
     if not held:
-        return PeakDemand(0.0, 0.0, 0, 0, 0)
+        return PeakDemand(0.0, 0.0, 0, 0)
     tokens = np.fromiter((h.tokens for h in held), np.int64, len(held))
     gen = np.fromiter((h.generated for h in held), np.int64, len(held))
     cap = np.fromiter((h.max_tokens for h in held), np.int64, len(held))
@@ -95,4 +94,4 @@ def peak_demand(
     worst = int(np.maximum(-(-(tokens + left) // block_size) - shared, 0).sum())
     # float sums of like terms can land a hair above a whole number (26.000000000000004)
     peak = round(float(demand[k]), 9)
-    return PeakDemand(peak, var**0.5, int(t[k]), int(blocks[:, 0].sum()), worst)
+    return PeakDemand(peak, var**0.5, int(t[k]), worst)

@@ -79,6 +79,21 @@ class ReserveLine:
                 self._closed = False
             self._cond.notify_all()
 
+    @property
+    def closed(self) -> bool:
+        """Whether only the head may ask (someone was refused since the line was empty)."""
+        with self._cond:
+            return self._closed
+
+    def may_ask(self, ticket: Ticket) -> bool:
+        """Whether `ticket` may ask now, without waiting: it is at the head, or the line is
+        open (the simulator's router asks this; threads wait_turn())."""
+        with self._cond:
+            return self._may_ask(ticket)
+
+    def _may_ask(self, ticket: Ticket) -> bool:
+        return not self._closed or (bool(self._queue) and self._queue[0] is ticket)
+
     def refused(self) -> None:
         """Every worker refused a request: from now on only the head asks, until the line
         is empty."""
@@ -98,7 +113,7 @@ class ReserveLine:
         its deadline)."""
         end = time.monotonic() + timeout
         with self._cond:
-            while self._closed and not (self._queue and self._queue[0] is ticket):
+            while not self._may_ask(ticket):
                 left = end - time.monotonic()
                 if left <= 0:
                     return False

@@ -4,10 +4,11 @@ all the real classes, wired by events instead of gRPC and NIXL.
 
     arrive      the router asks decode workers to Reserve, the one with the most headroom
                 first (WorkerRegistry.pick_decode, as pdserve/router/handoff.py does), in
-                the router's line (pdserve/router/line.py): everyone asks until someone is
-                refused everywhere, then only the line's head, again when a request ends or
-                a heartbeat comes (a kick), at the latest after the router's backoff (10 ms
-                doubling to 200 ms; a kick starts it over), until the line empties
+                the router's line (pdserve/router/line.py, the same class, asked without
+                waiting): everyone asks until someone is refused everywhere, then only the
+                line's head, again when a request ends or a heartbeat comes (a kick), at
+                the latest after the router's backoff (10 ms doubling to 200 ms; a kick
+                starts it over), until the line empties
     prefill     the prefill worker with the fewest queued tokens gets the prompt; its batcher
                 forms batches under the token budget (prefill/batcher.py); a batch takes its
                 cost model's time, then its push: the link's bytes/s, all of it after the
@@ -35,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-from collections import deque
 from dataclasses import dataclass, field
 
 from decode.config import DecodeConfig
@@ -46,6 +46,7 @@ from pdserve.engine.batch import RunResult
 from pdserve.engine.core import StepPlan
 from pdserve.progress import progress
 from pdserve.router.config import RouterConfig
+from pdserve.router.line import ReserveLine, Ticket
 from pdserve.router.registry import WorkerRecord, WorkerRegistry
 from pdserve.sampling_params import SamplingParams
 from pdserve.serving.destination import Destination
@@ -87,7 +88,7 @@ class _Flight:
     decode: _Decode | None = None
     tried: set[str] = field(default_factory=set)
     attempt: int = 0  # its "reserve" events carry this; a later kick makes older ones stale
-    in_line: bool = False
+    ticket: Ticket | None = None  # its place in the router's line while it waits for room
 
 
 class ClusterSim:
@@ -142,9 +143,9 @@ class ClusterSim:
         self._join = None  # scale-out: how the late workers join, once ...
         self._wave_left = 0  # ... this many first-wave requests more have started
         self._ended = None
-        # the router's line of requests waiting for decode room (pdserve/router/line.py)
-        self._line: deque[str] = deque()
-        self._line_closed = False  # someone was refused since the line was last empty
+        # the router's line of requests waiting for decode room, and who holds each place
+        self._line = ReserveLine()
+        self._waiting: dict[Ticket, str] = {}
         self._flights: dict[str, _Flight] = {}
 
     def at(self, t: float, kind: str, *payload) -> None:
@@ -180,7 +181,7 @@ class ClusterSim:
     def _heartbeat(self, now: float = 0.0) -> None:
         for d in self.decodes:
             self.registry.upsert(WorkerRecord(d.name, "decode", d.name, "", d.state.stats()))
-        if self._line_closed:
+        if self._line.closed:
             self._ask_head(now)  # a decode heartbeat kicks the router's line
         for p in self.prefills:
             core = p.engine.core
@@ -278,19 +279,21 @@ class ClusterSim:
     # -- the router -----------------------------------------------------------------------
     def _ask_head(self, now: float, kicked: bool = True) -> None:
         """The line's head asks now (a kick: room may be back; its backoff starts over)."""
-        if not self._line:
+        head = self._line.head()
+        if head is None:
             return
-        flight = self._flights[self._line[0]]
+        rid = self._waiting[head]
+        flight = self._flights[rid]
         if kicked:
             flight.pause = self.router.reserve_retry_s[0]
         flight.attempt += 1
-        self._at(now, "reserve", self._line[0], flight.attempt)
+        self._at(now, "reserve", rid, flight.attempt)
 
     def _reserve(self, now: float, rid: str, flight: _Flight) -> None:
-        if not flight.in_line:  # it joins at its first try, in arrival order
-            flight.in_line = True
-            self._line.append(rid)
-        if self._line_closed and self._line[0] != rid:
+        if flight.ticket is None:  # it joins at its first try, in arrival order
+            flight.ticket = self._line.join()
+            self._waiting[flight.ticket] = rid
+        if not self._line.may_ask(flight.ticket):
             return  # its turn comes when the ones ahead have reserved
         hs = self.profile.handoff
         tried: set[str] = set()
@@ -307,11 +310,10 @@ class ClusterSim:
                 self.registry.not_reserved(worker)
                 continue
             self.registry.reserved(worker, reserved.headroom_cost)
-            self._line.remove(rid)
-            flight.in_line = False
-            if not self._line:
-                self._line_closed = False
-            elif self._line_closed:
+            self._line.leave(flight.ticket)
+            del self._waiting[flight.ticket]
+            flight.ticket = None
+            if self._line.closed:
                 self._ask_head(now, kicked=False)  # the next one asks at once
             flight.decode = d
             prefill = self.registry.pick_prefill(len(flight.prompt))
@@ -320,8 +322,8 @@ class ClusterSim:
             dest = Destination(d.name, b"", None, reserved.block_ids, reserved.cached_blocks)
             self._at(now + hs.reserve_s + hs.prefill_rpc_s / 2, "submit", p, rid, dest, flight)
             return
-        self._line_closed = True
-        if self._line[0] != rid:
+        self._line.refused()
+        if self._line.head() is not flight.ticket:
             return  # refused while the line was open: it waits its turn now
         flight.attempt += 1
         self._at(now + flight.pause, "reserve", rid, flight.attempt)
@@ -440,7 +442,7 @@ class ClusterSim:
         r.preemptions += done.metrics.preemptions
         r.recomputed_tokens += done.metrics.recomputed_tokens
         self._ended(rid, now)
-        if self._line_closed:
+        if self._line.closed:
             self._ask_head(now)  # its blocks are free: the router's final message kicks
 
 
