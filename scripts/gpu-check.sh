@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU session's one prepared run (one H200, at most ~8 minutes): the kernel tests and
-# microbenchmarks, then what a preemption costs and a short capacity sweep with a
-# real-shaped model (Llama-3-8B's architecture, seeded random weights in bf16: nothing is
+# The GPU session's one prepared run (one H200, at most ~8 minutes): the kernel tests, what
+# a preemption costs, decode against the memory roofline, a calibrated profile for the
+# simulator and the simulator against the engine, the kernel microbenchmarks, and a short
+# capacity sweep (when NIXL is carried), all with a real-shaped model (Llama-3-8B's architecture, seeded random weights in bf16: nothing is
 # downloaded). JSON goes to $RESULTS (default docs/results/gpu), a log beside it.
 #
 #   scripts/gpu-check.sh                     on the GPU machine, from the repo root
@@ -28,21 +29,41 @@ if [[ -n "${GPU_CHECK_DRY_RUN:-}" ]]; then
     CONTEXTS=64,256
     BATCH=4
     SWEEP=(--concurrency 1,2 --num-kv-blocks 24 --quick)
+    ROOFLINE=(--batches 1,2 --contexts 64)
+    CALIBRATE=(--batches 1,2 --contexts 32,64 --num-kv-blocks 64)
+    VS_REAL=(--concurrency 1,2 --num-kv-blocks 16 --requests 4)
     LIMIT=300
 else
     MODEL=random:pdserve/sim/configs/llama-3-8b.json
-    CONTEXTS=1024,4096
-    BATCH=64
+    # 4,096-token contexts at batch 64 did not finish in 85 s on the H200 (2026-12-04)
+    CONTEXTS=1024,2048
+    BATCH=32
     # 8B in bf16 leaves ~120 GB of the H200 for KV; a pool of 2,048 blocks (32k tokens,
     # 4 GiB) keeps the sweep where preemption happens at concurrency 32+
     SWEEP=(--concurrency 8,32,64 --num-kv-blocks 2048 --mean-output 512
         --requests-per-client 1 --workload long-prompt)
-    LIMIT=150
+    # our engine against the memory roofline at serving batch sizes, measured in the run
+    ROOFLINE=(--batches 1,8,32,64,128,256 --contexts 512,2048)
+    # the engine's steps over a grid -> a fitted H200 profile for `pdserve sim` (the built-in
+    # h200.json is a roofline with assumed efficiencies), then the simulator against the same
+    # engine with it; 8,192 blocks (16 GiB) hold 64 clients of 1,024-token prompts
+    CALIBRATE=(--batches 1,4,16,64 --contexts 128,512,1024 --num-kv-blocks 8192)
+    VS_REAL=(--concurrency 4,16,32 --num-kv-blocks 32 --requests 16 --mean-output 64)
+    LIMIT=60
 fi
 
-section() { # name, deadline seconds, command...
-    local name=$1 limit=$2
-    shift 2
+# GPU_CHECK_ONLY="preempt-cost sim-vs-real" runs only those sections (a rerun after a fix,
+# inside the same lease); keys: kernel-tests preempt-cost roofline calibrate sim-vs-real
+# kernels sweep
+wanted() { [[ -z "${GPU_CHECK_ONLY:-}" || " $GPU_CHECK_ONLY " == *" $1 "* ]]; }
+
+section() { # key, name, deadline seconds, command...
+    local key=$1 name=$2 limit=$3
+    shift 3
+    if ! wanted "$key"; then
+        echo "== $name: not in GPU_CHECK_ONLY" | tee -a "$LOG"
+        return 0
+    fi
     echo "== $name (at most ${limit}s): $*" | tee -a "$LOG"
     local start=$SECONDS
     timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
@@ -57,22 +78,38 @@ has() { "$PY" -c "import $1" >/dev/null 2>&1; }
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee -a "$LOG"
 
 if has pytest; then
-    section "kernel tests (-m gpu)" "$LIMIT" "$PY" -m pytest -q -m gpu tests/test_kernels_triton.py
+    section kernel-tests "kernel tests (-m gpu)" "$LIMIT" "$PY" -m pytest -q -m gpu tests/test_kernels_triton.py
 else
     echo "== kernel tests: skipped, pytest is not installed here (carry its wheel)" | tee -a "$LOG"
 fi
 
-if [[ -z "${GPU_CHECK_DRY_RUN:-}" ]]; then
-    section "bench kernels" "$LIMIT" "$PY" -m pdserve.cli bench kernels \
-        --json "$RESULTS/kernels.json"
-fi
-
-section "bench preempt-cost ($MODEL)" "$LIMIT" "$PY" -m pdserve.cli bench preempt-cost \
+section preempt-cost "bench preempt-cost ($MODEL)" "$((3 * LIMIT / 2))" "$PY" -m pdserve.cli bench preempt-cost \
     --model "$MODEL" --contexts "$CONTEXTS" --batch "$BATCH" --steps 3 --reps 2 \
     --json "$RESULTS/preempt-cost.json"
 
+section roofline "bench roofline ($MODEL)" "$LIMIT" "$PY" -m pdserve.cli bench roofline \
+    --model "$MODEL" "${ROOFLINE[@]}" --steps 3 --json "$RESULTS/roofline.json"
+
+section calibrate "sim calibrate ($MODEL)" "$((5 * LIMIT / 2))" "$PY" -m pdserve.cli sim calibrate \
+    --model "$MODEL" "${CALIBRATE[@]}" --json "$RESULTS/profile.json" \
+    --samples "$RESULTS/calibrate-steps.json"
+
+PROFILE=${PROFILE:-$RESULTS/profile.json} # calibrate's, or one from an earlier run
+if [[ -f "$PROFILE" ]]; then
+    section sim-vs-real "bench sim-vs-real ($MODEL)" "$((3 * LIMIT / 2))" "$PY" -m pdserve.cli \
+        bench sim-vs-real --model "$MODEL" --profile "$PROFILE" "${VS_REAL[@]}" \
+        --json "$RESULTS/sim-vs-real.json"
+else
+    echo "== bench sim-vs-real: skipped, calibrate wrote no profile" | tee -a "$LOG"
+fi
+
+if [[ -z "${GPU_CHECK_DRY_RUN:-}" ]]; then
+    section kernels "bench kernels" "$((2 * LIMIT))" "$PY" -m pdserve.cli bench kernels \
+        --tiles --json "$RESULTS/kernels.json"
+fi
+
 if has nixl_cu12._api && has prometheus_client && has tqdm; then
-    section "bench sweep ($MODEL)" "$((2 * LIMIT))" "$PY" -m pdserve.cli bench sweep \
+    section sweep "bench sweep ($MODEL)" "$((2 * LIMIT))" "$PY" -m pdserve.cli bench sweep \
         --model "$MODEL" "${SWEEP[@]}" --policy greedy+recompute,greedy+tiered,default \
         --json "$RESULTS/sweep.json"
 else

@@ -34,3 +34,35 @@ def test_the_gpu_check_runs_every_section_on_a_cpu(tmp_path):
     policies = {p["policy"] for p in sweep["points"]}
     assert policies == {"greedy+recompute", "greedy+tiered", "default"}
     assert all(p["errors"] == 0 and "goodput_req_s" in p for p in sweep["points"])
+    assert "== bench roofline (tiny-llama): exit 0" in log, log
+    assert "== sim calibrate (tiny-llama): exit 0" in log, log
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    steps = json.loads((tmp_path / "calibrate-steps.json").read_text())["steps"]
+    assert profile["kind"] == "fitted" and profile["fit"]["engine"]["steps"] == len(steps)
+    assert "== bench sim-vs-real (tiny-llama): exit 0" in log, log
+    vs_real = json.loads((tmp_path / "sim-vs-real.json").read_text())
+    assert len(vs_real["points"]) == 3 * 2  # three policies x two concurrencies
+
+
+def test_the_gpu_check_reruns_only_the_sections_asked_for(tmp_path):
+    env = dict(
+        os.environ,
+        GPU_CHECK_DRY_RUN="1",
+        GPU_CHECK_ONLY="roofline",
+        RESULTS=str(tmp_path),
+        PYTHON=sys.executable,
+    )
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu-check.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = (tmp_path / "gpu-check.log").read_text()
+    assert "== bench roofline (tiny-llama): exit 0" in log, log
+    not_asked = [line for line in log.splitlines() if line.endswith(": not in GPU_CHECK_ONLY")]
+    for section in ("kernel tests", "bench preempt-cost", "sim calibrate", "bench sweep"):
+        assert any(line.startswith(f"== {section}") for line in not_asked), log
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-check.log", "roofline.json"]

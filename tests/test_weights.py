@@ -144,7 +144,7 @@ def test_a_random_model_of_a_config_file_is_the_preset_of_that_shape(tmp_path):
     import json
 
     from pdserve import LLM, SamplingParams
-    from pdserve.weights import resolve
+    from pdserve.weights import model_config, resolve
     from pdserve.weights.presets import TINY_CONFIGS
 
     c = TINY_CONFIGS["tiny-llama"]
@@ -169,6 +169,8 @@ def test_a_random_model_of_a_config_file_is_the_preset_of_that_shape(tmp_path):
     )
     source = resolve(f"random:{config}")
     assert source.config.num_kv_heads == c.num_kv_heads and source.name.startswith("random:")
+    # what the simulator and sim-vs-real read: the architecture alone, from the same name
+    assert model_config(f"random:{config}") == source.config
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompt = [[5, 6, 7, 8, 9]]
     got = LLM(f"random:{config}").generate(prompt, params)[0].token_ids

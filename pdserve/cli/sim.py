@@ -93,9 +93,20 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from pdserve.sim.calibrate import calibrate
+    from pdserve.sim.calibrate import CONTEXTS, DECODE_BATCHES, calibrate
 
-    profile = calibrate(args.model, num_kv_blocks=args.num_kv_blocks, threads=args.threads)
+    steps: list[dict] | None = [] if args.samples else None
+    profile = calibrate(
+        args.model,
+        num_kv_blocks=args.num_kv_blocks,
+        threads=args.threads,
+        samples_out=steps,
+        batches=args.batches or DECODE_BATCHES,
+        contexts=args.contexts or CONTEXTS,
+    )
+    if args.samples:
+        with open(args.samples, "w") as f:
+            json.dump({"model": args.model, "profile": profile["name"], "steps": steps}, f)
     if args.cluster:
         from pdserve.sim.calibrate_cluster import calibrate_cluster
 
@@ -183,4 +194,11 @@ def add_sim_parser(sub) -> None:
     cal.add_argument("--cluster", action="store_true", help="also measure a launched 1P1D cluster")
     cal.add_argument("--cluster-kv-blocks", type=int, default=256)
     cal.add_argument("--json", required=True, help="write the profile here")
+    cal.add_argument("--samples", default=None, help="also write every measured step here")
+    cal.add_argument(
+        "--batches", type=int_list, default=None, help="clients per grid point (1,2,4,8,16,32)"
+    )
+    cal.add_argument(
+        "--contexts", type=int_list, default=None, help="prompt tokens (32,128,512,1024)"
+    )
     cal.set_defaults(func=cmd_calibrate)

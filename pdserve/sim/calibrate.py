@@ -19,6 +19,7 @@ On CUDA the same command measures the GPU (the engine's device). The profile is 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import statistics
@@ -103,19 +104,42 @@ def measure_tiers(core: EngineCore, args: EngineArgs, reps: int = 3) -> dict:
     return out
 
 
-def calibrate(model: str, num_kv_blocks: int = 2048, threads: int | None = None) -> dict:
-    """The in-process engine and its tiers -> a fitted profile (a JSON-ready dict)."""
+def device_memory_bytes(device: torch.device) -> float:
+    """What the engine's device holds: the GPU's memory on CUDA, the host's RAM on CPU."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def step_records(samples: list[tuple[StepWork, float]]) -> list[dict]:
+    """Every measured step as plain data (its work and seconds), for fits made later."""
+    return [{**dataclasses.asdict(work), "seconds": seconds} for work, seconds in samples]
+
+
+def calibrate(
+    model: str,
+    num_kv_blocks: int = 2048,
+    threads: int | None = None,
+    samples_out: list[dict] | None = None,
+    batches=DECODE_BATCHES,
+    contexts=CONTEXTS,
+) -> dict:
+    """The in-process engine and its tiers -> a fitted profile (a JSON-ready dict).
+    `samples_out`, when given, receives every measured step (step_records)."""
     if threads:
         torch.set_num_threads(threads)
     args = EngineArgs(
         num_kv_blocks=num_kv_blocks,
         enable_prefix_caching=False,  # every step computes what it is given
         preemption="tiered",
-        max_num_seqs=max(DECODE_BATCHES),
+        max_num_seqs=max(batches),
     )
     core, _ = build_engine(model, args)
     try:
-        coefficients, fit = fit_steps(measure_engine(core))
+        samples = measure_engine(core, batches=tuple(batches), contexts=tuple(contexts))
+        if samples_out is not None:
+            samples_out.extend(step_records(samples))
+        coefficients, fit = fit_steps(samples)
         tier_costs = measure_tiers(core, args)
     finally:
         core.close()
@@ -127,7 +151,7 @@ def calibrate(model: str, num_kv_blocks: int = 2048, threads: int | None = None)
         "name": f"{device}-{platform.node()}",
         "kind": "fitted",
         "dtype": dtype,
-        "memory_bytes": float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        "memory_bytes": device_memory_bytes(core.kv_pool.device),
         "usable_fraction": 1.0,
         "activation_reserve_bytes": 0.0,
         "engine": coefficients,

@@ -63,6 +63,8 @@ def model_config(model: str) -> ModelConfig:
 
     if isinstance(model, str) and model in presets.TINY_CONFIGS:
         return presets.TINY_CONFIGS[model]
+    if isinstance(model, str) and model.startswith(RANDOM_PREFIX):
+        model = model[len(RANDOM_PREFIX) :]  # the architecture of random:CONFIG.json
     path = Path(model).expanduser() if isinstance(model, str) and model else None
     if path is not None and (path.is_dir() or path.suffix == ".json"):
         file = path / "config.json" if path.is_dir() else path
