@@ -45,3 +45,10 @@ def choose_num_splits(programs: int, max_blocks: int, device: torch.device) -> i
     if programs >= 2 * sms:
         return 1
     return max(1, min(-(-2 * sms // programs), max_blocks, 32))
+
+
+def check_tile(tokens: int) -> int:
+    """Tokens per loop step of a decode kernel: a power of two >= 16 (tl.dot's tiles)."""
+    if tokens < 16 or tokens & (tokens - 1):
+        raise ValueError(f"tokens_per_step {tokens}: must be a power of two >= 16")
+    return tokens

@@ -13,11 +13,14 @@ Query head h reads KV head h // (num_q_heads // num_kv_heads). Scores are
 `scale * q.k`, optionally soft-capped as `cap * tanh(score / cap)`; softmax in fp32.
 
 Triton kernel: one program per (sequence, KV head, split); the query heads of a group are
-processed together (one KV read serves the whole group). A split walks its range of the
-block table one KV block at a time with an online softmax; with more than one split the
-partial results are merged by `split_reduce` (flash-decoding), so small batches with long
-contexts still fill the GPU. Loads are upcast to fp32 before arithmetic. Head dims need not
-be powers of two (masked). Limits: block_size >= 16 and a power of two (tl.dot tiles).
+processed together (one KV read serves the whole group). A split walks its range of tokens
+GQA_TOKENS at a time (each token's KV block looked up in the table) with an online softmax;
+with more than one split the partial results are merged by `split_reduce` (flash-decoding),
+so small batches with long contexts still fill the GPU. 16-bit inputs go to the tensor cores
+as they are (q.k and p.v accumulate in fp32; p is rounded to the value dtype, as
+FlashAttention does); fp32 inputs are multiplied in full fp32 ("ieee", not TF32). Softmax
+statistics are fp32. Head dims need not be powers of two (masked). Limits: block_size >= 16
+and a power of two.
 """
 
 from __future__ import annotations
@@ -31,10 +34,19 @@ from kernels._launch import (
     check_dtype,
     check_index,
     check_launchable,
+    check_tile,
     choose_num_splits,
 )
 from kernels._paged import check_cache, compute_dtype, gather_paged
 from kernels.split_reduce import split_buffers, split_reduce
+
+# The tile: tokens of KV per loop step (across as many KV blocks as they span) and warps per
+# program. One 16-token block per step in fp32 (the first kernel) kept the H200 at 8% of its
+# copy bandwidth: each step waited on one small load. 64 x 4 was the fastest measured tile at
+# 64 x 4k tokens (254 us, 4.2 TB/s) and within 1% of it at 1 x 16k (`bench kernels --tiles`,
+# docs/results/gpu/kernels.json, H200, 2026-12-04).
+GQA_TOKENS = 64
+GQA_WARPS = 4
 
 
 @triton.jit
@@ -70,6 +82,8 @@ def _gqa_decode_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    TOKENS: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
@@ -77,13 +91,13 @@ def _gqa_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(lens_ptr + b)
-    first = split * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, tl.cdiv(ctx, BLOCK_SIZE))
+    first = split * blocks_per_split * BLOCK_SIZE  # this split's tokens: [first, end)
+    end = tl.minimum(first + blocks_per_split * BLOCK_SIZE, ctx)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    offs_t = tl.arange(0, BLOCK_SIZE)
+    offs_n = tl.arange(0, TOKENS)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
@@ -92,41 +106,46 @@ def _gqa_decode_kernel(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
-    ).to(tl.float32)  # [BLOCK_G, BLOCK_D]
+    )  # [BLOCK_G, BLOCK_D]
+    if not NATIVE_DOT:
+        q = q.to(tl.float32)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    for blk in range(first, last):
-        block_id = tl.load(table_ptr + b * stride_tb + blk).to(tl.int64)
-        t_mask = blk * BLOCK_SIZE + offs_t < ctx
+    for start in range(first, end, TOKENS):
+        # TOKENS tokens at a time, across as many KV blocks as they span
+        tok = start + offs_n
+        t_mask = tok < end
+        block_id = tl.load(table_ptr + b * stride_tb + tok // BLOCK_SIZE, mask=t_mask, other=0)
+        row = block_id.to(tl.int64)[:, None] * stride_kn + (tok % BLOCK_SIZE)[:, None] * stride_kt
         k = tl.load(
-            k_ptr
-            + block_id * stride_kn
-            + offs_t[:, None] * stride_kt
-            + kv_head * stride_kh
-            + offs_d[None, :],
+            k_ptr + row + kv_head * stride_kh + offs_d[None, :],
             mask=t_mask[:, None] & d_mask[None, :],
             other=0.0,
-        ).to(tl.float32)  # [BLOCK_SIZE, BLOCK_D]
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_SIZE]
+        )  # [TOKENS, BLOCK_D]
+        if NATIVE_DOT:  # 16-bit inputs on the tensor cores, fp32 accumulation
+            s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, TOKENS]
+        else:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
         if SOFT_CAP:
             s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)  # cap * tanh(s / cap)
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
+        vrow = block_id.to(tl.int64)[:, None] * stride_vn + (tok % BLOCK_SIZE)[:, None] * stride_vt
         v = tl.load(
-            v_ptr
-            + block_id * stride_vn
-            + offs_t[:, None] * stride_vt
-            + kv_head * stride_vh
-            + offs_dv[None, :],
+            v_ptr + vrow + kv_head * stride_vh + offs_dv[None, :],
             mask=t_mask[:, None] & dv_mask[None, :],
             other=0.0,
-        ).to(tl.float32)  # [BLOCK_SIZE, BLOCK_DV]
+        )  # [TOKENS, BLOCK_DV]
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        if NATIVE_DOT:
+            pv = tl.dot(p.to(v.dtype), v)
+        else:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
         m = m_new
 
     safe = tl.where(denom > 0, denom, 1.0)
@@ -156,11 +175,15 @@ def paged_gqa_decode(
     max_context_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    tokens_per_step: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Triton paged decode; same contract as `paged_gqa_decode_ref`.
 
     `num_splits` overrides the split-KV choice; `out` ([B, num_q_heads, head_dim_v], q's
-    dtype) receives the result when given.
+    dtype) receives the result when given. `tokens_per_step` (a power of two >= 16) and
+    `num_warps` override the tile (GQA_TOKENS, GQA_WARPS; `bench kernels --tiles` measures
+    the choices).
     """
     check_cache("k_cache", k_cache, 4)
     check_cache("v_cache", v_cache, 4)
@@ -198,6 +221,8 @@ def paged_gqa_decode(
     num_splits = max(1, min(num_splits, max_blocks))
     blocks_per_split = -(-max_blocks // num_splits)
     group = num_q_heads // num_kv_heads
+    tokens = check_tile(tokens_per_step or GQA_TOKENS)
+    native = q.dtype != torch.float32 and k_cache.dtype == v_cache.dtype == q.dtype
     part, lse = split_buffers(out, num_splits)
     _gqa_decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
@@ -231,8 +256,11 @@ def paged_gqa_decode(
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
+        TOKENS=tokens,
+        NATIVE_DOT=native,
         SOFT_CAP=soft_cap is not None,
         WRITE_LSE=num_splits > 1,
+        num_warps=num_warps or GQA_WARPS,
     )
     if num_splits > 1:
         split_reduce(part, lse, out)

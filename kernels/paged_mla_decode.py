@@ -13,9 +13,11 @@ Shapes:
     returns:      [B, num_heads, kv_lora_rank] (softmax(scale * (q_latent.c_kv + q_pe.k_pe)) @ c_kv)
 
 Triton kernel: one program per (sequence, group of BLOCK_H heads, split). Every KV block is
-read once per head group and serves all its heads (the latent is shared); split-KV merges
-through `split_reduce`. kv_lora_rank up to 512 and rope_dim up to 64 (powers of two or
-masked); loads upcast to fp32. Limits: block_size >= 16 and a power of two.
+read once per head group and serves all its heads (the latent is shared), MLA_TOKENS tokens
+per loop step; split-KV merges through `split_reduce`. kv_lora_rank up to 512 and rope_dim
+up to 64 (powers of two or masked). 16-bit inputs go to the tensor cores as they are (fp32
+accumulation, p rounded to the cache dtype); fp32 inputs are multiplied in full fp32.
+Limits: block_size >= 16 and a power of two.
 """
 
 from __future__ import annotations
@@ -24,12 +26,26 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import check_dtype, check_index, check_launchable, choose_num_splits
+from kernels._launch import (
+    check_dtype,
+    check_index,
+    check_launchable,
+    check_tile,
+    choose_num_splits,
+)
 from kernels._paged import check_cache
 from kernels.paged_gqa_decode import paged_gqa_decode_ref
 from kernels.split_reduce import split_buffers, split_reduce
 
 BLOCK_H = 16
+# tokens per loop step and warps per program (see paged_gqa_decode's GQA_TOKENS): one
+# 16-token block per step in fp32 kept the H200 at 1% of its copy bandwidth. Measured on the
+# H200 (`bench kernels --tiles`, docs/results/gpu/kernels.json, 2026-12-04), 64 x 8 is within
+# 11% of the fastest tile at both measured shapes (128 x 4: 154 vs 171 us at 64 x 4k tokens;
+# 128 x 8: 38 vs 42 us at 1 x 16k) with half the tile memory of 128 tokens (a 128 x 576 bf16
+# tile fits the H200's 228 KB of shared memory, not necessarily a smaller GPU's)
+MLA_TOKENS = 64
+MLA_WARPS = 8
 
 
 @triton.jit
@@ -62,19 +78,21 @@ def _mla_decode_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    TOKENS: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
     b = tl.program_id(0)
     head_group = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(lens_ptr + b)
-    first = split * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, tl.cdiv(ctx, BLOCK_SIZE))
+    first = split * blocks_per_split * BLOCK_SIZE  # this split's tokens: [first, end)
+    end = tl.minimum(first + blocks_per_split * BLOCK_SIZE, ctx)
 
     heads = head_group * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_r = tl.arange(0, BLOCK_R)
     offs_p = tl.arange(0, BLOCK_P)
-    offs_t = tl.arange(0, BLOCK_SIZE)
+    offs_n = tl.arange(0, TOKENS)
     h_mask = heads < num_heads
     r_mask = offs_r < RANK
     p_mask = offs_p < ROPE
@@ -82,34 +100,49 @@ def _mla_decode_kernel(
         ql_ptr + b * stride_qlb + heads[:, None] * stride_qlh + offs_r[None, :],
         mask=h_mask[:, None] & r_mask[None, :],
         other=0.0,
-    ).to(tl.float32)  # [BLOCK_H, BLOCK_R]
+    )  # [BLOCK_H, BLOCK_R]
     q_pe = tl.load(
         qpe_ptr + b * stride_qpb + heads[:, None] * stride_qph + offs_p[None, :],
         mask=h_mask[:, None] & p_mask[None, :],
         other=0.0,
-    ).to(tl.float32)  # [BLOCK_H, BLOCK_P]
+    )  # [BLOCK_H, BLOCK_P]
+    if not NATIVE_DOT:
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-    for blk in range(first, last):
-        block_id = tl.load(table_ptr + b * stride_tb + blk).to(tl.int64)
-        t_mask = blk * BLOCK_SIZE + offs_t < ctx
-        row = cache_ptr + block_id * stride_cn + offs_t[:, None] * stride_ct
-        c_kv = tl.load(row + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0).to(
-            tl.float32
-        )  # [BLOCK_SIZE, BLOCK_R]
+    for start in range(first, end, TOKENS):
+        tok = start + offs_n
+        t_mask = tok < end
+        block_id = tl.load(table_ptr + b * stride_tb + tok // BLOCK_SIZE, mask=t_mask, other=0)
+        row = (
+            cache_ptr
+            + block_id.to(tl.int64)[:, None] * stride_cn
+            + (tok % BLOCK_SIZE)[:, None] * stride_ct
+        )
+        c_kv = tl.load(row + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0)
         k_pe = tl.load(
             row + RANK + offs_p[None, :], mask=t_mask[:, None] & p_mask[None, :], other=0.0
-        ).to(tl.float32)  # [BLOCK_SIZE, BLOCK_P]
-        s = tl.dot(q_lat, tl.trans(c_kv), input_precision="ieee")
-        s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
-        s = tl.where(t_mask[None, :], s * scale, float("-inf"))  # [BLOCK_H, BLOCK_SIZE]
+        )  # [TOKENS, BLOCK_R], [TOKENS, BLOCK_P]
+        if NATIVE_DOT:  # 16-bit inputs on the tensor cores, fp32 accumulation
+            s = tl.dot(q_lat, tl.trans(c_kv))
+            s += tl.dot(q_pe, tl.trans(k_pe))
+        else:
+            c_kv = c_kv.to(tl.float32)
+            s = tl.dot(q_lat, tl.trans(c_kv), input_precision="ieee")
+            s += tl.dot(q_pe, tl.trans(k_pe.to(tl.float32)), input_precision="ieee")
+        s = tl.where(t_mask[None, :], s * scale, float("-inf"))  # [BLOCK_H, TOKENS]
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, c_kv, input_precision="ieee")
+        if NATIVE_DOT:
+            pv = tl.dot(p.to(c_kv.dtype), c_kv)
+        else:
+            pv = tl.dot(p, c_kv, input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
         m = m_new
 
     safe = tl.where(denom > 0, denom, 1.0)
@@ -133,6 +166,8 @@ def paged_mla_decode(
     max_context_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    tokens_per_step: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Triton MLA decode; same contract as `paged_mla_decode_ref` (`num_splits`, `out` as in
     `paged_gqa_decode`)."""
@@ -167,6 +202,8 @@ def paged_mla_decode(
     if num_splits is None:
         num_splits = choose_num_splits(batch * head_groups, max_blocks, q_latent.device)
     num_splits = max(1, min(num_splits, max_blocks))
+    tokens = check_tile(tokens_per_step or MLA_TOKENS)
+    native = q_latent.dtype != torch.float32 and q_pe.dtype == latent_cache.dtype == q_latent.dtype
     part, lse = split_buffers(out, num_splits)
     _mla_decode_kernel[(batch, head_groups, num_splits)](
         q_latent,
@@ -197,7 +234,10 @@ def paged_mla_decode(
         BLOCK_H=BLOCK_H,
         BLOCK_R=max(16, triton.next_power_of_2(rank)),
         BLOCK_P=max(16, triton.next_power_of_2(rope)),
+        TOKENS=tokens,
+        NATIVE_DOT=native,
         WRITE_LSE=num_splits > 1,
+        num_warps=num_warps or MLA_WARPS,
     )
     if num_splits > 1:
         split_reduce(part, lse, out)

@@ -71,6 +71,44 @@ def test_paged_gqa_decode(block_size, hq, hkv, dim, splits, dtype):
         torch.testing.assert_close(out[i].float(), naive, **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens", [16, 32, 128])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_decode_tiles_of_any_width_agree_with_the_reference(tokens, block_size, dtype):
+    """A loop step of fewer tokens than a KV block, as many, or several blocks' worth, with
+    split-KV boundaries inside a step: the same result as the reference, GQA and MLA."""
+    gen = torch.Generator().manual_seed(tokens + block_size)
+    ctx = [*ctx_cases(block_size), 7 * block_size + 3]
+    nblocks = 8 * len(ctx) + 4
+    table = random_tables(ctx, block_size, nblocks, gen)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    k_cache = torch.randn(nblocks, block_size, 2, 64, generator=gen).to(dtype)
+    v_cache = torch.randn(nblocks, block_size, 2, 64, generator=gen).to(dtype)
+    q = torch.randn(len(ctx), 8, 64, generator=gen).to(dtype)
+    for splits in (1, 3):
+        out = paged_gqa_decode(
+            q, k_cache, v_cache, table, lens, 0.125, num_splits=splits, tokens_per_step=tokens
+        )
+        ref = paged_gqa_decode_ref(q, k_cache, v_cache, table, lens, 0.125)
+        torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
+    latent = torch.randn(nblocks, block_size, 64 + 16, generator=gen).to(dtype)
+    q_latent = torch.randn(len(ctx), 4, 64, generator=gen).to(dtype)
+    q_pe = torch.randn(len(ctx), 4, 16, generator=gen).to(dtype)
+    out = paged_mla_decode(
+        q_latent, q_pe, latent, table, lens, 0.1, num_splits=2, tokens_per_step=tokens
+    )
+    ref = paged_mla_decode_ref(q_latent, q_pe, latent, table, lens, 0.1)
+    torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
+
+
+def test_decode_tile_width_must_be_a_power_of_two():
+    q, k = torch.zeros(1, 2, 16), torch.zeros(2, 16, 1, 16)
+    table, lens = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    for bad in (8, 48):
+        with pytest.raises(ValueError, match="power of two >= 16"):
+            paged_gqa_decode(q, k, k, table, lens, 1.0, tokens_per_step=bad)
+
+
 def test_paged_gqa_decode_soft_cap():
     gen = torch.Generator().manual_seed(7)
     ctx = [5, 40]
@@ -199,25 +237,27 @@ GPU_TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [None, 16, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("splits", [None, 1, 4])
-def test_gpu_gqa_and_mla_decode(dtype, splits):
+def test_gpu_gqa_and_mla_decode(dtype, splits, tokens):
     gen = torch.Generator(device="cuda").manual_seed(0)
     ctx = torch.tensor([1, 15, 16, 17, 1000, 4097], dtype=torch.int32, device="cuda")
     n = len(ctx)
-    bs, nblocks = 16, 600
+    bs, nblocks = 16, 1600  # 6 sequences x 260 blocks, shuffled
     table = torch.randperm(nblocks, device="cuda", generator=gen)[: n * 260].view(n, 260)
     table = table.to(torch.int32)
     k = torch.randn(nblocks, bs, 8, 128, device="cuda", dtype=dtype, generator=gen)
     v = torch.randn(nblocks, bs, 8, 128, device="cuda", dtype=dtype, generator=gen)
     q = torch.randn(n, 64, 128, device="cuda", dtype=dtype, generator=gen)
-    out = paged_gqa_decode(q, k, v, table, ctx, 128**-0.5, num_splits=splits)
+    kw = dict(num_splits=splits, tokens_per_step=tokens)
+    out = paged_gqa_decode(q, k, v, table, ctx, 128**-0.5, **kw)
     ref = paged_gqa_decode_ref(q, k, v, table, ctx, 128**-0.5)
     torch.testing.assert_close(out, ref, **GPU_TOL[dtype])
     latent = torch.randn(nblocks, bs, 576, device="cuda", dtype=dtype, generator=gen)
     ql = torch.randn(n, 16, 512, device="cuda", dtype=dtype, generator=gen)
     qp = torch.randn(n, 16, 64, device="cuda", dtype=dtype, generator=gen)
-    out = paged_mla_decode(ql, qp, latent, table, ctx, 576**-0.5, num_splits=splits)
+    out = paged_mla_decode(ql, qp, latent, table, ctx, 576**-0.5, **kw)
     ref = paged_mla_decode_ref(ql, qp, latent, table, ctx, 576**-0.5)
     torch.testing.assert_close(out, ref, **GPU_TOL[dtype])
 
@@ -239,3 +279,21 @@ def test_gpu_write_and_block_copy(dtype):
     write_kv(cache, new, slots)
     write_kv_ref(expected, new, slots)
     assert torch.equal(cache, expected)
+
+
+def test_bench_kernels_tile_sweep_times_and_checks_every_tile():
+    """`bench kernels --tiles` rows: every (tokens, warps) of each decode case, timed and
+    compared with the reference (under the interpreter here; compiled on a GPU)."""
+    from pdserve.bench.kernels import TILE_TOKENS, TILE_WARPS, gqa_cases, mla_cases, tile_rows
+
+    cpu = torch.device("cpu")
+    cases = gqa_cases([2], [40], [(4, 2, 16)], torch.float32, cpu, 16)
+    cases += mla_cases([2], [40], 4, 32, 16, torch.float32, cpu, 16)
+    rows = tile_rows(cases, cpu, bandwidth=1e9)
+    assert len(rows) == 2 * len(TILE_TOKENS) * len(TILE_WARPS)
+    assert {(r["tokens"], r["warps"]) for r in rows} == {
+        (t, w) for t in TILE_TOKENS for w in TILE_WARPS
+    }
+    for r in rows:
+        assert "error" not in r, r
+        assert r["triton_s"] > 0 and r["max_abs_diff_vs_torch"] < 1e-4, r

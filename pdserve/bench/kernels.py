@@ -33,11 +33,15 @@ from pdserve.progress import progress
 
 @dataclass(frozen=True)
 class Case:
+    """One kernel at one shape. `build` makes its inputs on the device and returns the Triton
+    call and the torch reference: inputs are made when the case is timed and dropped after,
+    so a grid whose inputs together exceed the device (a 128 x 16k-token batch is 8 GiB of
+    KV) runs one case's worth at a time."""
+
     kernel: str
     shape: str
     bytes_moved: int
-    triton: Callable[[], object]
-    torch_ref: Callable[[], object]
+    build: Callable[[], tuple[Callable[[], object], Callable[[], object]]]
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -62,99 +66,152 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / seconds
 
 
-def _tables(batch: int, blocks_per_seq: int, device, gen) -> torch.Tensor:
-    perm = torch.randperm(batch * blocks_per_seq, generator=gen).to(device)
+def _random(shape, seed: int, device, dtype) -> torch.Tensor:
+    """Seeded normal values drawn on the device itself (host draws of GiBs take seconds)."""
+    gen = torch.Generator(device).manual_seed(seed)
+    return torch.randn(shape, generator=gen, device=device).to(dtype)
+
+
+def _tables(batch: int, blocks_per_seq: int, device, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device).manual_seed(seed)
+    perm = torch.randperm(batch * blocks_per_seq, generator=gen, device=device)
     return perm.view(batch, blocks_per_seq).to(torch.int32)
 
 
+def _item(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def gqa_cases(batches, contexts, heads, dtype, device, block_size) -> list[Case]:
-    gen = torch.Generator().manual_seed(0)
+    item = _item(dtype)
     out = []
     for hq, hkv, dim in heads:
         for batch in batches:
             for ctx in contexts:
-                nb = -(-ctx // block_size)
-                k = torch.randn(batch * nb, block_size, hkv, dim, generator=gen).to(device, dtype)
-                v = torch.randn_like(k)
-                q = torch.randn(batch, hq, dim, generator=gen).to(device, dtype)
-                table = _tables(batch, nb, device, gen)
-                lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-                item = k.element_size()
-                moved = 2 * batch * ctx * hkv * dim * item + 2 * q.numel() * item
-                args = (q, k, v, table, lens, dim**-0.5)
-                out.append(
-                    Case(
-                        "gqa_decode",
-                        f"B={batch} ctx={ctx} heads={hq}/{hkv} d={dim}",
-                        moved,
-                        lambda a=args, c=ctx: paged_gqa_decode(*a, max_context_len=c),
-                        lambda a=args, c=ctx: paged_gqa_decode_ref(*a, max_context_len=c),
+
+                def build(hq=hq, hkv=hkv, dim=dim, batch=batch, ctx=ctx, **tile):
+                    nb = -(-ctx // block_size)
+                    k = _random((batch * nb, block_size, hkv, dim), 0, device, dtype)
+                    v = _random(k.shape, 1, device, dtype)
+                    q = _random((batch, hq, dim), 2, device, dtype)
+                    table = _tables(batch, nb, device, 3)
+                    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+                    args = (q, k, v, table, lens, dim**-0.5)
+                    return (
+                        lambda: paged_gqa_decode(*args, max_context_len=ctx, **tile),
+                        lambda: paged_gqa_decode_ref(*args, max_context_len=ctx),
                     )
-                )
+
+                moved = 2 * batch * ctx * hkv * dim * item + 2 * batch * hq * dim * item
+                shape = f"B={batch} ctx={ctx} heads={hq}/{hkv} d={dim}"
+                out.append(Case("gqa_decode", shape, moved, build))
     return out
 
 
 def mla_cases(batches, contexts, heads, rank, rope, dtype, device, block_size) -> list[Case]:
-    gen = torch.Generator().manual_seed(1)
+    item = _item(dtype)
     out = []
     for batch in batches:
         for ctx in contexts:
-            nb = -(-ctx // block_size)
-            latent = torch.randn(batch * nb, block_size, rank + rope, generator=gen)
-            latent = latent.to(device, dtype)
-            ql = torch.randn(batch, heads, rank, generator=gen).to(device, dtype)
-            qp = torch.randn(batch, heads, rope, generator=gen).to(device, dtype)
-            table = _tables(batch, nb, device, gen)
-            lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-            item = latent.element_size()
-            moved = batch * ctx * (rank + rope) * item + (2 * ql.numel() + qp.numel()) * item
-            args = (ql, qp, latent, table, lens, (rank + rope) ** -0.5)
-            out.append(
-                Case(
-                    "mla_decode",
-                    f"B={batch} ctx={ctx} heads={heads} latent={rank}+{rope}",
-                    moved,
-                    lambda a=args, c=ctx: paged_mla_decode(*a, max_context_len=c),
-                    lambda a=args, c=ctx: paged_mla_decode_ref(*a, max_context_len=c),
+
+            def build(batch=batch, ctx=ctx, **tile):
+                nb = -(-ctx // block_size)
+                latent = _random((batch * nb, block_size, rank + rope), 4, device, dtype)
+                ql = _random((batch, heads, rank), 5, device, dtype)
+                qp = _random((batch, heads, rope), 6, device, dtype)
+                table = _tables(batch, nb, device, 7)
+                lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+                args = (ql, qp, latent, table, lens, (rank + rope) ** -0.5)
+                return (
+                    lambda: paged_mla_decode(*args, max_context_len=ctx, **tile),
+                    lambda: paged_mla_decode_ref(*args, max_context_len=ctx),
                 )
-            )
+
+            moved = batch * ctx * (rank + rope) * item + batch * heads * (2 * rank + rope) * item
+            shape = f"B={batch} ctx={ctx} heads={heads} latent={rank}+{rope}"
+            out.append(Case("mla_decode", shape, moved, build))
     return out
 
 
 def pack_cases(counts, layers, kv_heads, dim, dtype, device, block_size) -> list[Case]:
-    gen = torch.Generator().manual_seed(2)
     num_blocks = max(counts) * 2
-    pool = torch.randn(layers, 2, num_blocks, block_size, kv_heads, dim, generator=gen)
-    pool = pool.to(device, dtype)
+    pool = _random((layers, 2, num_blocks, block_size, kv_heads, dim), 8, device, dtype)
     out = []
     for n in counts:
-        ids = torch.randperm(num_blocks, generator=gen)[:n].to(device)
-        staging = pack_blocks_ref(pool, ids, 2)
-        moved = 2 * staging.numel() * staging.element_size()
-        mib = staging.numel() * staging.element_size() / 2**20
-        shape = f"{n} blocks ({mib:.1f} MiB) L={layers}"
-        out.append(
-            Case(
-                "pack",
-                shape,
-                moved,
-                lambda i=ids: pack_blocks(pool, i, 2),
-                lambda i=ids: pack_blocks_ref(pool, i, 2),
+        ids = _tables(1, num_blocks, device, 9 + n).view(-1)[:n].long()
+        nbytes = 2 * layers * n * block_size * kv_heads * dim * _item(dtype)  # K and V
+        moved = 2 * nbytes  # read once, written once
+        shape = f"{n} blocks ({nbytes / 2**20:.1f} MiB) L={layers}"
+
+        def pack(i=ids):
+            return (lambda: pack_blocks(pool, i, 2), lambda: pack_blocks_ref(pool, i, 2))
+
+        def unpack(i=ids):
+            staging = pack_blocks_ref(pool, i, 2)
+            return (
+                lambda: unpack_blocks(pool, i, staging, 2),
+                lambda: unpack_blocks_ref(pool, i, staging, 2),
             )
-        )
-        out.append(
-            Case(
-                "unpack",
-                shape,
-                moved,
-                lambda i=ids, s=staging: unpack_blocks(pool, i, s, 2),
-                lambda i=ids, s=staging: unpack_blocks_ref(pool, i, s, 2),
-            )
-        )
+
+        out += [Case("pack", shape, moved, pack), Case("unpack", shape, moved, unpack)]
     return out
 
 
-def bench_kernels(quick: bool = False) -> dict:
+def _timed(fn: Callable[[], object], device: torch.device) -> float | None:
+    """Median seconds, or None when `fn` runs out of device memory (the torch reference
+    materialises every sequence's KV, repeated per query head: 8 x 4 GiB at 128 x 16k)."""
+    try:
+        return median_seconds(fn, device, reps=5)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+
+
+TILE_SHAPES = ("B=64 ctx=4096", "B=1 ctx=16384")
+TILE_TOKENS = (16, 32, 64, 128)
+TILE_WARPS = (4, 8)
+
+
+def tile_rows(cases: list[Case], device: torch.device, bandwidth: float) -> list[dict]:
+    """Each decode case at every tile (tokens per loop step x warps): time, GB/s and the
+    largest difference from the torch reference's output (a tile that is fast but wrong
+    shows here). What GQA_TOKENS/GQA_WARPS and MLA_TOKENS/MLA_WARPS are chosen from."""
+    rows = []
+    pairs = [(c, t, w) for c in cases for t in TILE_TOKENS for w in TILE_WARPS]
+    for case, tokens, warps in progress(pairs, desc="bench kernels tiles", unit="tile"):
+        try:
+            triton_fn, torch_fn = case.build(tokens_per_step=tokens, num_warps=warps)
+            error = (triton_fn().float() - torch_fn().float()).abs().max().item()
+            seconds = median_seconds(triton_fn, device, reps=5)
+        except Exception as e:  # a tile that does not fit (memory, registers), or fails
+            rows.append(
+                {
+                    "kernel": case.kernel,
+                    "shape": case.shape,
+                    "tokens": tokens,
+                    "warps": warps,
+                    "error": f"{type(e).__name__}: {str(e)[:200]}",
+                }
+            )
+            continue
+        finally:
+            triton_fn = torch_fn = None
+        rows.append(
+            {
+                "kernel": case.kernel,
+                "shape": case.shape,
+                "tokens": tokens,
+                "warps": warps,
+                "triton_s": seconds,
+                "gb_s": case.bytes_moved / seconds / 1e9,
+                "fraction_of_copy_bw": case.bytes_moved / seconds / bandwidth,
+                "max_abs_diff_vs_torch": error,
+            }
+        )
+    return rows
+
+
+def bench_kernels(quick: bool = False, tiles: bool = False) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -177,8 +234,12 @@ def bench_kernels(quick: bool = False) -> dict:
     bandwidth = copy_bandwidth(device, copy_bytes)
     rows = []
     for case in progress(cases, desc="bench kernels", unit="case"):
-        t_ref = median_seconds(case.torch_ref, device, reps=5)
-        t_tri = median_seconds(case.triton, device, reps=5) if gpu else None
+        triton_fn, torch_fn = case.build()
+        t_ref = _timed(torch_fn, device)
+        t_tri = _timed(triton_fn, device) if gpu else None
+        del triton_fn, torch_fn  # the case's inputs go before the next case's are made
+        if t_ref is None and t_tri is None:
+            continue
         best = t_tri if t_tri is not None else t_ref
         rows.append(
             {
@@ -186,14 +247,22 @@ def bench_kernels(quick: bool = False) -> dict:
                 "shape": case.shape,
                 "bytes": case.bytes_moved,
                 "triton_s": t_tri,
-                "torch_s": t_ref,
+                "torch_s": t_ref,  # None: the reference ran out of device memory
                 "triton_gb_s": case.bytes_moved / t_tri / 1e9 if t_tri else None,
-                "torch_gb_s": case.bytes_moved / t_ref / 1e9,
+                "torch_gb_s": case.bytes_moved / t_ref / 1e9 if t_ref else None,
                 "fraction_of_copy_bw": case.bytes_moved / best / bandwidth,
             }
         )
+    tile_report = None
+    if tiles and gpu:
+        # a long batch (bandwidth-bound) and one long sequence (split-KV) per kernel
+        picks = [c for c in cases if c.kernel in ("gqa_decode", "mla_decode")]
+        picks = [c for c in picks if c.shape.split(" heads")[0] in TILE_SHAPES]
+        picks = [c for c in picks if "heads=64/8" not in c.shape]
+        tile_report = tile_rows(picks, device, bandwidth)
     return {
         "benchmark": "kernels",
+        "tiles": tile_report,
         "device": torch.cuda.get_device_name() if gpu else "cpu",
         "dtype": str(dtype),
         "block_size": bs,
@@ -221,11 +290,30 @@ def format_table(report: dict) -> str:
             if r["triton_s"]
             else (f"{'-':>10} {'-':>8}")
         )
+        ref = (
+            f"{r['torch_s'] * 1e6:>10.1f} {r['torch_gb_s']:>8.1f}"
+            if r["torch_s"]
+            else f"{'OOM':>10} {'-':>8}"
+        )
         lines.append(
-            f"{r['kernel']:<11} {r['shape']:<44} {r['bytes'] / 2**20:>8.2f} {tri} "
-            f"{r['torch_s'] * 1e6:>10.1f} {r['torch_gb_s']:>8.1f} "
+            f"{r['kernel']:<11} {r['shape']:<44} {r['bytes'] / 2**20:>8.2f} {tri} {ref} "
             f"{r['fraction_of_copy_bw']:>7.0%}"
         )
     if report["note"]:
         lines.append(report["note"])
+    if report.get("tiles"):
+        lines.append("tiles (tokens per loop step x warps), Triton only:")
+        lines.append(
+            f"{'kernel':<11} {'shape':<44} {'tokens':>6} {'warps':>5} {'us':>10} {'GB/s':>8} "
+            f"{'of copy':>8} {'max diff':>9}"
+        )
+        for r in report["tiles"]:
+            head = f"{r['kernel']:<11} {r['shape']:<44} {r['tokens']:>6} {r['warps']:>5}"
+            if "error" in r:
+                lines.append(f"{head} {r['error'][:60]}")
+                continue
+            lines.append(
+                f"{head} {r['triton_s'] * 1e6:>10.1f} {r['gb_s']:>8.1f} "
+                f"{r['fraction_of_copy_bw']:>7.0%} {r['max_abs_diff_vs_torch']:>9.2e}"
+            )
     return "\n".join(lines)

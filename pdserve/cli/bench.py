@@ -58,7 +58,7 @@ def cmd_bench_migrate(args: argparse.Namespace) -> int:
 def cmd_bench_kernels(args: argparse.Namespace) -> int:
     from pdserve.bench.kernels import bench_kernels, format_table
 
-    report = bench_kernels(quick=args.quick)
+    report = bench_kernels(quick=args.quick, tiles=args.tiles)
     return print_report(report, format_table, args.json)
 
 
@@ -339,6 +339,9 @@ def add_bench_parser(sub) -> None:
     mig.set_defaults(func=cmd_bench_migrate)
     kern = bench_sub.add_parser("kernels", help="decode/KV kernels against the memory roofline")
     kern.add_argument("--quick", action="store_true", help="a small sweep (CPU-sized)")
+    kern.add_argument(
+        "--tiles", action="store_true", help="also every tile of the decode kernels (GPU only)"
+    )
     kern.add_argument("--json", default=None, help="write the report here")
     kern.set_defaults(func=cmd_bench_kernels)
 
