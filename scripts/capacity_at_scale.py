@@ -247,9 +247,14 @@ PARTS = {
         for layout in LAYOUTS
         for wname, w in (("reasoning", REASONING), ("azure", AZURE))
     },
-    "qwen-dp8-reasoning-steady": lambda out: sweep(
-        "qwen-dp8-reasoning-steady", "qwen2.5-32b", "dp8", REASONING_STEADY, out
-    ),
+    **{
+        f"qwen-{layout}-reasoning-steady": (
+            lambda out, layout=layout: sweep(
+                f"qwen-{layout}-reasoning-steady", "qwen2.5-32b", layout, REASONING_STEADY, out
+            )
+        )
+        for layout in ("dp8", "tp2dp4")
+    },
     "stranded": stranded,
     "deepseek-reasoning": lambda out: sweep(
         "deepseek-reasoning",

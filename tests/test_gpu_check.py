@@ -13,8 +13,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_gpu_check_runs_every_section_on_a_cpu(tmp_path):
-    env = dict(os.environ, GPU_CHECK_DRY_RUN="1", RESULTS=str(tmp_path), PYTHON=sys.executable)
+def dry_run(results, **env) -> str:
+    """scripts/gpu-check.sh in its CPU dry run, results under `results` -> its log."""
+    env = dict(
+        os.environ, GPU_CHECK_DRY_RUN="1", RESULTS=str(results), PYTHON=sys.executable, **env
+    )
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu-check.sh")],
         env=env,
@@ -23,7 +26,11 @@ def test_the_gpu_check_runs_every_section_on_a_cpu(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    log = (tmp_path / "gpu-check.log").read_text()
+    return (results / "gpu-check.log").read_text()
+
+
+def test_the_gpu_check_runs_every_section_on_a_cpu(tmp_path):
+    log = dry_run(tmp_path)
     assert "== bench preempt-cost (tiny-llama): exit 0" in log, log
     assert "== kernel tests (-m gpu): exit" in log  # skipped inside pytest without CUDA
     cost = json.loads((tmp_path / "preempt-cost.json").read_text())
@@ -45,22 +52,7 @@ def test_the_gpu_check_runs_every_section_on_a_cpu(tmp_path):
 
 
 def test_the_gpu_check_reruns_only_the_sections_asked_for(tmp_path):
-    env = dict(
-        os.environ,
-        GPU_CHECK_DRY_RUN="1",
-        GPU_CHECK_ONLY="roofline",
-        RESULTS=str(tmp_path),
-        PYTHON=sys.executable,
-    )
-    proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu-check.sh")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    log = (tmp_path / "gpu-check.log").read_text()
+    log = dry_run(tmp_path, GPU_CHECK_ONLY="roofline")
     assert "== bench roofline (tiny-llama): exit 0" in log, log
     not_asked = [line for line in log.splitlines() if line.endswith(": not in GPU_CHECK_ONLY")]
     for section in ("kernel tests", "bench preempt-cost", "sim calibrate", "bench sweep"):
