@@ -221,7 +221,7 @@ def paged_gqa_decode(
     num_splits = max(1, min(num_splits, max_blocks))
     blocks_per_split = -(-max_blocks // num_splits)
     group = num_q_heads // num_kv_heads
-    tokens = check_tile(tokens_per_step or GQA_TOKENS)
+    tokens = check_tile(GQA_TOKENS if tokens_per_step is None else tokens_per_step)
     native = q.dtype != torch.float32 and k_cache.dtype == v_cache.dtype == q.dtype
     part, lse = split_buffers(out, num_splits)
     _gqa_decode_kernel[(batch, num_kv_heads, num_splits)](
@@ -260,7 +260,7 @@ def paged_gqa_decode(
         NATIVE_DOT=native,
         SOFT_CAP=soft_cap is not None,
         WRITE_LSE=num_splits > 1,
-        num_warps=num_warps or GQA_WARPS,
+        num_warps=GQA_WARPS if num_warps is None else num_warps,
     )
     if num_splits > 1:
         split_reduce(part, lse, out)

@@ -202,7 +202,7 @@ def paged_mla_decode(
     if num_splits is None:
         num_splits = choose_num_splits(batch * head_groups, max_blocks, q_latent.device)
     num_splits = max(1, min(num_splits, max_blocks))
-    tokens = check_tile(tokens_per_step or MLA_TOKENS)
+    tokens = check_tile(MLA_TOKENS if tokens_per_step is None else tokens_per_step)
     native = q_latent.dtype != torch.float32 and q_pe.dtype == latent_cache.dtype == q_latent.dtype
     part, lse = split_buffers(out, num_splits)
     _mla_decode_kernel[(batch, head_groups, num_splits)](
@@ -237,7 +237,7 @@ def paged_mla_decode(
         TOKENS=tokens,
         NATIVE_DOT=native,
         WRITE_LSE=num_splits > 1,
-        num_warps=num_warps or MLA_WARPS,
+        num_warps=MLA_WARPS if num_warps is None else num_warps,
     )
     if num_splits > 1:
         split_reduce(part, lse, out)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU session's one prepared run (one H200, at most ~8 minutes): the kernel tests, what
-# a preemption costs, decode against the memory roofline, a calibrated profile for the
-# simulator and the simulator against the engine, the kernel microbenchmarks, and a short
-# capacity sweep (when NIXL is carried), all with a real-shaped model (Llama-3-8B's architecture, seeded random weights in bf16: nothing is
-# downloaded). JSON goes to $RESULTS (default docs/results/gpu), a log beside it.
+# The GPU session's one prepared run: the kernel tests, what a preemption costs, decode
+# against the memory roofline, a calibrated profile for the simulator and the simulator
+# against the engine, the kernel microbenchmarks, and a short capacity sweep (when NIXL is
+# carried), all with a real-shaped model (Llama-3-8B's architecture, seeded random weights
+# in bf16: nothing is downloaded). On one H200 the sections took ~5 minutes together
+# (2026-12-04, docs/gpu-h200.md; their deadlines add up to ~9.5 without the sweep). JSON
+# goes to $RESULTS (default docs/results/gpu), a log beside it.
 #
 #   scripts/gpu-check.sh                     on the GPU machine, from the repo root
 #   GPU_CHECK_DRY_RUN=1 scripts/gpu-check.sh the same sections on this CPU with a tiny
@@ -22,7 +24,22 @@ PY=${PYTHON:-python3}
 RESULTS=${RESULTS:-docs/results/gpu}
 mkdir -p "$RESULTS"
 LOG="$RESULTS/gpu-check.log"
-: >"$LOG"
+KEYS="kernel-tests preempt-cost roofline calibrate sim-vs-real kernels sweep"
+# GPU_CHECK_ONLY="preempt-cost sim-vs-real" (or with commas) runs only those sections: a
+# rerun after a fix, inside the same lease; its log goes on after the full run's
+ONLY=" ${GPU_CHECK_ONLY:-} "
+ONLY=${ONLY//,/ }
+for key in $ONLY; do
+    if [[ " $KEYS " != *" $key "* ]]; then
+        echo "GPU_CHECK_ONLY: unknown section $key (sections: $KEYS)" >&2
+        exit 2
+    fi
+done
+if [[ -n "${GPU_CHECK_ONLY:-}" ]]; then
+    echo "== rerun of:$ONLY($(date -u +%FT%TZ))" >>"$LOG"
+else
+    : >"$LOG"
+fi
 
 if [[ -n "${GPU_CHECK_DRY_RUN:-}" ]]; then
     MODEL=tiny-llama
@@ -52,10 +69,7 @@ else
     LIMIT=60
 fi
 
-# GPU_CHECK_ONLY="preempt-cost sim-vs-real" runs only those sections (a rerun after a fix,
-# inside the same lease); keys: kernel-tests preempt-cost roofline calibrate sim-vs-real
-# kernels sweep
-wanted() { [[ -z "${GPU_CHECK_ONLY:-}" || " $GPU_CHECK_ONLY " == *" $1 "* ]]; }
+wanted() { [[ -z "${GPU_CHECK_ONLY:-}" || "$ONLY" == *" $1 "* ]]; }
 
 section() { # key, name, deadline seconds, command...
     local key=$1 name=$2 limit=$3
@@ -67,8 +81,8 @@ section() { # key, name, deadline seconds, command...
     echo "== $name (at most ${limit}s): $*" | tee -a "$LOG"
     local start=$SECONDS
     timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
-    local rc=$?
-    echo "== $name: exit $rc after $((SECONDS - start))s" | tee -a "$LOG"
+    LAST_RC=$?
+    echo "== $name: exit $LAST_RC after $((SECONDS - start))s" | tee -a "$LOG"
     return 0
 }
 
@@ -77,7 +91,7 @@ has() { "$PY" -c "import $1" >/dev/null 2>&1; }
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee -a "$LOG"
 
-if has pytest; then
+if ! wanted kernel-tests || has pytest; then
     section kernel-tests "kernel tests (-m gpu)" "$LIMIT" "$PY" -m pytest -q -m gpu tests/test_kernels_triton.py
 else
     echo "== kernel tests: skipped, pytest is not installed here (carry its wheel)" | tee -a "$LOG"
@@ -90,12 +104,18 @@ section preempt-cost "bench preempt-cost ($MODEL)" "$((3 * LIMIT / 2))" "$PY" -m
 section roofline "bench roofline ($MODEL)" "$LIMIT" "$PY" -m pdserve.cli bench roofline \
     --model "$MODEL" "${ROOFLINE[@]}" --steps 3 --json "$RESULTS/roofline.json"
 
+LAST_RC=0
 section calibrate "sim calibrate ($MODEL)" "$((5 * LIMIT / 2))" "$PY" -m pdserve.cli sim calibrate \
     --model "$MODEL" "${CALIBRATE[@]}" --json "$RESULTS/profile.json" \
     --samples "$RESULTS/calibrate-steps.json"
+CALIBRATED=$LAST_RC
 
 PROFILE=${PROFILE:-$RESULTS/profile.json} # calibrate's, or one from an earlier run
-if [[ -f "$PROFILE" ]]; then
+if ! wanted sim-vs-real; then
+    echo "== bench sim-vs-real ($MODEL): not in GPU_CHECK_ONLY" | tee -a "$LOG"
+elif wanted calibrate && [[ $CALIBRATED != 0 ]]; then
+    echo "== bench sim-vs-real: skipped, calibrate failed (exit $CALIBRATED)" | tee -a "$LOG"
+elif [[ -f "$PROFILE" ]]; then
     section sim-vs-real "bench sim-vs-real ($MODEL)" "$((3 * LIMIT / 2))" "$PY" -m pdserve.cli \
         bench sim-vs-real --model "$MODEL" --profile "$PROFILE" "${VS_REAL[@]}" \
         --json "$RESULTS/sim-vs-real.json"
@@ -108,7 +128,7 @@ if [[ -z "${GPU_CHECK_DRY_RUN:-}" ]]; then
         --tiles --json "$RESULTS/kernels.json"
 fi
 
-if has nixl_cu12._api && has prometheus_client && has tqdm; then
+if ! wanted sweep || { has nixl_cu12._api && has prometheus_client && has tqdm; }; then
     section sweep "bench sweep ($MODEL)" "$((2 * LIMIT))" "$PY" -m pdserve.cli bench sweep \
         --model "$MODEL" "${SWEEP[@]}" --policy greedy+recompute,greedy+tiered,default \
         --json "$RESULTS/sweep.json"

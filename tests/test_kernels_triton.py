@@ -4,7 +4,8 @@ On CPU they run under the Triton interpreter (TRITON_INTERPRET=1, set in conftes
 triton is imported); tests marked `gpu` run the compiled kernels and skip without CUDA.
 Outputs are poisoned with NaN before every launch and checked to be fully written.
 The interpreter computes bf16 arithmetic wrongly without an error, so CPU cases use
-fp32 and fp16 (the kernels upcast loads to fp32 before arithmetic).
+fp32 and fp16 (fp32 inputs are multiplied in full fp32; 16-bit ones go to tl.dot as they
+are, accumulating in fp32, with the softmax weights rounded to the value dtype).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from kernels import (
 )
 
 # fp32: kernel and reference sum in different orders, ~1e-6 relative.
-# fp16: inputs identical, arithmetic fp32 in both, output rounded to fp16 (~1e-3 relative).
+# fp16: inputs identical, products accumulated in fp32 in both; the kernel rounds the softmax
+# weights and the output to fp16 (~1e-3 relative).
 TOLERANCES = {torch.float32: dict(atol=3e-5, rtol=3e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
 

@@ -177,3 +177,16 @@ def test_a_random_model_of_a_config_file_is_the_preset_of_that_shape(tmp_path):
     assert got == LLM("tiny-llama").generate(prompt, params)[0].token_ids
     with pytest.raises(ValueError, match="does not exist"):
         resolve(f"random:{tmp_path / 'missing.json'}")
+
+
+def test_random_weights_are_drawn_on_the_engines_device_and_the_same_on_any_cpu():
+    """A random model's source makes its weights where the model is built (a GPU draws its
+    own); for a CPU engine they come from the host generator, whatever the machine has."""
+    from pdserve.weights import resolve
+
+    source = resolve("tiny-llama")
+    assert source.draws_on_device
+    on_cpu = dict(source.weights_on(torch.device("cpu")))
+    plain = dict(source.weights())
+    assert on_cpu.keys() == plain.keys()
+    assert all(torch.equal(on_cpu[k], plain[k]) and on_cpu[k].device.type == "cpu" for k in plain)

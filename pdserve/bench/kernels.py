@@ -184,6 +184,8 @@ def tile_rows(cases: list[Case], device: torch.device, bandwidth: float) -> list
             error = (triton_fn().float() - torch_fn().float()).abs().max().item()
             seconds = median_seconds(triton_fn, device, reps=5)
         except Exception as e:  # a tile that does not fit (memory, registers), or fails
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             rows.append(
                 {
                     "kernel": case.kernel,
@@ -234,11 +236,16 @@ def bench_kernels(quick: bool = False, tiles: bool = False) -> dict:
     bandwidth = copy_bandwidth(device, copy_bytes)
     rows = []
     for case in progress(cases, desc="bench kernels", unit="case"):
-        triton_fn, torch_fn = case.build()
-        t_ref = _timed(torch_fn, device)
-        t_tri = _timed(triton_fn, device) if gpu else None
+        try:
+            triton_fn, torch_fn = case.build()
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            triton_fn = torch_fn = None
+        t_ref = _timed(torch_fn, device) if torch_fn else None
+        t_tri = _timed(triton_fn, device) if gpu and triton_fn else None
         del triton_fn, torch_fn  # the case's inputs go before the next case's are made
         if t_ref is None and t_tri is None:
+            rows.append({"kernel": case.kernel, "shape": case.shape, "error": "out of memory"})
             continue
         best = t_tri if t_tri is not None else t_ref
         rows.append(
@@ -254,7 +261,7 @@ def bench_kernels(quick: bool = False, tiles: bool = False) -> dict:
             }
         )
     tile_report = None
-    if tiles and gpu:
+    if tiles and gpu and not quick:  # the tile shapes are in the full grid only
         # a long batch (bandwidth-bound) and one long sequence (split-KV) per kernel
         picks = [c for c in cases if c.kernel in ("gqa_decode", "mla_decode")]
         picks = [c for c in picks if c.shape.split(" heads")[0] in TILE_SHAPES]
@@ -285,6 +292,9 @@ def format_table(report: dict) -> str:
         f"{'torch us':>10} {'GB/s':>8} {'of copy':>8}",
     ]
     for r in report["results"]:
+        if "error" in r:
+            lines.append(f"{r['kernel']:<11} {r['shape']:<44} {r['error']}")
+            continue
         tri = (
             f"{r['triton_s'] * 1e6:>10.1f} {r['triton_gb_s']:>8.1f}"
             if r["triton_s"]

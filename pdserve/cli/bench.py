@@ -340,7 +340,7 @@ def add_bench_parser(sub) -> None:
     kern = bench_sub.add_parser("kernels", help="decode/KV kernels against the memory roofline")
     kern.add_argument("--quick", action="store_true", help="a small sweep (CPU-sized)")
     kern.add_argument(
-        "--tiles", action="store_true", help="also every tile of the decode kernels (GPU only)"
+        "--tiles", action="store_true", help="also every decode kernel tile (GPU, full grid)"
     )
     kern.add_argument("--json", default=None, help="write the report here")
     kern.set_defaults(func=cmd_bench_kernels)

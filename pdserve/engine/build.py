@@ -43,7 +43,7 @@ def build_engine(model: str, args: EngineArgs | None = None) -> tuple[EngineCore
     if args.tensor_parallel_size > 1:
         return build_tp_engine(model, source, args, device, dtype), source
     backend = ATTENTION_BACKENDS[args.attention_backend](device)
-    net = build_model(config, dtype, device, source.weights())
+    net = build_model(config, dtype, device, source.weights_on(device))
     cc = args.cache_config(config, dtype, device, held_bytes(net))
     cache = KVCache(config, cc.num_blocks, cc.block_size, dtype, device)
     runner = ModelRunner(net, cache, backend, device, args.seed)
@@ -68,7 +68,7 @@ def build_tp_engine(model: str, source, args, device: torch.device, dtype: torch
     group = TPGroup(model, args, device, threads)
     try:
         group.send_each("load", [()] * (size - 1), answered=True)  # all ranks load at once
-        net = build_model(config, dtype, device, source.weights(), comm=group.comm)
+        net = build_model(config, dtype, device, source.weights_on(device), comm=group.comm)
         local = local_config(config, size)
         own = args.cache_config(local, dtype, device, held_bytes(net)).num_blocks
         budgets = group.collect("load", START_TIMEOUT_S)

@@ -79,7 +79,7 @@ class RankState:
         self.local = local_config(source.config, self.spec.size)
         self.dtype = args.resolve_dtype(self.device)
         self.net = build_model(
-            self.config, self.dtype, self.device, source.weights(), comm=self.comm
+            self.config, self.dtype, self.device, source.weights_on(self.device), comm=self.comm
         )
         from pdserve.engine.memory import held_bytes
 

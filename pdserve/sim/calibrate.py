@@ -111,6 +111,16 @@ def device_memory_bytes(device: torch.device) -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def usable_memory(device: torch.device) -> dict:
+    """What of the device's memory a simulated replica may fill with weights and KV: all of
+    a host's RAM (the CPU engine's pool is sized by hand); on a GPU what the built-in
+    roofline profiles assume (pdserve/sim/profiles/h200.json: 90%, less 4 GB for activations
+    and workspace), not measured by this command."""
+    if device.type == "cuda":
+        return {"usable_fraction": 0.9, "activation_reserve_bytes": 4.0e9}
+    return {"usable_fraction": 1.0, "activation_reserve_bytes": 0.0}
+
+
 def step_records(samples: list[tuple[StepWork, float]]) -> list[dict]:
     """Every measured step as plain data (its work and seconds), for fits made later."""
     return [{**dataclasses.asdict(work), "seconds": seconds} for work, seconds in samples]
@@ -152,8 +162,7 @@ def calibrate(
         "kind": "fitted",
         "dtype": dtype,
         "memory_bytes": device_memory_bytes(core.kv_pool.device),
-        "usable_fraction": 1.0,
-        "activation_reserve_bytes": 0.0,
+        **usable_memory(core.kv_pool.device),
         "engine": coefficients,
         "tiers": tier_costs,
         "link": {"bytes_s": 4.0e9, "latency_s": 0.0},
@@ -163,6 +172,8 @@ def calibrate(
             f"({torch.get_num_threads()} threads), fitted; median error "
             f"{fit['median_abs_rel_error']:.1%}",
             "tiers": "measured: a park + unpark of 1 and 32 blocks through each real tier",
+            "memory_bytes": f"measured: the {device} device's memory",
+            "usable_fraction": "assumption on a GPU (as h200.json's); a host's whole RAM on CPU",
             "link": "placeholder until --cluster measures the push",
         },
     }

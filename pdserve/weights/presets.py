@@ -68,15 +68,15 @@ TINY_CONFIGS: Mapping[str, ModelConfig] = MappingProxyType(
 PRESETS = (*TINY_CONFIGS, "smollm2-135m")
 
 
-def _random_weights(config: ModelConfig, seed: int) -> Weights:
+def _random_weights(config: ModelConfig, seed: int, device: torch.device | None = None) -> Weights:
+    """Seeded normal weights, drawn on `device` when it is a GPU (an 8B model's 8e9 samples
+    take tens of seconds on a host's cores, milliseconds there), on the host otherwise: a CPU
+    engine gets the same weights on any machine, and a cluster's workers agree."""
     from pdserve.models import MODEL_CLASSES
 
     with torch.device("meta"):  # names and shapes only: nothing allocated
         model = MODEL_CLASSES[config.architecture](config)
-    # drawn on the GPU where there is one: an 8B model's 8e9 normal samples take tens of
-    # seconds on a host's cores and milliseconds on the device (the same seed gives the same
-    # weights on the same kind of device, so a cluster's workers agree)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device if device is not None and device.type == "cuda" else torch.device("cpu")
     gen = torch.Generator(device).manual_seed(seed)
     for name, param in model.named_parameters():
         tensor = torch.randn(param.shape, generator=gen, device=device) * RANDOM_STD
@@ -119,7 +119,8 @@ def random_model(config_path: str, seed: int = 0) -> ModelSource:
     return ModelSource(
         name=f"random:{config_path}",
         config=config,
-        weights=lambda: _random_weights(config, seed),
+        weights=lambda device=None: _random_weights(config, seed, device),
+        draws_on_device=True,
         tokenizer=ByteTokenizer(config.vocab_size),
         hf_model_type=None,
     )
@@ -135,7 +136,8 @@ def load_preset(name: str, seed: int = 0) -> ModelSource:
     return ModelSource(
         name=name,
         config=config,
-        weights=lambda: _random_weights(config, seed),
+        weights=lambda device=None: _random_weights(config, seed, device),
+        draws_on_device=True,
         tokenizer=ByteTokenizer(config.vocab_size),
         hf_model_type=None,
     )

@@ -18,10 +18,19 @@ Weights = Iterator[tuple[str, torch.Tensor]]
 class ModelSource:
     name: str
     config: ModelConfig
-    weights: Callable[[], Weights]  # called once, after the model is built
+    weights: Callable[..., Weights]  # called once, after the model is built (weights_on)
     tokenizer: Tokenizer | None
     # Hugging Face `model_type` for the transformers oracle and baseline, when there is one.
     hf_model_type: str | None = None
+    # `weights(device)` makes them on that device (seeded random models: 8e9 normal samples
+    # take tens of seconds on a host's cores and milliseconds on a GPU)
+    draws_on_device: bool = False
+
+    def weights_on(self, device: torch.device) -> Weights:
+        """The weights for a model built on `device`: made there by a source that draws them
+        (random models: the same seed gives the same weights on the same kind of device),
+        read as the checkpoint has them otherwise."""
+        return self.weights(device) if self.draws_on_device else self.weights()
 
 
 RANDOM_PREFIX = "random:"  # random:CONFIG.json: that architecture, seeded random weights
