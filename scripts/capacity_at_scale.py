@@ -56,6 +56,7 @@ REASONING = dict(kind="reasoning", mean_output=10000, max_output=30000, requests
 # policy that admits the most at the start
 REASONING_STEADY = dict(REASONING, requests_per_client=6)
 AZURE = dict(kind="azure-conv", requests_per_client=2)
+AZURE_STEADY = dict(AZURE, requests_per_client=6)
 LAYOUTS = {"dp8": Topology(dp=1, tp=1), "tp2dp4": Topology(dp=1, tp=2), "tp8": Topology(tp=8)}
 REPLICAS = {"dp8": 8, "tp2dp4": 4, "tp8": 1}
 
@@ -249,6 +250,9 @@ PARTS = {
     },
     "qwen-dp8-reasoning-steady": lambda out: sweep(
         "qwen-dp8-reasoning-steady", "qwen2.5-32b", "dp8", REASONING_STEADY, out
+    ),
+    "qwen-dp8-azure-steady": lambda out: sweep(
+        "qwen-dp8-azure-steady", "qwen2.5-32b", "dp8", AZURE_STEADY, out
     ),
     # up to 1,600 node clients: at 5,000 (1,250 per TP=2 replica) the cost-aware point ran
     # at 2.5 requests/s here, ~40 minutes for that point alone
