@@ -274,6 +274,15 @@ PARTS = {
         weight_bytes=1,
         node_conc=NODE_CONCURRENCY[:2],
     ),
+    "deepseek-reasoning-steady": lambda out: sweep(
+        "deepseek-reasoning-steady",
+        "deepseek-v3",
+        "tp8",
+        REASONING_STEADY,
+        out,
+        weight_bytes=1,
+        node_conc=NODE_CONCURRENCY[:2],
+    ),
     "trtllm-16827": lambda out: trtllm_16827(),
     "vllm-44594": lambda out: vllm_44594(),
 }
