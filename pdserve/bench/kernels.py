@@ -167,9 +167,22 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float | None:
         return None
 
 
-TILE_SHAPES = ("B=64 ctx=4096", "B=1 ctx=16384")
+# (batch, context) of the tile sweep: a batch-bound shape and one long sequence (split-KV)
+TILE_SHAPES = ((64, 4096), (1, 16384))
 TILE_TOKENS = (16, 32, 64, 128)
 TILE_WARPS = (4, 8)
+
+
+def _time_tile(case: Case, tokens: int, warps: int, device, bandwidth: float) -> dict:
+    triton_fn, torch_fn = case.build(tokens_per_step=tokens, num_warps=warps)
+    error = (triton_fn().float() - torch_fn().float()).abs().max().item()
+    seconds = median_seconds(triton_fn, device, reps=5)
+    return {
+        "triton_s": seconds,
+        "gb_s": case.bytes_moved / seconds / 1e9,
+        "fraction_of_copy_bw": case.bytes_moved / seconds / bandwidth,
+        "max_abs_diff_vs_torch": error,
+    }
 
 
 def tile_rows(cases: list[Case], device: torch.device, bandwidth: float) -> list[dict]:
@@ -179,37 +192,14 @@ def tile_rows(cases: list[Case], device: torch.device, bandwidth: float) -> list
     rows = []
     pairs = [(c, t, w) for c in cases for t in TILE_TOKENS for w in TILE_WARPS]
     for case, tokens, warps in progress(pairs, desc="bench kernels tiles", unit="tile"):
+        row = {"kernel": case.kernel, "shape": case.shape, "tokens": tokens, "warps": warps}
         try:
-            triton_fn, torch_fn = case.build(tokens_per_step=tokens, num_warps=warps)
-            error = (triton_fn().float() - torch_fn().float()).abs().max().item()
-            seconds = median_seconds(triton_fn, device, reps=5)
+            row.update(_time_tile(case, tokens, warps, device, bandwidth))
         except Exception as e:  # a tile that does not fit (memory, registers), or fails
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            rows.append(
-                {
-                    "kernel": case.kernel,
-                    "shape": case.shape,
-                    "tokens": tokens,
-                    "warps": warps,
-                    "error": f"{type(e).__name__}: {str(e)[:200]}",
-                }
-            )
-            continue
-        finally:
-            triton_fn = torch_fn = None
-        rows.append(
-            {
-                "kernel": case.kernel,
-                "shape": case.shape,
-                "tokens": tokens,
-                "warps": warps,
-                "triton_s": seconds,
-                "gb_s": case.bytes_moved / seconds / 1e9,
-                "fraction_of_copy_bw": case.bytes_moved / seconds / bandwidth,
-                "max_abs_diff_vs_torch": error,
-            }
-        )
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
     return rows
 
 
@@ -262,10 +252,10 @@ def bench_kernels(quick: bool = False, tiles: bool = False) -> dict:
         )
     tile_report = None
     if tiles and gpu and not quick:  # the tile shapes are in the full grid only
-        # a long batch (bandwidth-bound) and one long sequence (split-KV) per kernel
-        picks = [c for c in cases if c.kernel in ("gqa_decode", "mla_decode")]
-        picks = [c for c in picks if c.shape.split(" heads")[0] in TILE_SHAPES]
-        picks = [c for c in picks if "heads=64/8" not in c.shape]
+        picks = []
+        for batch, ctx in TILE_SHAPES:
+            picks += gqa_cases([batch], [ctx], gqa_heads[:1], dtype, device, bs)
+            picks += mla_cases([batch], [ctx], dtype=dtype, device=device, block_size=bs, **mla)
         tile_report = tile_rows(picks, device, bandwidth)
     return {
         "benchmark": "kernels",
