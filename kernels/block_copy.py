@@ -16,6 +16,12 @@ Shapes:
 Triton kernel: one program per (block, plane, chunk of BLOCK elements); offsets in int64.
 The copy is bit-exact in any dtype. Duplicate ids are refused (unpacking them would race);
 an empty list packs to an empty buffer and unpacks to nothing.
+
+block_ids may live on the host (a CPU tensor) or on the pool's device. Host ids are checked
+where they are and then copied without waiting for the device; device ids must be read back
+to be checked, which waits for everything queued before and leaves the device idle while
+the checks and the launch run (suspected of the fixed ~55 us per call the H200 measured:
+docs/gpu-h200.md). Callers that build ids from a list (the spill path) pass host tensors.
 """
 
 from __future__ import annotations
@@ -80,8 +86,19 @@ def check_block_ids(block_ids: torch.Tensor, num_blocks: int) -> None:
         raise ValueError(f"block_ids: duplicate block ids {sorted(dups)}")
 
 
+def _on_device(block_ids: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """Checked ids where the kernel reads them: host ids are copied without a wait (pageable
+    memory is staged by the copy call itself, so the source may be freed at once)."""
+    if block_ids.device == pool.device:
+        return block_ids
+    if block_ids.device.type != "cpu":
+        raise ValueError(f"block_ids on {block_ids.device}, pool on {pool.device}")
+    return block_ids.to(pool.device, non_blocking=True)
+
+
 def _launch(pool, staging, block_ids, num_blocks: int, pack: bool) -> None:
     _, planes, elems = staging.shape
+    block_ids = _on_device(block_ids, pool)
     grid = (block_ids.numel(), planes, triton.cdiv(elems, BLOCK))
     _block_copy_kernel[grid](pool, staging, block_ids, num_blocks, planes, elems, pack, BLOCK)
 
@@ -91,7 +108,7 @@ def pack_blocks(pool: torch.Tensor, block_ids: torch.Tensor, block_dim: int) -> 
     check_block_ids(block_ids, num_blocks)
     staging = pool.new_empty(block_ids.numel(), planes, elems)
     if block_ids.numel():
-        check_launchable(pool, block_ids)
+        check_launchable(pool)
         _launch(pool, staging, block_ids, num_blocks, pack=True)
     return staging
 
@@ -103,7 +120,7 @@ def unpack_blocks(
     check_block_ids(block_ids, num_blocks)
     _check_staging(staging, pool, block_ids.numel(), planes, elems)
     if block_ids.numel():
-        check_launchable(pool, block_ids, staging)
+        check_launchable(pool, staging)
         _launch(pool, staging.contiguous(), block_ids, num_blocks, pack=False)
 
 

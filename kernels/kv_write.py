@@ -6,7 +6,8 @@ Shapes:
     slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset_in_block
 
 `entry` is `[num_kv_heads, head_dim]` for GQA K or V and `[kv_lora_rank + rope_dim]` for the
-MLA latent. Slots must be distinct within one call (each token owns its slot).
+MLA latent. Slots must be distinct within one call (each token owns its slot); a negative
+slot marks a padding token (a CUDA graph's spare rows) whose entry is not written.
 
 Triton kernel: one program per (token, chunk of BLOCK_E entry elements); the cache's entry
 dimensions must be contiguous (true for every pool view pdserve makes).
@@ -28,8 +29,8 @@ def _kv_write_kernel(cache_ptr, new_ptr, slot_ptr, entry_size, stride_new, BLOCK
     t = tl.program_id(0)
     chunk = tl.program_id(1)
     offs = chunk * BLOCK_E + tl.arange(0, BLOCK_E)
-    mask = offs < entry_size
     slot = tl.load(slot_ptr + t).to(tl.int64)
+    mask = offs < tl.where(slot >= 0, entry_size, 0)  # a padding token writes nothing
     values = tl.load(new_ptr + t * stride_new + offs, mask=mask)
     tl.store(cache_ptr + slot * entry_size + offs, values.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -68,4 +69,8 @@ def write_kv_ref(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Ten
     num_blocks, block_size = cache.shape[:2]
     # flat: [num_blocks * block_size, *entry]; a view, so the write lands in the pool.
     flat = cache.view(num_blocks * block_size, *cache.shape[2:])
-    flat.index_copy_(0, slot_mapping.long(), new.to(cache.dtype))
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):  # padding tokens (negative slots) are not written
+        slots, new = slots[keep], new[keep]
+    flat.index_copy_(0, slots, new.to(cache.dtype))

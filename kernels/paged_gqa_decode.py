@@ -47,6 +47,8 @@ from kernels.split_reduce import split_buffers, split_reduce
 # docs/results/gpu/kernels.json, H200, 2026-12-04).
 GQA_TOKENS = 64
 GQA_WARPS = 4
+# software-pipelining stages of the loop's loads (Triton's own default on CUDA: 3)
+GQA_STAGES = 3
 
 
 @triton.jit
@@ -177,13 +179,14 @@ def paged_gqa_decode(
     out: torch.Tensor | None = None,
     tokens_per_step: int | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Triton paged decode; same contract as `paged_gqa_decode_ref`.
 
     `num_splits` overrides the split-KV choice; `out` ([B, num_q_heads, head_dim_v], q's
-    dtype) receives the result when given. `tokens_per_step` (a power of two >= 16) and
-    `num_warps` override the tile (GQA_TOKENS, GQA_WARPS; `bench kernels --tiles` measures
-    the choices).
+    dtype) receives the result when given. `tokens_per_step` (a power of two >= 16),
+    `num_warps` and `num_stages` override the tile (GQA_TOKENS, GQA_WARPS, GQA_STAGES;
+    `bench kernels --tiles` measures the choices).
     """
     check_cache("k_cache", k_cache, 4)
     check_cache("v_cache", v_cache, 4)
@@ -261,6 +264,7 @@ def paged_gqa_decode(
         SOFT_CAP=soft_cap is not None,
         WRITE_LSE=num_splits > 1,
         num_warps=GQA_WARPS if num_warps is None else num_warps,
+        num_stages=GQA_STAGES if num_stages is None else num_stages,
     )
     if num_splits > 1:
         split_reduce(part, lse, out)

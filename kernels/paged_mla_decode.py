@@ -46,6 +46,8 @@ BLOCK_H = 16
 # tile fits the H200's 228 KB of shared memory, not necessarily a smaller GPU's)
 MLA_TOKENS = 64
 MLA_WARPS = 8
+# software-pipelining stages of the loop's loads (Triton's own default on CUDA: 3)
+MLA_STAGES = 3
 
 
 @triton.jit
@@ -168,6 +170,7 @@ def paged_mla_decode(
     out: torch.Tensor | None = None,
     tokens_per_step: int | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Triton MLA decode; same contract as `paged_mla_decode_ref` (`num_splits`, `out` as in
     `paged_gqa_decode`)."""
@@ -238,6 +241,7 @@ def paged_mla_decode(
         NATIVE_DOT=native,
         WRITE_LSE=num_splits > 1,
         num_warps=MLA_WARPS if num_warps is None else num_warps,
+        num_stages=MLA_STAGES if num_stages is None else num_stages,
     )
     if num_splits > 1:
         split_reduce(part, lse, out)

@@ -165,10 +165,12 @@ def test_write_kv(entry, dtype):
     cache = torch.full((6, 16, *entry), float("nan"), dtype=dtype)
     expected = cache.clone()
     slots = torch.randperm(96, generator=gen)[:11]
+    slots[[3, 7]] = -1  # padding tokens (a CUDA graph's spare rows): not written
     new = torch.randn(11, *entry, generator=gen).to(dtype)
     write_kv(cache, new, slots)
     write_kv_ref(expected, new, slots)
     assert torch.equal(cache.isnan(), expected.isnan())
+    assert (~cache.isnan()).flatten(2).any(-1).sum() == 9  # 9 slots written, not 11
     torch.testing.assert_close(cache, expected, atol=0, rtol=0, equal_nan=True)
 
 
@@ -265,15 +267,17 @@ def test_gpu_gqa_and_mla_decode(dtype, splits, tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ids_on", ["cuda", "cpu"])  # host ids: checked there, copied over
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_write_and_block_copy(dtype):
+def test_gpu_write_and_block_copy(dtype, ids_on):
     pool = torch.randn(4, 2, 64, 16, 8, 128, device="cuda", dtype=dtype)
-    ids = torch.randperm(64, device="cuda")[:17]
+    ids = torch.randperm(64, device="cuda")[:17].to(ids_on)
     staging = pack_blocks(pool, ids, 2)
     assert torch.equal(staging, pack_blocks_ref(pool, ids, 2))
     target = torch.zeros_like(pool)
     unpack_blocks(target, ids, staging, 2)
-    assert torch.equal(target.index_select(2, ids), pool.index_select(2, ids))
+    on_gpu = ids.cuda()
+    assert torch.equal(target.index_select(2, on_gpu), pool.index_select(2, on_gpu))
     cache = torch.zeros(64, 16, 8, 128, device="cuda", dtype=dtype)
     expected = cache.clone()
     slots = torch.randperm(1024, device="cuda")[:100]
@@ -284,18 +288,32 @@ def test_gpu_write_and_block_copy(dtype):
 
 
 def test_bench_kernels_tile_sweep_times_and_checks_every_tile():
-    """`bench kernels --tiles` rows: every (tokens, warps) of each decode case, timed and
-    compared with the reference (under the interpreter here; compiled on a GPU)."""
-    from pdserve.bench.kernels import TILE_TOKENS, TILE_WARPS, gqa_cases, mla_cases, tile_rows
+    """`bench kernels --tiles` rows: every tile of each decode case (for MLA also stages and
+    splits), timed and compared with the reference (under the interpreter here; compiled
+    on a GPU)."""
+    from pdserve.bench.kernels import (
+        MLA_TILE_SPLITS,
+        MLA_TILE_STAGES,
+        TILE_TOKENS,
+        TILE_WARPS,
+        gqa_cases,
+        mla_cases,
+        tile_rows,
+    )
 
     cpu = torch.device("cpu")
     cases = gqa_cases([2], [40], [(4, 2, 16)], torch.float32, cpu, 16)
     cases += mla_cases([2], [40], 4, 32, 16, torch.float32, cpu, 16)
     rows = tile_rows(cases, cpu, bandwidth=1e9)
-    assert len(rows) == 2 * len(TILE_TOKENS) * len(TILE_WARPS)
-    assert {(r["tokens"], r["warps"]) for r in rows} == {
-        (t, w) for t in TILE_TOKENS for w in TILE_WARPS
+    plain = {(t, w, None, None) for t in TILE_TOKENS for w in TILE_WARPS}
+    staged = {(t, w, s, None) for t in (32, 64) for w in TILE_WARPS for s in MLA_TILE_STAGES}
+    split = {(64, 8, None, n) for n in MLA_TILE_SPLITS}
+    seen = {
+        k: [(r["tokens"], r["warps"], r["stages"], r["splits"]) for r in rows if r["kernel"] == k]
+        for k in ("gqa_decode", "mla_decode")
     }
+    assert sorted(seen["gqa_decode"], key=str) == sorted(plain, key=str)
+    assert sorted(seen["mla_decode"], key=str) == sorted(plain | staged | split, key=str)
     for r in rows:
         assert "error" not in r, r
         assert r["triton_s"] > 0 and r["max_abs_diff_vs_torch"] < 1e-4, r

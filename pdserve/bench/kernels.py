@@ -138,7 +138,8 @@ def pack_cases(counts, layers, kv_heads, dim, dtype, device, block_size) -> list
     pool = _random((layers, 2, num_blocks, block_size, kv_heads, dim), 8, device, dtype)
     out = []
     for n in counts:
-        ids = _tables(1, num_blocks, device, 9 + n).view(-1)[:n].long()
+        # host ids, as the spill path passes them (kernels/block_copy.py: no device wait)
+        ids = _tables(1, num_blocks, device, 9 + n).view(-1)[:n].long().cpu()
         nbytes = 2 * layers * n * block_size * kv_heads * dim * _item(dtype)  # K and V
         moved = 2 * nbytes  # read once, written once
         shape = f"{n} blocks ({nbytes / 2**20:.1f} MiB) L={layers}"
@@ -171,10 +172,30 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float | None:
 TILE_SHAPES = ((64, 4096), (1, 16384))
 TILE_TOKENS = (16, 32, 64, 128)
 TILE_WARPS = (4, 8)
+# MLA also over pipelining stages (Triton's default: 3) and more splits than the automatic
+# choice: with every tokens x warps tile at the default it stayed at 34-47% of the H200's
+# copy bandwidth (docs/gpu-h200.md), so the loads' overlap and the programs in flight are
+# the next suspects
+MLA_TILE_STAGES = (1, 2, 4)
+MLA_TILE_SPLITS = (16, 32)
 
 
-def _time_tile(case: Case, tokens: int, warps: int, device, bandwidth: float) -> dict:
-    triton_fn, torch_fn = case.build(tokens_per_step=tokens, num_warps=warps)
+def tiles_for(kernel: str) -> list[dict]:
+    """The launch options (the kernels' keyword arguments) `bench kernels --tiles` tries."""
+    tiles = [dict(tokens_per_step=t, num_warps=w) for t in TILE_TOKENS for w in TILE_WARPS]
+    if kernel == "mla_decode":
+        tiles += [
+            dict(tokens_per_step=t, num_warps=w, num_stages=s)
+            for t in (32, 64)
+            for w in TILE_WARPS
+            for s in MLA_TILE_STAGES
+        ]
+        tiles += [dict(tokens_per_step=64, num_warps=8, num_splits=n) for n in MLA_TILE_SPLITS]
+    return tiles
+
+
+def _time_tile(case: Case, tile: dict, device, bandwidth: float) -> dict:
+    triton_fn, torch_fn = case.build(**tile)
     error = (triton_fn().float() - torch_fn().float()).abs().max().item()
     seconds = median_seconds(triton_fn, device, reps=5)
     return {
@@ -186,15 +207,23 @@ def _time_tile(case: Case, tokens: int, warps: int, device, bandwidth: float) ->
 
 
 def tile_rows(cases: list[Case], device: torch.device, bandwidth: float) -> list[dict]:
-    """Each decode case at every tile (tokens per loop step x warps): time, GB/s and the
-    largest difference from the torch reference's output (a tile that is fast but wrong
-    shows here). What GQA_TOKENS/GQA_WARPS and MLA_TOKENS/MLA_WARPS are chosen from."""
+    """Each decode case at every tile of `tiles_for` (tokens per loop step x warps, for MLA
+    also stages and splits; None: the kernel's default): time, GB/s and the largest
+    difference from the torch reference's output (a tile that is fast but wrong shows
+    here). What the kernels' *_TOKENS, *_WARPS and *_STAGES are chosen from."""
     rows = []
-    pairs = [(c, t, w) for c in cases for t in TILE_TOKENS for w in TILE_WARPS]
-    for case, tokens, warps in progress(pairs, desc="bench kernels tiles", unit="tile"):
-        row = {"kernel": case.kernel, "shape": case.shape, "tokens": tokens, "warps": warps}
+    pairs = [(c, tile) for c in cases for tile in tiles_for(c.kernel)]
+    for case, tile in progress(pairs, desc="bench kernels tiles", unit="tile"):
+        row = {
+            "kernel": case.kernel,
+            "shape": case.shape,
+            "tokens": tile["tokens_per_step"],
+            "warps": tile["num_warps"],
+            "stages": tile.get("num_stages"),
+            "splits": tile.get("num_splits"),
+        }
         try:
-            row.update(_time_tile(case, tokens, warps, device, bandwidth))
+            row.update(_time_tile(case, tile, device, bandwidth))
         except Exception as e:  # a tile that does not fit (memory, registers), or fails
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -208,10 +237,10 @@ def bench_kernels(quick: bool = False, tiles: bool = False) -> dict:
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
     if gpu and not quick:
-        batches, contexts = [1, 16, 64, 128], [1024, 4096, 16384]
+        batches, contexts = [1, 16, 64, 128, 256], [1024, 4096, 16384, 32768]
         gqa_heads = [(32, 8, 128), (64, 8, 128)]  # Llama-3-8B-like, Llama-3-70B-like
         mla = dict(heads=16, rank=512, rope=64)  # DeepSeek-V3 latent, 16 heads per GPU
-        pack = dict(counts=[1, 4, 16, 64, 256], layers=32, kv_heads=8, dim=128)
+        pack = dict(counts=[1, 4, 16, 64, 256, 1024], layers=32, kv_heads=8, dim=128)
         copy_bytes = 2**30
     else:
         batches, contexts = [1, 8], [256, 1024]
@@ -302,13 +331,17 @@ def format_table(report: dict) -> str:
     if report["note"]:
         lines.append(report["note"])
     if report.get("tiles"):
-        lines.append("tiles (tokens per loop step x warps), Triton only:")
+        lines.append("tiles (tokens per loop step x warps x stages x splits; - = default):")
         lines.append(
-            f"{'kernel':<11} {'shape':<44} {'tokens':>6} {'warps':>5} {'us':>10} {'GB/s':>8} "
-            f"{'of copy':>8} {'max diff':>9}"
+            f"{'kernel':<11} {'shape':<44} {'tokens':>6} {'warps':>5} {'stages':>6} "
+            f"{'splits':>6} {'us':>10} {'GB/s':>8} {'of copy':>8} {'max diff':>9}"
         )
         for r in report["tiles"]:
-            head = f"{r['kernel']:<11} {r['shape']:<44} {r['tokens']:>6} {r['warps']:>5}"
+            stages, splits = (r.get(k) or "-" for k in ("stages", "splits"))
+            head = (
+                f"{r['kernel']:<11} {r['shape']:<44} {r['tokens']:>6} {r['warps']:>5} "
+                f"{stages:>6} {splits:>6}"
+            )
             if "error" in r:
                 lines.append(f"{head} {r['error'][:60]}")
                 continue

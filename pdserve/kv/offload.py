@@ -208,7 +208,9 @@ class OffloadedKV:
 
     # -- bytes ----------------------------------------------------------------------------
     def _ids(self, block_ids: list[int]) -> torch.Tensor:
-        return torch.tensor(block_ids, dtype=torch.int32, device=self.cache.pool.device)
+        # on the host: the pack and unpack check them there and copy them over without
+        # waiting for the device (kernels/block_copy.py)
+        return torch.tensor(block_ids, dtype=torch.int32)
 
     def _fill(self, ids: torch.Tensor) -> Callable[[torch.Tensor, int, int], None]:
         pool, dim = self.cache.pool, self.cache.block_dim
