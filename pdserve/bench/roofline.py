@@ -108,6 +108,18 @@ def weight_bytes_read(model: torch.nn.Module) -> int:
     return total
 
 
+def _median_step(runner, chunks, steps: int, device: torch.device) -> float:
+    times = []
+    for s in range(steps + 1):  # the first is a warm-up (and captures a CUDA graph)
+        _sync(device)
+        start = time.perf_counter()
+        runner.execute(chunks)
+        _sync(device)
+        if s:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def bench_roofline(
     model: str = "smollm2-135m",
     batches: tuple[int, ...] = BATCHES,
@@ -159,15 +171,16 @@ def bench_roofline(
                 )
                 for i in range(batch)
             ]
-            times = []
-            for s in range(steps + 1):  # the first is a warm-up
-                _sync(device)
-                start = time.perf_counter()
-                core.runner.execute(chunks)
-                _sync(device)
-                if s:
-                    times.append(time.perf_counter() - start)
-            step = statistics.median(times)
+            step = _median_step(core.runner, chunks, steps, device)
+            # on CUDA the engine replays decode steps from CUDA graphs: the same step
+            # eagerly, in the same run, says what the graphs are worth
+            graphs, eager = getattr(core.runner, "graphs", None), None
+            if graphs is not None:
+                core.runner.graphs = None
+                try:
+                    eager = _median_step(core.runner, chunks, steps, device)
+                finally:
+                    core.runner.graphs = graphs
             nbytes = weights + batch * context * kv_per_token
             floor = nbytes / bandwidth
             flops = step_flops(core.runner.model, core.model_config, batch, context)
@@ -186,6 +199,7 @@ def bench_roofline(
                     "fraction_of_bound": max(floor, compute) / step,
                     "bound_by": "memory" if floor >= compute else "compute",
                     "tok_s": batch / step,
+                    "eager_step_s": eager,  # None: no CUDA graphs (CPU)
                 }
             )
     finally:
@@ -197,6 +211,7 @@ def bench_roofline(
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "matmul_gflop_s": flops_per_s / 1e9,
         "attention_backend": core.runner.backend.name,
+        "cuda_graphs": core.runner.graphs.stats() if getattr(core.runner, "graphs", None) else None,
         "weight_bytes_read": weights,
         "kv_bytes_per_token": kv_per_token,
         "steps": steps,
@@ -231,4 +246,14 @@ def format_table(report: dict) -> str:
                 else ""
             )
         lines.append(f"{b:>6} " + " ".join(f"{cell:>22}" for cell in cells))
+    if any(r.get("eager_step_s") for r in report["rows"]):
+        lines.append(f"the same steps eagerly, ms (CUDA graphs' speed-up): {report['cuda_graphs']}")
+        for b in batches:
+            cells = [
+                f"{r['eager_step_s'] * 1e3:>7.1f} ({r['eager_step_s'] / r['step_s']:.2f}x)"
+                if (r := at.get((b, c))) and r.get("eager_step_s")
+                else ""
+                for c in contexts
+            ]
+            lines.append(f"{b:>6} " + " ".join(f"{cell:>22}" for cell in cells))
     return "\n".join(lines)

@@ -90,6 +90,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         prefix_offload=args.prefix_offload,
         failpoints=Failpoints(args.failpoints),
         tensor_parallel_size=args.tp,
+        cuda_graphs=not getattr(args, "no_cuda_graphs", False),
     )
 
 
@@ -367,6 +368,11 @@ def add_serve_parser(sub) -> None:
             p.add_argument("--device", default="auto")
             p.add_argument("--max-num-batched-tokens", type=int, default=2048)
             p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+            p.add_argument(
+                "--no-cuda-graphs",
+                action="store_true",
+                help="run every decode step eagerly (CUDA graphs are on by default on CUDA)",
+            )
             p.add_argument(
                 "--tp",
                 type=int,

@@ -37,6 +37,9 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     attention_backend: str = "auto"  # triton on CUDA, cpu (C kernels) where they build, else torch
+    # decode-only steps replayed from CUDA graphs (pdserve/engine/cuda_graphs.py); CUDA
+    # only, single rank, Llama-family models; ignored elsewhere
+    cuda_graphs: bool = True
     seed: int = 0
     # Preemption: recompute | swap (host tier) | tiered (host -> CXL -> disk). Tier sizes in
     # blocks; None: 4x the device pool for host and CXL, 64x for disk, each held to a share of

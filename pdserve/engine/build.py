@@ -46,7 +46,7 @@ def build_engine(model: str, args: EngineArgs | None = None) -> tuple[EngineCore
     net = build_model(config, dtype, device, source.weights_on(device))
     cc = args.cache_config(config, dtype, device, held_bytes(net))
     cache = KVCache(config, cc.num_blocks, cc.block_size, dtype, device)
-    runner = ModelRunner(net, cache, backend, device, args.seed)
+    runner = ModelRunner(net, cache, backend, device, args.seed, cuda_graphs=args.cuda_graphs)
     core = assemble_engine(config, args, cache, tiers(args, cache), runner, source.tokenizer)
     return core, source
 

@@ -13,6 +13,7 @@ import torch
 
 from pdserve.attention import AttentionMetadata, TorchAttentionBackend
 from pdserve.engine.batch import RunResult, ScheduledChunk
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.memory import RankMemory, rank_memory
 from pdserve.engine.sampler import sample, top_logprobs
 from pdserve.kv import KVCache
@@ -37,6 +38,7 @@ class ModelRunner:
         backend: TorchAttentionBackend,
         device: torch.device,
         seed: int,
+        cuda_graphs: bool = False,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -44,6 +46,11 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self.generator = torch.Generator().manual_seed(seed)
+        self.graphs: DecodeGraphs | None = None
+        # decode-only steps from CUDA graphs: one rank's capturable model on a GPU
+        graphs_ok = device.type == "cuda" and model.graph_capturable and model.comm.size == 1
+        if cuda_graphs and graphs_ok:
+            self.graphs = DecodeGraphs(model, kv_cache.layers, backend, self.block_size, device)
 
     def prepare(
         self, chunks: Sequence[ScheduledChunk]
@@ -100,9 +107,13 @@ class ModelRunner:
     ) -> RunResult:
         """-> the sampled token of each sampling chunk in chunk order (and logprobs if asked)."""
         order, input_ids, positions, meta, sample_at = self.prepare(chunks)
-        hidden = self.model(
-            input_ids, positions, self.kv_cache.layers, meta, self.backend, on_layer_done
-        )
+        hidden = None
+        if self.graphs is not None and self.graphs.fits(meta, on_layer_done):
+            hidden = self.graphs.forward(input_ids, positions, meta)
+        if hidden is None:
+            hidden = self.model(
+                input_ids, positions, self.kv_cache.layers, meta, self.backend, on_layer_done
+            )
         if not sample_at:
             return RunResult([])
         logits = self.model.compute_logits(hidden[sample_at])  # [S, vocab], packed order

@@ -48,6 +48,9 @@ class CausalLM(nn.Module):
     stacked_rules: dict[str, tuple[str, int]] = {}
     # how each checkpoint tensor is cut for a tensor-parallel rank (first match wins)
     tp_rules: tuple[ShardRule, ...] = ()
+    # a decode step's forward launches the same kernels whatever the data (no host reads of
+    # device values): it can be captured in a CUDA graph (pdserve/engine/cuda_graphs.py)
+    graph_capturable = False
 
     def __init__(
         self,

@@ -68,6 +68,7 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    graph_capturable = True
     stacked_rules = {
         ".q_proj.": (".qkv_proj.", 0),
         ".k_proj.": (".qkv_proj.", 1),
