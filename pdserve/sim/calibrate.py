@@ -2,9 +2,10 @@
 
     engine     the in-process engine (`LLM`'s core) under closed loops of 1-32 clients over
                prompts of 32-1,024 tokens with short outputs, then one wave of 64-token
-               outputs per batch size (decode-only steps), driven as `bench sim-vs-real`
-               drives it; every step's work and cycle time, fitted linear in what the step
-               computes (pdserve/sim/fit.py)
+               outputs per batch size (decode-only steps), then each prompt length split
+               k ways (k prompts of c / k tokens, one output: prefill-only steps), driven
+               as `bench sim-vs-real` drives it; every step's work and cycle time, fitted
+               linear in what the step computes (pdserve/sim/fit.py)
     tiers      a park + unpark through each real spill tier (host, CXL, disk) of 1 and of
                `big` blocks: latency and bytes/s from the two
     cluster    (with --cluster) a launched 1P1D cluster on this machine: its decode workers'
@@ -38,6 +39,14 @@ from pdserve.sim.fit import fit_steps
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 CONTEXTS = (32, 128, 512, 1024)
+# each context c also as k prompts of c // k tokens at once (k <= the largest batch): steps
+# of the same prefill tokens and k prefilling sequences. The main grid's prefill steps have
+# as many prefilling sequences as clients (its waves arrive together), so without these the
+# fit tells prefill_seqs from prefill_tokens only where two points' batch x context happen
+# to match, which a --batches/--contexts grid need not give. Cost: 2 one-step waves per
+# (c, k), 2 x 3 x 4 = 24 prefill steps of 2 x 3 x 1,696 prompt tokens on the default grid,
+# against ~1,000 steps and 2 x 63 x 1,696 = 213,696 prompt tokens (~5% more prefill work)
+PREFILL_SPLITS = (1, 2, 4)
 
 
 def measure_engine(
@@ -56,10 +65,14 @@ def measure_engine(
     samples: list[tuple[StepWork, float]] = []
     warm = [RequestSpec(0.0, 8, 2)]
     run_real(Replica("warm-up", core), warm, prompts_for(warm, vocab, seed), 1, label="warm-up")
-    # the grid: prompts of every context, short outputs (mixed prefill/decode steps); then
-    # one wave of long outputs per batch size (decode-only steps, as serving mostly runs)
+    # the grid: (clients, prompt tokens, outputs, requests). Prompts of every context,
+    # short outputs (mixed prefill/decode steps); one wave of long outputs per batch size
+    # (decode-only steps, as serving mostly runs); each context split k ways, one output
+    # (prefill steps of k sequences and the same tokens: PREFILL_SPLITS says why)
     grid = [(b, c, outputs, 2 * b) for b in batches for c in contexts]
     grid += [(b, min(contexts), decode_outputs, b) for b in batches]
+    splits = [k for k in PREFILL_SPLITS if k <= max(batches)]
+    grid += [(k, c // k, 1, 2 * k) for c in contexts for k in splits if c // k > 1]
     for i, (b, c, out, n) in enumerate(progress(grid, desc="calibrate engine", unit="point")):
         specs = [RequestSpec(0.0, c, out)] * n
         replica = Replica(f"b{b}-c{c}", core)

@@ -63,7 +63,16 @@ def _steps(traces: list[dict]) -> tuple[list, list]:
     for (_, start, end), prompts in batches.items():
         attention = float(sum(p * (p + 1) / 2 for p in prompts))
         tokens = sum(prompts)
-        work = StepWork(len(prompts), tokens, 0, tokens, attention, len(prompts), tokens)
+        work = StepWork(
+            len(prompts),
+            tokens,
+            0,
+            tokens,
+            attention,
+            len(prompts),
+            tokens,
+            prefill_seqs=len(prompts),
+        )
         prefill.append((work, end - start))
     return decode, prefill
 

@@ -9,6 +9,17 @@ What a step computes, as features:
     prefill_tokens       new prompt tokens
     prefill_attention    sum over prefill chunks of n x (cached + (n + 1) / 2): the
                          (query, key) pairs of causal attention over a cached prefix
+    prefill_seqs         prefill chunks (those counted in prefill_tokens): a cost per
+                         prefilling sequence whatever its length (on one H200, a prefill
+                         step at batch <= 4 ran up to 2x a fit without it)
+    prefill_step         1 if the step carries any prefill, else 0: a fixed cost of the
+                         prefill path whatever its size. On one H200 (docs/results/gpu/
+                         calibrate-steps.json, refitted) one 128-token prompt's step and
+                         four of them cost the same 48-65 ms against 25 ms for a decode
+                         step; with this term the refit's small prefill steps came to
+                         p90 1.10x (1.53x without, 1.58x with prefill_seqs alone). With
+                         CUDA graphs the gap widens: decode-only steps replay a graph,
+                         steps with a prefill run eagerly (pdserve/engine/cuda_graphs.py)
     sampled              sequences that sample a token (logits + sampling)
 
 FittedCost:   t = intercept + sum of coefficient x feature, fitted on a real machine by
@@ -22,7 +33,7 @@ RooflineCost: t = max(bytes / (bandwidth x e_mem), FLOPs / (rate x e_compute))
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdserve.engine.batch import ScheduledChunk
@@ -40,6 +51,8 @@ FEATURES = (
     "decode_context",
     "prefill_tokens",
     "prefill_attention",
+    "prefill_seqs",
+    "prefill_step",
     "sampled",
     *(f"seqs_past_{k}" for k in KNEES),
 )
@@ -54,11 +67,14 @@ class StepWork:
     prefill_attention: float
     sampled: int
     context: int  # every sequence's context after the step (KV read once each)
+    # chunks counted in prefill_tokens; keyword-only and 0 unless given, so the StepWorks
+    # pdserve/sim/calibrate_cluster.py builds by hand (without it) still construct
+    prefill_seqs: int = field(default=0, kw_only=True)
 
     @staticmethod
     def of(chunks: Sequence[ScheduledChunk]) -> StepWork:
         seqs = len(chunks)
-        tokens = decode_context = prefill_tokens = context = sampled = 0
+        tokens = decode_context = prefill_tokens = prefill_seqs = context = sampled = 0
         prefill_attention = 0.0
         for c in chunks:
             n = len(c.token_ids)
@@ -70,10 +86,22 @@ class StepWork:
                 decode_context += end
             else:
                 prefill_tokens += n
+                prefill_seqs += 1
                 prefill_attention += n * (c.start + (n + 1) / 2)
         return StepWork(
-            seqs, tokens, decode_context, prefill_tokens, prefill_attention, sampled, context
+            seqs,
+            tokens,
+            decode_context,
+            prefill_tokens,
+            prefill_attention,
+            sampled,
+            context,
+            prefill_seqs=prefill_seqs,
         )
+
+    @property
+    def prefill_step(self) -> int:
+        return int(self.prefill_tokens > 0)
 
     def feature(self, name: str) -> float:
         if name.startswith("seqs_past_"):
@@ -90,6 +118,9 @@ class CostModel(Protocol):
 
 
 class FittedCost:
+    """A feature without a coefficient costs nothing: a profile fitted before the feature
+    existed (one without prefill_seqs) loads and predicts as it did."""
+
     def __init__(self, coefficients: dict[str, float]) -> None:
         unknown = sorted(set(coefficients) - {"intercept", *FEATURES})
         if unknown:
