@@ -13,7 +13,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.batch import ScheduledChunk
-from pdserve.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, width_bucket
+from pdserve.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, warm_up_graphs, width_bucket
 
 PROMPTS = ["The capital of France is", "1 2 3 4 5", "Once upon a time", "a b"]
 
@@ -96,6 +96,15 @@ def test_generation_through_graph_path_equals_eager():
     llm.close()
 
 
+def test_warm_up_captures_every_shape_a_run_can_meet():
+    llm = LLM("tiny-llama", num_kv_blocks=64, block_size=16)
+    graphs = _graphs(llm, capture=False)
+    assert graphs.warm_up(max_batch=5, max_blocks=20) == 16
+    assert set(graphs._graphs) == {(b, w) for b in (1, 2, 4, 8) for w in (4, 8, 16, 32)}
+    assert graphs.warm_up(max_batch=5, max_blocks=20) == 0  # nothing new
+    llm.close()
+
+
 def test_runner_uses_graphs_only_on_cuda():
     llm = LLM("tiny-llama", num_kv_blocks=16)
     assert llm.core.runner.graphs is None  # CPU: nothing to capture
@@ -114,9 +123,14 @@ def test_gpu_graph_replay_gives_the_eager_tokens():
     llm = LLM("tiny-llama", **kw)
     graphs = llm.core.runner.graphs
     assert graphs is not None
-    assert _tokens(llm, 64) == expected
+    pool = llm.core.runner.kv_cache.pool
+    pool.normal_()
+    before = pool.clone()
+    assert warm_up_graphs(llm.core, 4, 8) == 3 * 2  # buckets 1, 2, 4 x widths 4, 8
+    assert torch.equal(pool, before)  # the padding rows wrote nothing
+    assert _tokens(llm, 64) == expected  # 4 sequences of up to ~6 blocks
     stats = graphs.stats()
-    assert stats["failed"] is None and stats["replays"] > 0 and stats["graphs"] >= 1, stats
+    assert stats["failed"] is None and stats["replays"] > 0 and stats["graphs"] >= 6, stats
     llm.check_integrity()
     llm.close()
 

@@ -22,6 +22,10 @@ The kernels see `max_context_len = width * block_size` (a graph cannot depend on
 step's longest context): the split-KV choice is made for the width, and the programs of
 splits past a sequence's end return at once.
 
+Graphs are captured at first use: a step that meets a new (bucket, width) pays an eager
+forward and a capture (tens of milliseconds). `warm_up_graphs(core, max_batch, max_blocks)`
+captures every shape a run can meet up front (benchmarks that time steps call it).
+
 `capture=False` runs the same padded, bucketed forward without capturing (the tests' way
 to check the padding on CPU, where there are no graphs).
 """
@@ -143,6 +147,27 @@ class DecodeGraphs:
             g.hidden = self._run(g)
         return g.hidden[:n]
 
+    def warm_up(self, max_batch: int, max_blocks: int) -> int:
+        """Capture every (bucket, width) a step of at most `max_batch` sequences of at most
+        `max_blocks` blocks each can meet (all rows padding: nothing is written). -> graphs
+        captured now."""
+        top = self.buckets[bisect.bisect_left(self.buckets, min(max_batch, self.buckets[-1]))]
+        widths, w = [], 4
+        while w <= width_bucket(max_blocks):
+            widths.append(w)
+            w *= 2
+        done = 0
+        for bucket in (b for b in self.buckets if b <= top):
+            for width in widths:
+                if (bucket, width) in self._graphs or self.failed:
+                    continue
+                g = _Graph(bucket, width, self.block_size, self.device)
+                if not self._capture(g):
+                    return done
+                self._graphs[(bucket, width)] = g
+                done += 1
+        return done
+
     def _run(self, g: _Graph) -> torch.Tensor:
         return self.model(g.input_ids, g.positions, self.kv_layers, g.meta, self.backend)
 
@@ -177,3 +202,10 @@ class DecodeGraphs:
             "replays": self.replays,
             "failed": self.failed,
         }
+
+
+def warm_up_graphs(core, max_batch: int, max_blocks: int) -> int:
+    """Capture up front the decode graphs a run of `core` can meet (nothing where the engine
+    has no graphs: CPU, TP ranks, eager models). -> graphs captured."""
+    graphs = getattr(core.runner, "graphs", None)
+    return graphs.warm_up(max_batch, max_blocks) if graphs is not None else 0

@@ -32,6 +32,7 @@ from pdserve.bench.workload import RequestSpec, prompts_for
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine, tiers
 from pdserve.engine.core import EngineCore
+from pdserve.engine.cuda_graphs import warm_up_graphs
 from pdserve.kv.offload import OffloadedKV
 from pdserve.progress import progress
 from pdserve.sim.cost import StepWork
@@ -65,6 +66,9 @@ def measure_engine(
     samples: list[tuple[StepWork, float]] = []
     warm = [RequestSpec(0.0, 8, 2)]
     run_real(Replica("warm-up", core), warm, prompts_for(warm, vocab, seed), 1, label="warm-up")
+    # on CUDA: every decode graph the grid can meet, captured before any step is timed
+    longest = max(contexts) + max(outputs, decode_outputs)
+    warm_up_graphs(core, max(batches), -(-longest // core.kv.cache.block_size))
     # the grid: (clients, prompt tokens, outputs, requests). Prompts of every context,
     # short outputs (mixed prefill/decode steps); one wave of long outputs per batch size
     # (decode-only steps, as serving mostly runs); each context split k ways, one output

@@ -28,6 +28,7 @@ from pdserve.bench.slo import SLO
 from pdserve.bench.workload import RequestSpec, prompts_for, specs_of
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
+from pdserve.engine.cuda_graphs import warm_up_graphs
 from pdserve.engine.gate import make_admission
 from pdserve.sim.load import summarize
 from pdserve.sim.profile import Profile
@@ -107,6 +108,8 @@ def engine_points(cmp: Comparison) -> list[dict]:
         run_real(
             Replica("warm-up", core), warm, prompts_for(warm, config.vocab_size, 0), 1, label=""
         )
+        # on CUDA: the decode graphs captured before the timed runs (not in their first steps)
+        warm_up_graphs(core, max(cmp.concurrencies), cmp.num_kv_blocks)
         for c in cmp.concurrencies:
             specs = cmp.specs(c)
             prompts = prompts_for(specs, config.vocab_size, cmp.seed)
