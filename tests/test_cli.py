@@ -268,7 +268,12 @@ def test_bench_tiers_round_trips_every_tier_bit_exact(tmp_path):
     out = tmp_path / "tiers.json"
     proc = run_cli("bench", "tiers", "--model", "tiny-llama", "--quick", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
-    rows = json.loads(out.read_text())["rows"]
+    report = json.loads(out.read_text())
+    # the defaults: the pool on the CPU in float32; tiers as a worker builds them
+    assert (report["device"], report["dtype"]) == ("cpu", "float32")
+    assert set(report["pinned"]) == {"host", "cxl", "disk"} and not report["pinned"]["disk"]
+    assert report["baselines"]["host"] == "tensor copy"
+    rows = report["rows"]
     assert sorted((r["tier"], r["layout"], r["blocks"]) for r in rows) == sorted(
         (t, layout, n)
         for t in ("host", "cxl", "disk")
@@ -286,6 +291,18 @@ def test_bench_tiers_round_trips_every_tier_bit_exact(tmp_path):
         else:
             assert set(bound) == {"spill", "reload"} and min(bound.values()) > 0
     assert "bound" in proc.stdout
+    assert "float32 on cpu" in proc.stdout
+
+
+def test_bench_tiers_on_cuda_without_it_is_one_clear_error(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "tiers", "--model", "tiny-llama", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve: error: ") and "CUDA" in err and "not available" in err
+    assert main(["bench", "tiers", "--model", "tiny-llama", "--dtype", "fp8"]) == 2
+    assert "dtype: 'fp8'; choose auto, float32, float16, bfloat16" in capsys.readouterr().err
 
 
 def test_bench_preempt_cost_reports_recompute_and_swap_in_decode_steps(tmp_path):

@@ -191,7 +191,8 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
     from pdserve.bench.tiers import bench_tiers, format_table
 
-    return print_report(bench_tiers(args.model, quick=args.quick), format_table, args.json)
+    report = bench_tiers(args.model, quick=args.quick, device=args.device, dtype=args.dtype)
+    return print_report(report, format_table, args.json)
 
 
 def cmd_bench_preempt_cost(args: argparse.Namespace) -> int:
@@ -460,6 +461,18 @@ def add_bench_parser(sub) -> None:
     ti = bench_sub.add_parser("tiers", help="spill/reload throughput per tier vs raw moves")
     ti.add_argument("--model", default=DEMO_MODEL)
     ti.add_argument("--quick", action="store_true")
+    ti.add_argument(
+        "--device",
+        default="cpu",
+        help="where the KV pool lives: cpu, cuda or cuda:N (the host tier's memory is pinned "
+        "on a CUDA machine, as a worker's)",
+    )
+    ti.add_argument(
+        "--dtype",
+        default="auto",
+        help="the pool's dtype: float32, float16, bfloat16 or auto (float32 on CPU, bfloat16 on "
+        "CUDA)",
+    )
     ti.add_argument("--json", default=None)
     ti.set_defaults(func=cmd_bench_tiers)
 
