@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The GPU session's one prepared run: the kernel tests, what a preemption costs, decode
 # against the memory roofline, a calibrated profile for the simulator and the simulator
-# against the engine, the kernel microbenchmarks, and a short capacity sweep (when NIXL is
-# carried), all with a real-shaped model (Llama-3-8B's architecture, seeded random weights
-# in bf16: nothing is downloaded). On one H200 the sections took ~5 minutes together
-# (2026-12-04, docs/gpu-h200.md; their deadlines add up to ~9.5 without the sweep). JSON
-# goes to $RESULTS (default docs/results/gpu), a log beside it.
+# against the engine, the spill tiers against raw copies (pinned host memory), the kernel
+# microbenchmarks, and a short capacity sweep (when NIXL is carried), all with a real-shaped
+# model (Llama-3-8B's architecture, seeded random weights in bf16: nothing is downloaded).
+# On one H200 the sections took ~5 minutes together (2026-12-04, docs/gpu-h200.md, before
+# the tiers section, CUDA graphs and the larger kernel grid were added); their deadlines add
+# up to 15 minutes without the sweep. JSON goes to $RESULTS (default docs/results/gpu), a
+# log beside it.
 #
 #   scripts/gpu-check.sh                     on the GPU machine, from the repo root
 #   GPU_CHECK_DRY_RUN=1 scripts/gpu-check.sh the same sections on this CPU with a tiny
@@ -24,7 +26,7 @@ PY=${PYTHON:-python3}
 RESULTS=${RESULTS:-docs/results/gpu}
 mkdir -p "$RESULTS"
 LOG="$RESULTS/gpu-check.log"
-KEYS="kernel-tests preempt-cost roofline calibrate sim-vs-real kernels sweep"
+KEYS="kernel-tests preempt-cost roofline calibrate sim-vs-real tiers kernels sweep"
 # GPU_CHECK_ONLY="preempt-cost sim-vs-real" (or with commas) runs only those sections: a
 # rerun after a fix, inside the same lease; its log goes on after the full run's
 ONLY=" ${GPU_CHECK_ONLY:-} "
@@ -49,6 +51,8 @@ if [[ -n "${GPU_CHECK_DRY_RUN:-}" ]]; then
     ROOFLINE=(--batches 1,2 --contexts 64)
     CALIBRATE=(--batches 1,2 --contexts 32,64 --num-kv-blocks 64)
     VS_REAL=(--concurrency 1,2 --num-kv-blocks 16 --requests 4)
+    # the CPU pool in bf16, as the GPU run's: the same byte views and reference passes
+    TIERS=(--device cpu --dtype bfloat16 --quick)
     LIMIT=300
 else
     MODEL=random:pdserve/sim/configs/llama-3-8b.json
@@ -66,6 +70,9 @@ else
     # engine with it; 8,192 blocks (16 GiB) hold 64 clients of 1,024-token prompts
     CALIBRATE=(--batches 1,4,16,64 --contexts 128,512,1024 --num-kv-blocks 8192)
     VS_REAL=(--concurrency 4,16,32 --num-kv-blocks 32 --requests 16 --mean-output 64)
+    # the pool on the GPU in bf16, 1-256 blocks of 2 MiB; the host tier pinned as a worker's
+    # is, raw = one device <-> pinned host copy of the same bytes (docs/benchmarks.md)
+    TIERS=(--device cuda)
     LIMIT=60
 fi
 
@@ -92,16 +99,17 @@ has() { "$PY" -c "import $1" >/dev/null 2>&1; }
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee -a "$LOG"
 
 if ! wanted kernel-tests || has pytest; then
-    section kernel-tests "kernel tests (-m gpu)" "$LIMIT" "$PY" -m pytest -q -m gpu tests/test_kernels_triton.py
+    section kernel-tests "kernel and CUDA graph tests (-m gpu)" "$((3 * LIMIT / 2))" "$PY" -m pytest \
+        -q -m gpu tests/test_kernels_triton.py tests/test_cuda_graphs.py
 else
     echo "== kernel tests: skipped, pytest is not installed here (carry its wheel)" | tee -a "$LOG"
 fi
 
 section preempt-cost "bench preempt-cost ($MODEL)" "$((3 * LIMIT / 2))" "$PY" -m pdserve.cli bench preempt-cost \
-    --model "$MODEL" --contexts "$CONTEXTS" --batch "$BATCH" --steps 3 --reps 2 \
+    --model "$MODEL" --contexts "$CONTEXTS" --batch "$BATCH" --steps 6 --reps 2 \
     --json "$RESULTS/preempt-cost.json"
 
-section roofline "bench roofline ($MODEL)" "$LIMIT" "$PY" -m pdserve.cli bench roofline \
+section roofline "bench roofline ($MODEL)" "$((3 * LIMIT / 2))" "$PY" -m pdserve.cli bench roofline \
     --model "$MODEL" "${ROOFLINE[@]}" --steps 3 --json "$RESULTS/roofline.json"
 
 LAST_RC=0
@@ -116,15 +124,18 @@ if ! wanted sim-vs-real; then
 elif wanted calibrate && [[ $CALIBRATED != 0 ]]; then
     echo "== bench sim-vs-real: skipped, calibrate failed (exit $CALIBRATED)" | tee -a "$LOG"
 elif [[ -f "$PROFILE" ]]; then
-    section sim-vs-real "bench sim-vs-real ($MODEL)" "$((3 * LIMIT / 2))" "$PY" -m pdserve.cli \
+    section sim-vs-real "bench sim-vs-real ($MODEL)" "$((5 * LIMIT / 2))" "$PY" -m pdserve.cli \
         bench sim-vs-real --model "$MODEL" --profile "$PROFILE" "${VS_REAL[@]}" \
         --json "$RESULTS/sim-vs-real.json"
 else
     echo "== bench sim-vs-real: skipped, calibrate wrote no profile" | tee -a "$LOG"
 fi
 
+section tiers "bench tiers ($MODEL)" "$((3 * LIMIT / 2))" "$PY" -m pdserve.cli bench tiers \
+    --model "$MODEL" "${TIERS[@]}" --json "$RESULTS/tiers.json"
+
 if [[ -z "${GPU_CHECK_DRY_RUN:-}" ]]; then
-    section kernels "bench kernels" "$((2 * LIMIT))" "$PY" -m pdserve.cli bench kernels \
+    section kernels "bench kernels" "$((4 * LIMIT))" "$PY" -m pdserve.cli bench kernels \
         --tiles --json "$RESULTS/kernels.json"
 fi
 

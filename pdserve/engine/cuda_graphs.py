@@ -147,6 +147,7 @@ class DecodeGraphs:
             g.hidden = self._run(g)
         return g.hidden[:n]
 
+    @torch.inference_mode()  # as the engine's steps run (ModelRunner.execute)
     def warm_up(self, max_batch: int, max_blocks: int) -> int:
         """Capture every (bucket, width) a step of at most `max_batch` sequences of at most
         `max_blocks` blocks each can meet (all rows padding: nothing is written). -> graphs

@@ -88,6 +88,8 @@ def measure_tiers(core: EngineCore, args: EngineArgs, reps: int = 3) -> dict:
     """Per tier: latency and bytes/s of a park and an unpark (1 block, and `big` blocks of
     about 32 MiB together: big enough that the copy, not the fixed cost, dominates)."""
     cache = core.kv.cache
+    # on CUDA a reload's copy to the device and its unpack are queued: wait for them
+    sync = torch.cuda.synchronize if cache.pool.device.type == "cuda" else (lambda: None)
     block_bytes = cache.nbytes // cache.num_blocks
     big = int(min(max(8, (32 << 20) // block_bytes), cache.num_blocks // 2))
     out = {}
@@ -104,6 +106,7 @@ def measure_tiers(core: EngineCore, args: EngineArgs, reps: int = 3) -> dict:
                     tier.flush()
                 middle = time.perf_counter()
                 assert offload.unpark("calibrate", ids)
+                sync()
                 s_times.append(middle - start)
                 r_times.append(time.perf_counter() - middle)
             spill[n], reload[n] = statistics.median(s_times[1:]), statistics.median(r_times[1:])
