@@ -171,11 +171,13 @@ def bench_roofline(
                 )
                 for i in range(batch)
             ]
+            graphs, eager = getattr(core.runner, "graphs", None), None
+            replays = graphs.replays if graphs is not None else 0
             step = _median_step(core.runner, chunks, steps, device)
             # on CUDA the engine replays decode steps from CUDA graphs: the same step
             # eagerly, in the same run, says what the graphs are worth
-            graphs, eager = getattr(core.runner, "graphs", None), None
             if graphs is not None:
+                replays = graphs.replays - replays  # 0: this point ran eagerly too
                 core.runner.graphs = None
                 try:
                     eager = _median_step(core.runner, chunks, steps, device)
@@ -200,6 +202,7 @@ def bench_roofline(
                     "bound_by": "memory" if floor >= compute else "compute",
                     "tok_s": batch / step,
                     "eager_step_s": eager,  # None: no CUDA graphs (CPU)
+                    "graph_replays": replays,
                 }
             )
     finally:

@@ -125,6 +125,7 @@ class DecodeGraphs:
             return False
         return 0 < meta.num_decode <= self.buckets[-1]
 
+    @torch.inference_mode()  # the buffers may be inference tensors (made by warm_up)
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor | None:
         """Hidden states [num_decode, hidden] of a decode-only step, or None when its graph
         could not be captured (the caller runs the step eagerly; capturing stops)."""
@@ -175,6 +176,7 @@ class DecodeGraphs:
     def _capture(self, g: _Graph) -> bool:
         if not self.capture:
             return True
+        stream = torch.cuda.current_stream(self.device)
         try:
             # warm-up off the capture: the kernels' first launches compile and autotune,
             # and cuBLAS picks its workspace (neither may happen inside a capture)
@@ -192,6 +194,8 @@ class DecodeGraphs:
             g.graph = graph
             return True
         except Exception as e:  # a step that cannot be captured: eager from now on
+            # a capture that fails to end leaves its side stream current: back to ours
+            torch.cuda.set_stream(stream)
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("CUDA graph capture failed, decode steps run eagerly: %s", self.failed)
             self._graphs.clear()
