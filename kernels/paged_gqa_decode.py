@@ -44,7 +44,8 @@ from kernels.split_reduce import split_buffers, split_reduce
 # program. One 16-token block per step in fp32 (the first kernel) kept the H200 at 8% of its
 # copy bandwidth: each step waited on one small load. 64 x 4 was the fastest measured tile at
 # 64 x 4k tokens (254 us, 4.2 TB/s) and within 1% of it at 1 x 16k (`bench kernels --tiles`,
-# docs/results/gpu/kernels.json, H200, 2026-12-04).
+# docs/results/gpu/session-1/kernels.json, H200, 2026-12-04); the fastest at both in the
+# second run (258.6 and 47.7 us, docs/results/gpu/kernels.json).
 GQA_TOKENS = 64
 GQA_WARPS = 4
 # software-pipelining stages of the loop's loads (Triton's own default on CUDA: 3)

@@ -40,10 +40,12 @@ from kernels.split_reduce import split_buffers, split_reduce
 BLOCK_H = 16
 # tokens per loop step and warps per program (see paged_gqa_decode's GQA_TOKENS): one
 # 16-token block per step in fp32 kept the H200 at 1% of its copy bandwidth. Measured on the
-# H200 (`bench kernels --tiles`, docs/results/gpu/kernels.json, 2026-12-04), 64 x 8 is within
-# 11% of the fastest tile at both measured shapes (128 x 4: 154 vs 171 us at 64 x 4k tokens;
-# 128 x 8: 38 vs 42 us at 1 x 16k) with half the tile memory of 128 tokens (a 128 x 576 bf16
-# tile fits the H200's 228 KB of shared memory, not necessarily a smaller GPU's)
+# H200 (`bench kernels --tiles`, docs/results/gpu/session-1/kernels.json, 2026-12-04), 64 x 8
+# is within 11% of the fastest tile at both measured shapes (128 x 4: 154 vs 171 us at 64 x
+# 4k tokens; 128 x 8: 38 vs 42 us at 1 x 16k) with half the tile memory of 128 tokens (a
+# 128 x 576 bf16 tile fits the H200's 228 KB of shared memory, not necessarily a smaller
+# GPU's). The second run also tried 1/2/4 stages and 16/32 splits: the best (32 x 4, 2
+# stages) was 3% faster than the default at 64 x 4k (docs/results/gpu/kernels.json)
 MLA_TOKENS = 64
 MLA_WARPS = 8
 # software-pipelining stages of the loop's loads (Triton's own default on CUDA: 3)

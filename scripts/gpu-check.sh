@@ -4,9 +4,8 @@
 # against the engine, the spill tiers against raw copies (pinned host memory), the kernel
 # microbenchmarks, and a short capacity sweep (when NIXL is carried), all with a real-shaped
 # model (Llama-3-8B's architecture, seeded random weights in bf16: nothing is downloaded).
-# On one H200 the sections took ~5 minutes together (2026-12-04, docs/gpu-h200.md, before
-# the tiers section, CUDA graphs and the larger kernel grid were added); their deadlines add
-# up to 15 minutes without the sweep. JSON goes to $RESULTS (default docs/results/gpu), a
+# On one H200 every section but the sweep took 302 s together (2026-12-04, second session,
+# docs/gpu-h200.md); their deadlines add up to 15 minutes without the sweep. JSON goes to $RESULTS (default docs/results/gpu), a
 # log beside it.
 #
 #   scripts/gpu-check.sh                     on the GPU machine, from the repo root

@@ -14,12 +14,14 @@ What a step computes, as features:
                          step at batch <= 4 ran up to 2x a fit without it)
     prefill_step         1 if the step carries any prefill, else 0: a fixed cost of the
                          prefill path whatever its size. On one H200 (docs/results/gpu/
-                         calibrate-steps.json, refitted) one 128-token prompt's step and
-                         four of them cost the same 48-65 ms against 25 ms for a decode
-                         step; with this term the refit's small prefill steps came to
-                         p90 1.10x (1.53x without, 1.58x with prefill_seqs alone). With
-                         CUDA graphs the gap widens: decode-only steps replay a graph,
-                         steps with a prefill run eagerly (pdserve/engine/cuda_graphs.py)
+                         session-1/calibrate-steps.json, refitted) one 128-token prompt's
+                         step and four of them cost the same 48-65 ms against 25 ms for a
+                         decode step; with this term the refit's small prefill steps came
+                         to p90 1.10x (1.53x without, 1.58x with prefill_seqs alone). With
+                         CUDA graphs the gap widens (decode-only steps replay a graph,
+                         steps with a prefill run eagerly): the next H200 calibration
+                         fitted 34.5 ms per such step on a 7.2 ms intercept, median error
+                         3.5% (docs/results/gpu/profile.json)
     sampled              sequences that sample a token (logits + sampling)
 
 FittedCost:   t = intercept + sum of coefficient x feature, fitted on a real machine by
