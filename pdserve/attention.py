@@ -27,6 +27,7 @@ from kernels import (
     paged_mla_decode,
     paged_mla_decode_ref,
     prefill_attention_ref,
+    prefill_attention_sdpa,
     write_kv,
     write_kv_ref,
 )
@@ -46,6 +47,9 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefill_seqs, max_blocks] int32
     prefill_max_query: int
     prefill_max_context: int
+    # the same lengths on the host, one per prefill sequence (no device read to learn them)
+    prefill_query_lens_host: tuple[int, ...] = ()
+    prefill_context_lens_host: tuple[int, ...] = ()
 
 
 class TorchAttentionBackend:
@@ -130,7 +134,22 @@ class TorchAttentionBackend:
 
 class TritonAttentionBackend(TorchAttentionBackend):
     """Triton kernels for the decode step (paged GQA/MLA decode, KV write); prefill chunks
-    keep the torch path. On CPU they run only under the Triton interpreter."""
+    on a GPU run PyTorch's SDPA per sequence in the model's dtype (FlashAttention for a
+    whole prompt), elsewhere the torch reference. On CPU the Triton kernels run only under
+    the Triton interpreter."""
+
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if q.device.type != "cuda" or not meta.prefill_query_lens_host:
+            return super().prefill(q, k_cache, v_cache, meta, scale)
+        return prefill_attention_sdpa(
+            q,
+            k_cache,
+            v_cache,
+            meta.prefill_query_lens_host,
+            meta.prefill_context_lens_host,
+            meta.prefill_block_tables,
+            scale,
+        )
 
     name = "triton"
 

@@ -21,7 +21,7 @@ from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
 from pdserve.sampling_params import SamplingParams
 
-GREEDY = SamplingParams(temperature=0, max_tokens=1_000_000, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
 
 def _table(prof, sort: str, rows: int = 25) -> str:

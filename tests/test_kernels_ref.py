@@ -12,6 +12,7 @@ from kernels import (
     paged_gqa_decode_ref,
     paged_mla_decode_ref,
     prefill_attention_ref,
+    prefill_attention_sdpa,
     unpack_blocks_ref,
     write_kv_ref,
 )
@@ -103,8 +104,9 @@ def test_paged_mla_decode_matches_naive_walk(rank, rope):
         torch.testing.assert_close(out[i], expected, **TOL)
 
 
+@pytest.mark.parametrize("impl", ["ref", "sdpa"])
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_prefill_attention_with_cached_prefix_matches_naive(block_size):
+def test_prefill_attention_with_cached_prefix_matches_naive(block_size, impl):
     gen = torch.Generator().manual_seed(block_size)
     hq, hkv, dim, nblocks = 4, 2, 32, 16
     ctx = [5, block_size + 3, 2 * block_size]  # total context per sequence
@@ -115,9 +117,12 @@ def test_prefill_attention_with_cached_prefix_matches_naive(block_size):
     q = torch.randn(sum(q_lens), hq, dim, generator=gen)
     start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
     scale = dim**-0.5
-    out = prefill_attention_ref(
-        q, k_cache, v_cache, start, torch.tensor(ctx, dtype=torch.int32), table, scale
-    )
+    if impl == "ref":
+        out = prefill_attention_ref(
+            q, k_cache, v_cache, start, torch.tensor(ctx, dtype=torch.int32), table, scale
+        )
+    else:  # per sequence, host lengths, in the inputs' dtype
+        out = prefill_attention_sdpa(q, k_cache, v_cache, tuple(q_lens), tuple(ctx), table, scale)
     for i, (c, n) in enumerate(zip(ctx, q_lens)):
         keys = walk(k_cache, table[i], c, block_size)
         values = walk(v_cache, table[i], c, block_size)
@@ -125,6 +130,31 @@ def test_prefill_attention_with_cached_prefix_matches_naive(block_size):
             pos = c - n + j  # sees keys 0..pos
             expected = naive_attention(q[start[i] + j], keys[: pos + 1], values[: pos + 1], scale)
             torch.testing.assert_close(out[start[i] + j], expected, **TOL)
+
+
+def test_prefill_attention_sdpa_matches_the_reference_for_mla_and_16_bit():
+    gen = torch.Generator().manual_seed(5)
+    # MLA's prefill: one shared KV "head" holding the latent (keys 40 wide, values 32)
+    latent = torch.randn(12, 16, 40, generator=gen)
+    k_cache, v_cache = latent.unsqueeze(2), latent[..., :32].unsqueeze(2)
+    ctx, q_lens = [20, 33], [20, 7]
+    table = random_tables(ctx, 16, 12, gen)
+    q = torch.randn(sum(q_lens), 4, 40, generator=gen)
+    start = torch.tensor([0, 20, 27])
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    ref = prefill_attention_ref(q, k_cache, v_cache, start, lens, table, 0.2)
+    out = prefill_attention_sdpa(q, k_cache, v_cache, tuple(q_lens), tuple(ctx), table, 0.2)
+    torch.testing.assert_close(out, ref, **TOL)
+    for dtype in (torch.bfloat16, torch.float16):
+        args = (q.to(dtype), k_cache.to(dtype), v_cache.to(dtype))
+        ref = prefill_attention_ref(*args, start, lens, table, 0.2)
+        out = prefill_attention_sdpa(*args, tuple(q_lens), tuple(ctx), table, 0.2)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+    with pytest.raises(ValueError, match="do not match"):
+        prefill_attention_sdpa(q, k_cache, v_cache, (20,), (20,), table, 0.2)
+    with pytest.raises(ValueError, match="new tokens over a context"):
+        prefill_attention_sdpa(q, k_cache, v_cache, (20, 7), (20, 6), table, 0.2)
 
 
 def test_write_kv_fills_exactly_the_mapped_slots():

@@ -317,3 +317,40 @@ def test_bench_kernels_tile_sweep_times_and_checks_every_tile():
     for r in rows:
         assert "error" not in r, r
         assert r["triton_s"] > 0 and r["max_abs_diff_vs_torch"] < 1e-4, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_prefill_attention_sdpa_matches_the_reference(dtype):
+    from kernels import prefill_attention_ref, prefill_attention_sdpa
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(200, 16, 8, 128, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(200, 16, 8, 128, device="cuda", dtype=dtype, generator=gen)
+    ctx, q_lens = [1000, 300, 17], [1000, 44, 1]  # a whole prompt, two over a cached prefix
+    table = torch.randperm(200, device="cuda", generator=gen)[:189].view(3, 63).to(torch.int32)
+    q = torch.randn(sum(q_lens), 32, 128, device="cuda", dtype=dtype, generator=gen)
+    start = torch.tensor([0, 1000, 1044, 1045], device="cuda")
+    lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    ref = prefill_attention_ref(q, k, v, start, lens, table, 128**-0.5)
+    out = prefill_attention_sdpa(q, k, v, tuple(q_lens), tuple(ctx), table, 128**-0.5)
+    torch.testing.assert_close(out, ref, **GPU_TOL[dtype])
+
+
+@pytest.mark.gpu
+def test_gpu_engine_prefill_through_sdpa_gives_the_reference_tokens(monkeypatch):
+    from pdserve import LLM, SamplingParams
+    from pdserve.attention import TorchAttentionBackend, TritonAttentionBackend
+
+    prompts = ["The capital of France is", "a b c d e f g h i j k l m n o p" * 8, "x"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def tokens():
+        llm = LLM("tiny-llama", num_kv_blocks=256, device="cuda", dtype="float32")
+        out = [o.token_ids for o in llm.generate(prompts, params)]
+        llm.close()
+        return out
+
+    fast = tokens()
+    monkeypatch.setattr(TritonAttentionBackend, "prefill", TorchAttentionBackend.prefill)
+    assert tokens() == fast

@@ -87,6 +87,8 @@ class ModelRunner:
             prefill_block_tables=_block_table(prefill, dev),
             prefill_max_query=max(query_lens, default=0),
             prefill_max_context=max(prefill_ctx, default=0),
+            prefill_query_lens_host=tuple(query_lens),
+            prefill_context_lens_host=tuple(prefill_ctx),
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
