@@ -35,6 +35,21 @@ def _tokens(llm: LLM, n: int = 40) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, params)]
 
 
+def _decode_chunks(contexts, spacing: int) -> list[ScheduledChunk]:
+    """One decode per context (16-token blocks), sequence i's blocks from 1 + spacing * i."""
+    return [
+        ScheduledChunk(
+            token_ids=[7 + i],
+            start=ctx - 1,
+            block_ids=list(range(1 + spacing * i, 1 + spacing * i + -(-ctx // 16))),
+            sample=True,
+            params=SamplingParams(temperature=0),
+            generator=None,
+        )
+        for i, ctx in enumerate(contexts)
+    ]
+
+
 def test_buckets_and_widths():
     assert BATCH_BUCKETS[:4] == (1, 2, 4, 8) and BATCH_BUCKETS[-1] == 256
     assert all(b / a <= 1.5 for a, b in zip(BATCH_BUCKETS[3:], BATCH_BUCKETS[4:]))
@@ -51,17 +66,7 @@ def test_padded_forward_matches_eager_and_writes_only_real_slots(backend):
     runner = llm.core.runner
     graphs = _graphs(llm, capture=False)
     contexts = (5, 17, 40)  # 3 sequences: bucket 4, widths 1..3 blocks -> width 4
-    chunks = [
-        ScheduledChunk(
-            token_ids=[7 + i],
-            start=ctx - 1,
-            block_ids=list(range(1 + 4 * i, 1 + 4 * i + -(-ctx // 16))),
-            sample=True,
-            params=SamplingParams(temperature=0),
-            generator=None,
-        )
-        for i, ctx in enumerate(contexts)
-    ]
+    chunks = _decode_chunks(contexts, spacing=4)
     pool = runner.kv_cache.pool
     pool.normal_(generator=torch.Generator().manual_seed(0))
     before = pool.clone()
@@ -141,17 +146,7 @@ def test_gpu_captured_padded_step_matches_eager_in_bf16():
     runner = llm.core.runner
     graphs = runner.graphs
     contexts = (5, 17, 40, 300, 1)  # 5 sequences: bucket 8, width 32
-    chunks = [
-        ScheduledChunk(
-            token_ids=[7 + i],
-            start=ctx - 1,
-            block_ids=list(range(1 + 20 * i, 1 + 20 * i + -(-ctx // 16))),
-            sample=True,
-            params=SamplingParams(temperature=0),
-            generator=None,
-        )
-        for i, ctx in enumerate(contexts)
-    ]
+    chunks = _decode_chunks(contexts, spacing=20)
     runner.kv_cache.pool.normal_()
     _, ids, pos, meta, _ = runner.prepare(chunks)
     for _ in range(3):  # the capture, then replays
