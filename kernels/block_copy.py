@@ -20,8 +20,9 @@ an empty list packs to an empty buffer and unpacks to nothing.
 block_ids may live on the host (a CPU tensor) or on the pool's device. Host ids are checked
 where they are and then copied without waiting for the device; device ids must be read back
 to be checked, which waits for everything queued before and leaves the device idle while
-the checks and the launch run (suspected of the fixed ~55 us per call the H200 measured:
-docs/gpu-h200.md). Callers that build ids from a list (the spill path) pass host tensors.
+the checks and the launch run (on one H200 a 1-block pack took 65 us with device ids and
+6-8 us with host ids, 256 blocks 78% -> 91% of the copy bandwidth: docs/gpu-h200.md).
+Callers that build ids from a list (the spill path) pass host tensors.
 """
 
 from __future__ import annotations

@@ -56,6 +56,9 @@ class TorchAttentionBackend:
     """The torch reference kernels: correct everywhere, used on CPU."""
 
     name = "torch"
+    # its decode step launches the same kernels whatever the data (CUDA graphs can hold it);
+    # the references read device values back (write_kv_ref's padding check)
+    graph_capturable = False
 
     def write_kv(self, cache: torch.Tensor, new: torch.Tensor, meta: AttentionMetadata) -> None:
         write_kv_ref(cache, new, meta.slot_mapping)
@@ -132,14 +135,27 @@ class TorchAttentionBackend:
         )
 
 
+# prefill sequences in one step up to which the Triton backend runs SDPA per sequence on a
+# GPU; more go to the reference's one batched call. SDPA per sequence launches ~4 kernels per
+# sequence and layer from Python, so many short prompts would pay more in launches than the
+# reference's padded fp32 attention costs them; where the two cross is not measured (one
+# 1,024- and one 2,048-token prompt were: 57 -> 28 ms of device time, 182 -> 63 ms per
+# prefill, docs/gpu-h200.md), 8 is a guess to measure in the next GPU session
+SDPA_PREFILL_MAX_SEQS = 8
+
+
 class TritonAttentionBackend(TorchAttentionBackend):
     """Triton kernels for the decode step (paged GQA/MLA decode, KV write); prefill chunks
     on a GPU run PyTorch's SDPA per sequence in the model's dtype (FlashAttention for a
     whole prompt), elsewhere the torch reference. On CPU the Triton kernels run only under
     the Triton interpreter."""
 
+    name = "triton"
+    graph_capturable = True
+
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if q.device.type != "cuda" or not meta.prefill_query_lens_host:
+        lens = meta.prefill_query_lens_host
+        if q.device.type != "cuda" or not lens or len(lens) > SDPA_PREFILL_MAX_SEQS:
             return super().prefill(q, k_cache, v_cache, meta, scale)
         return prefill_attention_sdpa(
             q,
@@ -150,8 +166,6 @@ class TritonAttentionBackend(TorchAttentionBackend):
             meta.prefill_block_tables,
             scale,
         )
-
-    name = "triton"
 
     def write_kv(self, cache: torch.Tensor, new: torch.Tensor, meta: AttentionMetadata) -> None:
         write_kv(cache, new, meta.slot_mapping)

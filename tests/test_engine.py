@@ -155,14 +155,14 @@ def test_top_k_one_is_greedy(llm):
 
 
 def test_top_p_keeps_only_the_nucleus():
-    from pdserve.engine.sampler import _filter_sorted
+    from pdserve.engine.sampler import _filtered
 
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))  # descending, as it takes them
-    probs = _filter_sorted(logits, torch.tensor([4]), torch.tensor([0.7]))
-    # 0.5 < 0.7, 0.5 + 0.3 >= 0.7: the nucleus is the first two tokens
-    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
-    probs = _filter_sorted(logits, torch.tensor([3]), torch.tensor([1.0]))
-    torch.testing.assert_close(probs, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+    logits = torch.log(torch.tensor([[0.15, 0.5, 0.05, 0.3]]))
+    probs = _filtered(logits, [4], [0.7])  # top_k = the vocabulary: none
+    # 0.5 < 0.7, 0.5 + 0.3 >= 0.7: the nucleus is the two most likely tokens
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 0.625, 0.0, 0.375]]))
+    probs = _filtered(logits, [3], [1.0])
+    torch.testing.assert_close(probs, torch.tensor([[0.15, 0.5, 0.0, 0.3]]) / 0.95)
 
 
 def test_engine_arguments_are_validated():

@@ -80,9 +80,10 @@ def test_noiseless_steps_give_back_the_model_exactly():
 
 def test_a_cost_per_prefilling_sequence_is_told_from_the_tokens_and_the_step():
     """A fixed step, costs per prefill token and attention pair of the H200 fit's size
-    (docs/simulator.md), 4 ms per prefilling sequence and 20 ms per step with a prefill. The steps hold the same prefill
-    tokens as 1 and as 4 sequences (64 as 1 x 64 and 4 x 16), as calibration measures them
-    (pdserve/sim/calibrate.py PREFILL_SPLITS); each term comes back within 1%."""
+    (docs/simulator.md), 4 ms per prefilling sequence and 20 ms per step with a prefill. The
+    steps hold the same prefill tokens as 1 and as 4 sequences (64 as 1 x 64 and 4 x 16), as
+    calibration measures them (pdserve/sim/calibrate.py PREFILL_SPLITS); each term comes back
+    within 1%."""
     true = {
         "intercept": 0.028,
         "seqs": 0.0003,
@@ -104,20 +105,32 @@ def test_a_cost_per_prefilling_sequence_is_told_from_the_tokens_and_the_step():
 
 
 def test_profiles_fitted_before_prefill_seqs_load_and_predict_as_before():
-    """Every fitted profile committed (none has a prefill_seqs coefficient) loads, and its
-    prediction does not move with the number of prefilling sequences."""
-    paths = [*RESULTS.glob("*.json"), *RESULTS.glob("gpu/*.json"), *PROFILE_DIR.glob("*.json")]
+    """Every fitted profile committed loads; one fitted before the prefill_seqs feature (no
+    such coefficient) predicts the same whatever the number of prefilling sequences, and at
+    least one fitted since has the term."""
+    paths = [
+        *RESULTS.glob("*.json"),
+        *RESULTS.glob("gpu/*.json"),
+        *RESULTS.glob("gpu/session-1/*.json"),
+        *PROFILE_DIR.glob("*.json"),
+    ]
     fitted = [p for p in paths if json.loads(p.read_text()).get("kind") == "fitted"]
-    assert len(fitted) >= 4, "docs/results holds four CPU/GPU profiles fitted by calibrate"
+    assert len(fitted) >= 5, "docs/results holds CPU and GPU profiles fitted by calibrate"
     work = StepWork.of([chunk(5, 0, True), chunk(3, 8, False), chunk(1, 20, True)])
     alone = dataclasses.replace(work, prefill_seqs=0)
+    before = since = 0
     for path in fitted:
         profile = load_profile(str(path))
         for coefficients in (profile.engine, profile.cluster, profile.cluster_prefill):
-            assert "prefill_seqs" not in coefficients
             cost = FittedCost(coefficients)
-            assert cost.step_seconds(work) == cost.step_seconds(alone)
+            if "prefill_seqs" in coefficients:
+                since += 1
+                assert cost.step_seconds(work) > cost.step_seconds(alone)
+            else:
+                before += 1
+                assert cost.step_seconds(work) == cost.step_seconds(alone)
         assert FittedCost(profile.engine).step_seconds(work) > 0
+    assert before >= 4 and since >= 1
 
 
 def test_a_step_flat_to_a_knee_then_rising_is_fitted_piecewise():

@@ -4,18 +4,25 @@ candidates) agree with a full sort, and a flat distribution falls back to the so
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from pdserve.engine.sampler import NUCLEUS_FIRST, _candidates, _filter_sorted, sample
+from pdserve.engine.sampler import NUCLEUS_FIRST, NonFiniteLogits, _filtered, sample
 from pdserve.sampling_params import SamplingParams
 
 
-def _full_sort_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """The filtered distribution over the vocabulary, by a full sort (the definition)."""
-    values, ids = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([x if 0 < x < logits.shape[-1] else logits.shape[-1] for x in top_k])
-    probs = _filter_sorted(values, k, torch.tensor(top_p))
-    return torch.zeros_like(probs).scatter(1, ids, probs)
+def _by_position(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """The filtered distribution by its textbook definition: sort each row, keep its first k,
+    then the smallest prefix whose mass reaches p, renormalise, scatter back."""
+    out = torch.zeros_like(logits)
+    for i, row in enumerate(logits):
+        values, ids = row.sort(descending=True)
+        k = top_k[i] if 0 < top_k[i] < row.numel() else row.numel()
+        probs = values[:k].softmax(dim=0)
+        before = probs.cumsum(dim=0) - probs
+        probs = probs[before < top_p[i]]
+        out[i, ids[: probs.numel()]] = probs / probs.sum()
+    return out
 
 
 def test_draws_follow_the_filtered_distribution():
@@ -38,31 +45,68 @@ def test_draws_follow_the_filtered_distribution():
     assert (counts[expected == 0] == 0).all()  # a filtered token is never drawn
 
 
-def test_candidates_give_the_full_sort_distribution():
+def test_the_filter_is_the_textbook_distribution_on_every_path():
     gen = torch.Generator().manual_seed(1)
     vocab = 5000
     peaked = torch.randn(4, vocab, generator=gen) * 4  # nucleus inside the first candidates
     flat = torch.randn(4, vocab, generator=gen) * 0.1  # nucleus wider: the full sort
-    top_k = [0, 40, 0, 3000]
+    top_k = [vocab, 40, vocab, 3000]
     top_p = [0.9, 1.0, 0.5, 0.95]
     for logits in (peaked, flat):
-        probs, ids = _candidates(logits, [x or vocab for x in top_k], top_p)
-        full = torch.zeros(4, vocab).scatter(1, ids, probs)
-        torch.testing.assert_close(full, _full_sort_probs(logits, top_k, top_p))
-    probs, _ = _candidates(peaked, [vocab] * 4, [0.9] * 4)
-    assert probs.shape[-1] == NUCLEUS_FIRST  # no sort when the nucleus fits
-    probs, _ = _candidates(flat, [vocab] * 4, [0.9] * 4)
-    assert probs.shape[-1] == vocab
+        expected = _by_position(logits, top_k, top_p)
+        torch.testing.assert_close(_filtered(logits, top_k, top_p), expected)
+
+
+def test_ties_at_the_cut_are_all_kept():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
+    probs = _filtered(logits, [2], [1.0])  # the 2nd largest logit is 2.0, held by two tokens
+    assert (probs[0] > 0).tolist() == [True, False, True, True, False]
+    probs = _filtered(logits, [5], [0.7])  # the mass reaches 0.7 inside the tied pair
+    assert (probs[0] > 0).tolist() == [True, False, True, True, False]
+
+
+def _draws(logits, params, seeded_row: int, steps: int = 30) -> list[int]:
+    """The tokens of `seeded_row` (seed 7) over `steps` calls with these rows batched."""
+    gens = [
+        torch.Generator().manual_seed(7) if i == seeded_row else None for i in range(len(params))
+    ]
+    engine = torch.Generator().manual_seed(123)
+    return [sample(logits, params, gens, engine)[seeded_row] for _ in range(steps)]
 
 
 def test_seeded_rows_draw_the_same_tokens_whatever_else_is_batched():
-    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(2)) * 3
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
-    mine, others = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    alone = [sample(logits[1:2], [seeded], [mine], torch.Generator())[0] for _ in range(30)]
-    params = [SamplingParams(temperature=1.0, top_k=5), seeded, SamplingParams(temperature=0)]
-    engine = torch.Generator().manual_seed(123)
-    batched = [sample(logits, params, [None, others, None], engine) for _ in range(30)]
-    assert [b[1] for b in batched] == alone
-    assert len(set(alone)) > 1  # it samples, not argmax
-    assert all(b[2] == int(logits[2].argmax()) for b in batched)
+    """A seeded row (plain, top-k, top-p) alone and batched with rows that send the step
+    down every path: a plain softmax, topk candidates, a full sort (a flat row whose nucleus
+    is wider than the first candidates), greedy. Logits rounded to bf16 (ties, as a bf16
+    model's are) over a vocabulary wider than NUCLEUS_FIRST."""
+    gen = torch.Generator().manual_seed(2)
+    vocab = 3 * NUCLEUS_FIRST
+    peaked = (torch.randn(vocab, generator=gen) * 3).bfloat16().float()
+    flat = (torch.randn(vocab, generator=gen) * 0.05).bfloat16().float()
+    seeded = [
+        SamplingParams(temperature=0.9, seed=7),
+        SamplingParams(temperature=0.9, top_k=50, seed=7),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7),
+    ]
+    others = [
+        (flat, SamplingParams(temperature=1.0, top_p=0.95)),  # forces the full sort
+        (peaked, SamplingParams(temperature=1.0)),  # plain
+        (peaked, SamplingParams(temperature=0.7, top_k=5)),  # topk
+        (peaked, SamplingParams(temperature=0)),  # greedy
+    ]
+    for params in seeded:
+        alone = _draws(peaked[None], [params], 0)
+        assert len(set(alone)) > 1  # it samples, not argmax
+        for other_logits, other in others:
+            logits = torch.stack([other_logits, peaked])
+            assert _draws(logits, [other, params], 1) == alone, (params, other)
+
+
+def test_non_finite_logits_are_a_typed_error():
+    logits = torch.tensor([[0.0, 1.0, float("nan")], [0.0, 1.0, 2.0]])
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.5)):
+        with pytest.raises(NonFiniteLogits, match="row 0"):
+            sample(logits, [params, params], [None, None], torch.Generator())
+    # a greedy row with a NaN elsewhere in the step is not drawn: no error
+    ok = sample(logits[1:], [SamplingParams(temperature=1.0)], [None], torch.Generator())
+    assert 0 <= ok[0] < 3

@@ -60,8 +60,7 @@ from transfer.tiers.disk import checksum
 LAYOUTS = ("run", "scattered")
 # (device type, quick) -> blocks per sequence, rounds timed (one more warms up). On CUDA a
 # Llama-3-8B-shaped block in bf16 is 2 MiB: 256 blocks are 512 MiB, a long prompt's KV. The
-# full run is meant to take under a minute on an H200 (estimated, not yet measured: the disk
-# cases dominate: ~16 GiB written through the page cache, tier and raw together).
+# full run took 28 s on one H200 (docs/results/gpu/gpu-check-run1.log), the disk cases most.
 COUNTS = MappingProxyType(
     {
         ("cpu", False): ((1, 2, 6, 16, 64, 128), 7),

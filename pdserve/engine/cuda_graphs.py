@@ -35,16 +35,21 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.attention import AttentionMetadata, TorchAttentionBackend
 from pdserve.models import CausalLM
 
+if TYPE_CHECKING:
+    from pdserve.engine.core import EngineCore
+
 log = logging.getLogger(__name__)
 
 # batch sizes a graph is captured for (a step runs in the smallest that holds it): powers of
-# two to 8, then steps of at most a quarter, so padding wastes at most ~25% past batch 8
+# two to 8, then steps of at most half the bucket below (at most a third of a bucket's rows
+# are padding past batch 8: 65 sequences run as 96)
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
@@ -57,7 +62,7 @@ class _Graph:
     """One captured forward: its input buffers, its output, and the graph (None: eager)."""
 
     def __init__(self, bucket: int, width: int, block_size: int, device: torch.device) -> None:
-        def zeros(*shape, dtype):
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         self.input_ids = zeros(bucket, dtype=torch.long)
@@ -83,7 +88,9 @@ class _Graph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None
 
-    def load(self, input_ids, positions, meta: AttentionMetadata) -> None:
+    def load(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
         """The step's rows into the buffers; the rest become padding."""
         n, w = input_ids.shape[0], meta.decode_block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids)
@@ -98,6 +105,8 @@ class _Graph:
 
 
 class DecodeGraphs:
+    """The captured decode graphs of one model runner (see the module docstring)."""
+
     def __init__(
         self,
         model: CausalLM,
@@ -121,12 +130,16 @@ class DecodeGraphs:
         self.replays = 0
 
     def fits(self, meta: AttentionMetadata, on_layer_done: Callable | None) -> bool:
+        """Whether this step can run from a graph: decodes only, no per-layer callbacks, a
+        batch within the largest bucket, and capturing has not failed."""
         if self.failed or on_layer_done is not None or meta.num_prefill_tokens:
             return False
         return 0 < meta.num_decode <= self.buckets[-1]
 
     @torch.inference_mode()  # the buffers may be inference tensors (made by warm_up)
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor | None:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
         """Hidden states [num_decode, hidden] of a decode-only step, or None when its graph
         could not be captured (the caller runs the step eagerly; capturing stops)."""
         n = meta.num_decode
@@ -209,7 +222,7 @@ class DecodeGraphs:
         }
 
 
-def warm_up_graphs(core, max_batch: int, max_blocks: int) -> int:
+def warm_up_graphs(core: EngineCore, max_batch: int, max_blocks: int) -> int:
     """Capture up front the decode graphs a run of `core` can meet (nothing where the engine
     has no graphs: CPU, TP ranks, eager models). -> graphs captured."""
     graphs = getattr(core.runner, "graphs", None)

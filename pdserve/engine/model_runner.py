@@ -48,7 +48,12 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(seed)
         self.graphs: DecodeGraphs | None = None
         # decode-only steps from CUDA graphs: one rank's capturable model on a GPU
-        graphs_ok = device.type == "cuda" and model.graph_capturable and model.comm.size == 1
+        graphs_ok = (
+            device.type == "cuda"
+            and model.graph_capturable
+            and backend.graph_capturable
+            and model.comm.size == 1
+        )
         if cuda_graphs and graphs_ok:
             self.graphs = DecodeGraphs(model, kv_cache.layers, backend, self.block_size, device)
 

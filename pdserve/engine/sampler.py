@@ -1,21 +1,27 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
 
 Greedy rows take the argmax. The sampled rows are drawn in one batched pass by inverse CDF:
-each row's probabilities (after temperature, and top-k / top-p where asked) are summed up
-and one uniform number per row picks the token where the running sum passes it. That
-number comes from the request's own generator when it has a seed (else the engine's), one
-draw per token, so a seeded request samples the same tokens whatever else is batched; the
-draw is made on the host, so the same seed gives the same number on any device (tokens
-agree across devices unless it falls within rounding of a boundary of the running sum).
+each row's probabilities (after temperature, and top-k / top-p where asked) are summed up in
+token-id order and one uniform number per row picks the token where the running sum passes
+it. That number comes from the request's own generator when it has a seed (else the
+engine's), one draw per token, and every row walks its probabilities in token-id order
+whatever path computed them, so a seeded request samples the same tokens whatever else is
+batched. The draw is made on the host: the same seed gives the same number on any device
+(tokens agree across devices unless it falls within rounding of a boundary of the sum).
 
 Rows without top-k or top-p need no sorting: a softmax over the vocabulary. Rows with them
-work on their candidates in descending order: `topk` of the largest k asked for (linear in
-the vocabulary), or a full sort when some row has top-p without top-k.
+keep every token at least as likely as their cut: the k-th largest logit for top-k (`topk`
+of the largest k asked), and for top-p the logit of the token whose running mass (in
+descending order) first reaches p, found among the NUCLEUS_FIRST best or, when some row's
+nucleus is wider, a full sort. The cut is a value, not a position, so tokens tied with it
+are kept (at most a few more than k) and no row's tokens depend on how a sort orders ties
+or on which path the rest of the step took.
 
-The per-row draw over the whole vocabulary that this replaces (a sort of every row, then one
-`torch.multinomial` per row on the host) cost 61 ms for one row and 480 ms for 32 rows of
-SmolLM2's 49,152-token vocabulary on 2 vCPUs, and ~150 ms per step of 32 rows of Llama-3's
-128,256 on one H200 box: more than the decode step itself (docs/benchmarks.md).
+The per-row draw that this replaces (a sort of every row, then one `torch.multinomial` per
+row on the host) against this one, in one process (scripts/sampler_ab.py): 32 rows of
+SmolLM2's 49,152-token vocabulary at temperature 1, 2 vCPUs, 131 vs 7.9 ms
+(docs/results/sampler-ab-cpu.json); 32 rows of Llama-3's 128,256 on one H200, 155.8 vs
+0.68 ms (docs/results/gpu/sampler-ab-cuda.json): more than the decode step itself.
 """
 
 from __future__ import annotations
@@ -23,6 +29,11 @@ from __future__ import annotations
 import torch
 
 from pdserve.sampling_params import SamplingParams
+
+
+class NonFiniteLogits(RuntimeError):
+    """A sampled row's logits sum to no finite, positive probability (a broken checkpoint or
+    an overflow in the model): no token can be drawn, and the same step would fail again."""
 
 
 def sample(
@@ -44,80 +55,65 @@ def sample(
     scaled = logits[torch.tensor(rows, device=device)] / temps[:, None]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in sampled]
     top_p = [p.top_p for p in sampled]
-    if max(top_p) >= 1.0 and min(top_k) >= vocab:
-        probs, ids = scaled.softmax(dim=-1), None  # nothing to filter: no sort
-    else:
-        probs, ids = _candidates(scaled, top_k, top_p)
-    picked = _inverse_cdf(probs, torch.tensor(uniform, device=device))
-    if ids is not None:
-        picked = ids.gather(1, picked[:, None])[:, 0]
+    filtered = any(k < vocab or p < 1.0 for k, p in zip(top_k, top_p))
+    probs = _filtered(scaled, top_k, top_p) if filtered else scaled.softmax(dim=-1)
+    picked = _inverse_cdf(probs, torch.tensor(uniform, device=device)).tolist()
     out = greedy.tolist()
-    for i, token in zip(rows, picked.tolist()):
+    for i, token in zip(rows, picked):
+        if token >= vocab:
+            raise NonFiniteLogits(f"sampling: row {i}'s logits are not finite numbers")
         out[i] = token
     return out
 
 
 def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """The index of each row where its running sum first exceeds uniform x the row's total
-    (a token of probability 0 is never picked: the sum does not rise there)."""
+    (a token of probability 0 is never picked: the sum does not rise there); `vocab` for a
+    row whose total is not a finite, positive number."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     target = torch.minimum(
         uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total))
     )
-    return torch.searchsorted(cdf, target, right=True)[:, 0]
+    picked = torch.searchsorted(cdf, target, right=True)[:, 0]
+    broken = ~torch.isfinite(total[:, 0]) | (total[:, 0] <= 0)
+    return torch.where(broken, probs.shape[-1], picked)
 
 
-# candidates taken first for rows with top-p but no top-k: in a real model's distribution
-# the nucleus is a few hundred tokens at most; a row whose NUCLEUS_FIRST best fall short of
-# its top-p sends the step to a full sort
+# candidates searched first for the top-p cut of rows without a top-k: in a real model's
+# distribution the nucleus is a few hundred tokens at most; a row whose NUCLEUS_FIRST best
+# fall short of its top-p sends the step to a full sort
 NUCLEUS_FIRST = 1024
 
 
-def _candidates(
-    scaled: torch.Tensor, top_k: list[int], top_p: list[float]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (probabilities [R, C] of each row's candidates in descending order, zero past its
-    top-k / top-p cut, and their token ids [R, C])."""
+def _filtered(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Logits [R, V] -> probabilities [R, V] in token-id order after top-k, then top-p on
+    what top-k kept (renormalised); `top_k[i]` >= V: none, `top_p[i]` = 1: none."""
     vocab, device = scaled.shape[-1], scaled.device
+    neg_inf = torch.full((len(top_k),), float("-inf"), device=device)
     k = torch.tensor(top_k, device=device)
+    widest = max((x for x in top_k if x < vocab), default=0)
+    if widest:  # the k-th largest logit of each row with a top-k
+        best = scaled.topk(widest, dim=-1).values
+        kth = best.gather(1, (k.clamp(max=widest) - 1)[:, None])[:, 0]
+        scaled = _below(scaled, torch.where(k < vocab, kth, neg_inf))
     p = torch.tensor(top_p, device=device, dtype=scaled.dtype)
-    unbounded = k >= vocab  # rows without a top-k: normalised over the whole vocabulary
-    lse_all = scaled.logsumexp(dim=-1)
-    width = max((x for x in top_k if x < vocab), default=0)  # the widest top-k asked
-    if max(top_k) >= vocab:  # and room for the nucleus of the rows without one
-        width = min(vocab, max(width, NUCLEUS_FIRST))
-    if width < vocab:
-        values, ids = scaled.topk(width, dim=-1)  # sorted, descending: linear in the vocab
-        held = (values.logsumexp(dim=-1) - lse_all).exp()  # mass of the candidates
-        if bool(((held < p) & unbounded).any()):  # a nucleus wider than the candidates
-            values, ids = scaled.sort(dim=-1, descending=True)
-    else:
-        values, ids = scaled.sort(dim=-1, descending=True)
-    # rows without a top-k are normalised over the whole vocabulary, not their candidates
-    return _filter_sorted(values, k, p, torch.where(unbounded, lse_all, float("nan"))), ids
+    if min(top_p) < 1.0:  # the logit of the token whose running mass first reaches p
+        lse = scaled.logsumexp(dim=-1, keepdim=True)
+        values = scaled.topk(min(vocab, max(widest, NUCLEUS_FIRST)), dim=-1).values
+        mass = (values - lse).exp().cumsum(dim=-1)
+        if bool((mass[:, -1] < p).any()):  # a nucleus wider than the candidates
+            values = scaled.sort(dim=-1, descending=True).values
+            mass = (values - lse).exp().cumsum(dim=-1)
+        crossing = (mass < p[:, None]).sum(dim=-1).clamp(max=values.shape[-1] - 1)
+        cut = values.gather(1, crossing[:, None])[:, 0]
+        scaled = _below(scaled, torch.where(p < 1.0, cut, neg_inf))
+    return scaled.softmax(dim=-1)
 
 
-def _filter_sorted(
-    values: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    lse_all: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Descending logits [R, C] -> probabilities after top-k then top-p: the smallest prefix
-    whose mass reaches top_p (the token crossing it included), renormalised. `lse_all`: a
-    row's log-normaliser over the whole vocabulary where its candidates are only the best
-    of it (NaN elsewhere, or None: each row normalised over its own top-k candidates)."""
-    ranks = torch.arange(values.shape[-1], device=values.device)
-    drop = ranks[None, :] >= top_k[:, None]
-    lse = values.masked_fill(drop, float("-inf")).logsumexp(dim=-1)
-    if lse_all is not None:
-        lse = torch.where(lse_all.isnan(), lse, lse_all)
-    probs = (values - lse[:, None]).exp().masked_fill(drop, 0.0)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p[:, None]
-    probs = probs.masked_fill(drop, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True)
+def _below(logits: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """Each row's logits below its floor set to -inf (a token tied with it stays)."""
+    return logits.masked_fill(logits < floor[:, None], float("-inf"))
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> dict[int, float]:
