@@ -20,15 +20,17 @@ import time
 
 import torch
 
+from pdserve.bench.report import machine_info
 from pdserve.engine.sampler import sample
 from pdserve.sampling_params import SamplingParams
 
 VOCABS = (49_152, 128_256)  # SmolLM2, Llama-3
 BATCHES = (1, 8, 32)
-SETTINGS = (
-    ("t=1", dict(temperature=1.0)),
-    ("t=0.7 top_p=0.9", dict(temperature=0.7, top_p=0.9)),
-    ("t=0.7 top_k=50", dict(temperature=0.7, top_k=50)),
+SETTINGS = (  # each row's sampling parameters, cycled over the batch
+    ("t=1", (dict(temperature=1.0),)),
+    ("t=0.7 top_p=0.9", (dict(temperature=0.7, top_p=0.9),)),
+    ("t=0.7 top_k=50", (dict(temperature=0.7, top_k=50),)),
+    ("mixed", (dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(top_k=50))),
 )
 SPREADS = (("peaked", 4.0), ("flat", 1.0))  # std of the logits
 
@@ -84,7 +86,7 @@ def main() -> int:
             for batch in BATCHES:
                 logits = torch.randn(batch, vocab, generator=gen, device=device) * std
                 for name, kw in SETTINGS:
-                    params = [SamplingParams(**kw)] * batch
+                    params = [SamplingParams(**kw[i % len(kw)]) for i in range(batch)]
                     nones = [None] * batch
                     engine = torch.Generator().manual_seed(0)
                     call = (logits, params, nones, engine)
@@ -108,7 +110,12 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"device": str(device), "threads": torch.get_num_threads(), "rows": rows},
+                {
+                    "device": str(device),
+                    "threads": torch.get_num_threads(),
+                    "machine": machine_info(),
+                    "rows": rows,
+                },
                 f,
                 indent=1,
             )

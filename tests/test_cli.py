@@ -369,3 +369,14 @@ def test_bench_rescore_applies_another_slo_to_a_sweep_report(tmp_path):
     src.write_text(json.dumps({"points": [{"policy": "a"}]}))
     proc = run_cli("bench", "rescore", str(src))
     assert proc.returncode != 0 and "no per-request records" in proc.stderr
+
+
+def test_workers_take_no_cuda_graphs_into_their_engine_arguments():
+    from pdserve.cli import build_parser
+    from pdserve.cli.serve import engine_args
+
+    for role in ("prefill", "decode"):
+        base = ["serve", role, "--model", "tiny-llama"]
+        assert engine_args(build_parser().parse_args(base)).cuda_graphs is True
+        args = build_parser().parse_args([*base, "--no-cuda-graphs"])
+        assert engine_args(args).cuda_graphs is False
