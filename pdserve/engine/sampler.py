@@ -18,10 +18,13 @@ are kept (at most a few more than k) and no row's tokens depend on how a sort or
 or on which path the rest of the step took.
 
 The per-row draw that this replaces (a sort of every row, then one `torch.multinomial` per
-row on the host) against this one, in one process (scripts/sampler_ab.py): 32 rows of
-SmolLM2's 49,152-token vocabulary at temperature 1, 2 vCPUs, 131 vs 7.9 ms
-(docs/results/sampler-ab-cpu.json); 32 rows of Llama-3's 128,256 on one H200, 155.8 vs
-0.68 ms (docs/results/gpu/sampler-ab-cuda.json): more than the decode step itself.
+row on the host) against this one, in one process (scripts/sampler_ab.py,
+docs/results/sampler-ab-cpu.json, 2 vCPUs): 32 rows of SmolLM2's 49,152-token vocabulary at
+temperature 1, 119.3 vs 6.0 ms; with top-p 0.9, 114.6 vs 16.0 ms; a mix of plain, top-p and
+top-k rows 116.5 vs 17.6 ms (peaked logits; on flat ones, whose nucleus is most of the
+vocabulary, top-p still sorts: 1.3-1.6x). On one H200 the first version of this sampler
+(which walked sorted candidates) took 0.68 vs 155.8 ms for 32 rows of Llama-3's 128,256
+(docs/results/gpu/sampler-ab-cuda.json): the old way cost more than the decode step.
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ def _filtered(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> tor
         lse = scaled.logsumexp(dim=-1, keepdim=True)
         values = scaled.topk(min(vocab, max(widest, NUCLEUS_FIRST)), dim=-1).values
         mass = (values - lse).exp().cumsum(dim=-1)
-        if bool((mass[:, -1] < p).any()):  # a nucleus wider than the candidates
+        if bool(((mass[:, -1] < p) & (p < 1.0)).any()):  # a nucleus wider than them
             values = scaled.sort(dim=-1, descending=True).values
             mass = (values - lse).exp().cumsum(dim=-1)
         crossing = (mass < p[:, None]).sum(dim=-1).clamp(max=values.shape[-1] - 1)
