@@ -6,8 +6,10 @@ Shapes:
     slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset_in_block
 
 `entry` is `[num_kv_heads, head_dim]` for GQA K or V and `[kv_lora_rank + rope_dim]` for the
-MLA latent. Slots must be distinct within one call (each token owns its slot); a negative
-slot marks a padding token (a CUDA graph's spare rows) whose entry is not written.
+MLA latent. Slots must be distinct within one call (each token owns its slot). For the
+Triton kernel a negative slot marks a padding token (a CUDA graph's spare rows) whose entry
+is not written; the reference takes real slots only (its callers never pad, and it runs
+in every layer of a CPU step).
 
 Triton kernel: one program per (token, chunk of BLOCK_E entry elements); the cache's entry
 dimensions must be contiguous (true for every pool view pdserve makes).
@@ -69,8 +71,4 @@ def write_kv_ref(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Ten
     num_blocks, block_size = cache.shape[:2]
     # flat: [num_blocks * block_size, *entry]; a view, so the write lands in the pool.
     flat = cache.view(num_blocks * block_size, *cache.shape[2:])
-    slots = slot_mapping.long()
-    keep = slots >= 0
-    if not bool(keep.all()):  # padding tokens (negative slots) are not written
-        slots, new = slots[keep], new[keep]
-    flat.index_copy_(0, slots, new.to(cache.dtype))
+    flat.index_copy_(0, slot_mapping.long(), new.to(cache.dtype))

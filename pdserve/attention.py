@@ -56,8 +56,9 @@ class TorchAttentionBackend:
     """The torch reference kernels: correct everywhere, used on CPU."""
 
     name = "torch"
-    # its decode step launches the same kernels whatever the data (CUDA graphs can hold it);
-    # the references read device values back (write_kv_ref's padding check)
+    # whether its decode step can be held by a CUDA graph: the Triton kernels skip padding
+    # rows' KV (negative slots); the references neither skip them nor avoid reading device
+    # values back
     graph_capturable = False
 
     def write_kv(self, cache: torch.Tensor, new: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -161,7 +162,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
             q,
             k_cache,
             v_cache,
-            meta.prefill_query_lens_host,
+            lens,
             meta.prefill_context_lens_host,
             meta.prefill_block_tables,
             scale,

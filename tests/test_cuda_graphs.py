@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import write_kv_ref
 from pdserve import LLM, SamplingParams
 from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, warm_up_graphs, width_bucket
@@ -18,12 +19,25 @@ from pdserve.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, warm_up_grap
 PROMPTS = ["The capital of France is", "1 2 3 4 5", "Once upon a time", "a b"]
 
 
+def _skipping_padding(backend):
+    """The runner's CPU backend writing KV as the Triton kernel does: a padding row's
+    negative slot is skipped (the references take real slots only; on a GPU the graphs run
+    the Triton backend, whose skip tests/test_kernels_triton.py test_write_kv checks)."""
+
+    class SkippingPadding(type(backend)):
+        def write_kv(self, cache, new, meta):
+            real = meta.slot_mapping >= 0
+            write_kv_ref(cache, new[real], meta.slot_mapping[real])
+
+    return SkippingPadding()
+
+
 def _graphs(llm: LLM, capture: bool) -> DecodeGraphs:
     runner = llm.core.runner
     return DecodeGraphs(
         runner.model,
         runner.kv_cache.layers,
-        runner.backend,
+        _skipping_padding(runner.backend),
         runner.block_size,
         runner.device,
         capture=capture,
