@@ -42,11 +42,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from decode.legs import Leg, Round, RoundFailed, plan_legs
 from pdserve.serving.destination import Destination
 from pdserve.serving.kv_pool import pool_geometry
 from pdserve.trace import Span, now
-from transfer import HandshakeRefused, TransferFailed, XferState, notification
-from transfer.writes import Peers, PoolSide, block_runs, pool_side, write_layers
+from transfer import HandshakeRefused
+from transfer.writes import Peers, PoolSide, pool_side
 
 
 class MigrationFailed(RuntimeError):
@@ -63,6 +64,20 @@ class MigrationFailed(RuntimeError):
 
 
 @dataclass(frozen=True)
+class _Move:
+    """One move's fixed parts: where to, its legs (one per pair of ranks), its deadline."""
+
+    dest: Destination
+    dest_request_id: str
+    legs: list[Leg]
+    deadline: float  # time.monotonic()
+
+    @property
+    def key(self) -> str:  # how the ranks name its rounds
+        return self.dest_request_id
+
+
+@dataclass(frozen=True)
 class Migrated:
     rounds: int
     nbytes: int
@@ -76,7 +91,7 @@ class Migrator:
     def __init__(self, worker) -> None:
         self.worker = worker
         self.local = pool_side(worker.endpoint.agent, worker.endpoint.layout)
-        self.peers = Peers(worker.endpoint.agent)  # keyed by destination worker id
+        self.peers = Peers(worker.endpoint.agent)  # keyed (destination worker id, its rank)
         self._retired: list[torch.Tensor] = []  # staging buffers a lost WRITE may still read
 
     def move(
@@ -111,85 +126,78 @@ class Migrator:
         timeout_s: float,
     ) -> Migrated:
         worker = self.worker
-        if worker.core.tp_size > 1 or dest.ranks:
-            raise MigrationFailed("migration between tensor-parallel workers is not built", False)
         try:
-            worker.endpoint.routes_to(dest.pools)  # the same model and pool layout
+            legs = plan_legs(worker.endpoint, dest)  # the same model, heads we can map
         except HandshakeRefused as e:
             raise MigrationFailed(f"destination: {e}", False) from None
-        with worker.agent_lock:
-            try:
-                peer, remote = self.peers.side(dest.worker_id, dest.agent_metadata, dest.pool)
-            except (ValueError, RuntimeError) as e:  # metadata it cannot use
-                raise MigrationFailed(f"destination {dest.worker_id}: {e}", True) from None
+        with worker.agent_lock:  # connect to its rank-0-bound ranks before anything stops
+            for leg in legs:
+                if leg.rank == 0:
+                    try:
+                        self.peers.side(
+                            (dest.worker_id, leg.dest_rank),
+                            dest.rank_metadata(leg.dest_rank),
+                            dest.pools[leg.dest_rank],
+                        )
+                    except (ValueError, RuntimeError) as e:  # metadata it cannot use
+                        raise MigrationFailed(f"destination {dest.worker_id}: {e}", True) from None
+        move = _Move(dest, dest_request_id, legs, time.monotonic() + timeout_s)
         bs = worker.core.block_size
-        deadline = time.monotonic() + timeout_s
         with worker.lock:
             parked = worker.core.detach_parked(request_id)
         if parked is not None:
-            return self._move_parked(parked, peer, remote, dest, dest_request_id, deadline)
+            return self._move_parked(parked, move)
         with worker.lock:  # it waits at the destination's size rather than outgrow it
             worker.core.hold(request_id, len(dest.block_ids) * bs)
         try:
-            return self._move_running(
-                request_id, peer, remote, dest, dest_request_id, max_rounds, deadline
-            )
+            return self._move_running(request_id, move, max_rounds)
         finally:  # moved (gone from here), or going on here: no bound either way
             with worker.lock:
                 worker.core.hold(request_id, None)
 
-    def _move_running(
-        self,
-        request_id: str,
-        peer: str,
-        remote: PoolSide,
-        dest: Destination,
-        dest_request_id: str,
-        max_rounds: int,
-        deadline: float,
-    ) -> Migrated:
+    def _move_running(self, request_id: str, move: _Move, max_rounds: int) -> Migrated:
         """Pre-copy rounds while it decodes, then the last with it stopped."""
         bs = self.worker.core.block_size
-        sent = dest.cached_blocks  # blocks [0, sent) are there and final
+        sent = move.dest.cached_blocks  # blocks [0, sent) are there and final
         rounds, nbytes, growth = 0, 0, bs
         limit = max_rounds or self.worker.config.migrate_max_rounds
         while True:
             request, blocks, computed = self._next(
-                request_id, sent, rounds >= limit - 1, growth, dest, deadline
+                request_id, sent, rounds >= limit - 1, growth, move.dest, move.deadline
             )
             if request is None:  # a pre-copy round: the request decodes on meanwhile
-                nbytes += self._write(peer, remote, blocks, dest, sent, computed, deadline, b"")
+                nbytes += self._write(move, blocks, sent, computed, final=False)
                 rounds += 1
                 now_computed = self._unmoved(request_id, blocks)
                 growth = max(growth, now_computed - computed)
                 sent = computed // bs  # the partial last block goes again
                 continue
             stopped, stopped_wall = time.monotonic(), now()
-            notif = notification(dest_request_id, dest.fence, 0, 1)
             try:
-                nbytes += self._write(peer, remote, blocks, dest, sent, computed, deadline, notif)
+                nbytes += self._write(move, blocks, sent, computed, final=True)
             except Exception:  # whatever failed, the stopped request goes on here
                 self._readmit(request)
                 raise
             return self._moved(request, rounds + 1, nbytes, stopped, stopped_wall)
 
-    def _move_parked(
-        self, request, peer: str, remote: PoolSide, dest: Destination, dest_rid: str, deadline
-    ) -> Migrated:
+    def _move_parked(self, request, move: _Move) -> Migrated:
         """One round from the tier the request is parked in (it does not decode meanwhile):
-        its KV unpacked into a staging buffer, WRITTEN from there."""
+        its KV unpacked into a staging buffer registered with the agent (on every rank of
+        a tensor-parallel worker, each its own shard), WRITTEN from there."""
         worker = self.worker
         core = worker.core
+        rid = request.request_id
         stopped, stopped_wall = time.monotonic(), now()
         try:
             with worker.lock:  # the tiers are the core's: read under its lock
-                staging = self._staging(core.parked_blocks(request.request_id))
-                if not core.copy_parked(request, staging):
-                    raise MigrationFailed(
-                        f"the parked KV of {request.request_id!r} was lost or corrupt", True
-                    )
+                staging = self._staging(core.parked_blocks(rid))
+                if not core.copy_parked(request, staging) or not all(
+                    core.rank_call("migrate_stage", move.key, rid)
+                ):
+                    if core.tp_size > 1:  # the ranks that staged theirs drop them
+                        core.rank_call("migrate_release", move.key, True)
+                    raise MigrationFailed(f"the parked KV of {rid!r} was lost or corrupt", True)
             blocks = list(range(staging.shape[core.kv_block_dim]))
-            notif = notification(dest_rid, dest.fence, 0, 1)
             computed = request.num_computed_tokens
             with worker.agent_lock:
                 region = worker.endpoint.agent.register(staging)
@@ -198,9 +206,8 @@ class Migrator:
             )
             landed = False
             try:
-                nbytes = self._write(
-                    peer, remote, blocks, dest, dest.cached_blocks, computed, deadline, notif, local
-                )
+                sent = move.dest.cached_blocks
+                nbytes = self._write(move, blocks, sent, computed, final=True, local=local)
                 landed = True
             except MigrationFailed as e:
                 landed = not e.wrote  # nothing in flight: the region may go
@@ -288,57 +295,42 @@ class Migrator:
 
     def _write(
         self,
-        peer: str,
-        remote: PoolSide,
+        move: _Move,
         blocks: list[int],
-        dest: Destination,
         sent: int,
         computed: int,
-        deadline: float,
-        notif: bytes,
+        final: bool,
         local: PoolSide | None = None,
     ) -> int:
         """WRITE blocks [sent, the one holding token `computed` - 1] of every layer (from
-        `local`: our pool when None), with `notif` (the last round's) -> bytes moved."""
-        worker = self.worker
+        `local`: our pool when None; the other ranks' pools, or what they staged), with the
+        notifications when `final` -> bytes moved."""
+        worker, dest = self.worker, move.dest
         upto = -(-computed // worker.core.block_size)
         if upto > len(dest.block_ids):
             raise MigrationFailed(
                 f"{computed} tokens outgrew the {len(dest.block_ids)} blocks reserved", True
             )
-        if notif and sent >= upto:  # nothing changed: the last block carries the notification
+        if final and sent >= upto:  # nothing changed: the last block carries the notification
             sent = upto - 1
         src = np.asarray(blocks[sent:upto], dtype=np.int64)
         dst = np.asarray(dest.block_ids[sent:upto], dtype=np.int64)
-        if src.size == 0 and not notif:
+        if src.size == 0 and not final:
             return 0
-        layers = range(worker.core.model_config.num_layers)
+        round_ = Round(worker, self.peers, move.legs, dest, move.key)
+        landed = False
         try:
-            with worker.agent_lock:
-                xfer, nbytes = write_layers(
-                    worker.endpoint.agent,
-                    peer,
-                    layers,
-                    self.local if local is None else local,
-                    remote,
-                    (src, dst, block_runs(src, dst)),
-                    notif,
-                )
-        except TransferFailed as e:  # the peer is gone, say
-            raise MigrationFailed(f"a WRITE of the move could not be posted: {e}", True) from None
-        try:
-            while True:
-                with worker.agent_lock:
-                    state = xfer.state()
-                if state is XferState.DONE:
-                    return nbytes
-                if state is XferState.FAILED:
-                    raise MigrationFailed("a WRITE of the move failed", True, wrote=True)
-                if time.monotonic() > deadline:
-                    raise MigrationFailed("the move was not done by its deadline", True, wrote=True)
-                time.sleep(worker.config.kv_arrival_poll_s)
-        except TransferFailed as e:  # posted, then lost track of: it may still land
-            raise MigrationFailed(f"a WRITE of the move failed: {e}", True, wrote=True) from None
+            nbytes = round_.post(
+                self.local if local is None else local,
+                src,
+                dst,
+                move.dest_request_id if final else None,
+            )
+            round_.wait(move.deadline, worker.config.kv_arrival_poll_s)
+            landed = True
+            return nbytes
+        except RoundFailed as e:
+            landed = not e.wrote
+            raise MigrationFailed(f"the move's {e}", True, wrote=e.wrote) from None
         finally:
-            with worker.agent_lock:
-                xfer.release()
+            round_.release(landed)

@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from decode.config import DecodeConfig
+from decode.legs import RANK_EXTENSION
 from decode.metrics import DecodeMetrics
 from decode.migrate import Migrated, MigrationFailed, Migrator
 from decode.state import DecodeState, ReservationError, Reserved, UnknownRequest
@@ -91,7 +92,7 @@ class DecodeWorker:
         request computed again after a preemption reloads what it had the same way."""
         args = dataclasses.replace(args, enable_prefix_caching=args.prefix_offload)
         core, _ = build_engine(model, args)
-        return cls(core, open_endpoint(core, model, agent), config)
+        return cls(core, open_endpoint(core, model, agent, RANK_EXTENSION), config)
 
     @property
     def reservations(self):

@@ -24,15 +24,15 @@ from pdserve.engine.build import build_engine
 from pdserve.engine.core import EngineCore
 from pdserve.sampling_params import SamplingParams
 from pdserve.serving.destination import Destination
-from pdserve.serving.kv_pool import KVEndpoint, heads_of, open_endpoint
+from pdserve.serving.kv_pool import KVEndpoint, open_endpoint
 from pdserve.serving.registration import WorkerStats
 from pdserve.trace import Span, now
 from prefill.batcher import Batcher, PrefillJob, reserve_batch
 from prefill.config import PrefillConfig
 from prefill.metrics import PrefillMetrics
 from prefill.push import BatchPush, PushTarget
-from transfer import Route, TransferAgent, TransferFailed, notification
-from transfer.writes import HeadRoute, Peers, pool_side
+from transfer import TransferAgent, TransferFailed, notification
+from transfer.writes import Peers, pool_side
 
 RANK_EXTENSION = "prefill.rank:PrefillRank"  # what ranks 1..n-1 run (prefill/rank.py)
 
@@ -254,7 +254,6 @@ class PrefillWorker:
         size = self.core.tp_size
         targets, owners = [], []
         work = [self._rank_work() for _ in range(size - 1)] if size > 1 else None
-        ours = self.endpoint.layouts
         for i, job in enumerate(jobs):
             dest = job.dest
             pools = dest.pools
@@ -263,7 +262,7 @@ class PrefillWorker:
             src = job.request.block_ids[skip : len(dest.block_ids)]
             dst = dest.block_ids[skip:]
             for k, route in enumerate(routes):
-                heads = self._heads(route, ours[route.src], pools[route.dst])
+                heads = self.endpoint.head_route(route, pools)
                 notif = notification(job.request.request_id, dest.fence, k, len(routes))
                 if route.src == 0:
                     targets.append(self._target(job, route.dst, src, dst, notif, heads))
@@ -294,12 +293,6 @@ class PrefillWorker:
             "poll_s": self.config.push_poll_s,
             "worker": self.worker_id,
         }
-
-    def _heads(self, route: Route, ours, theirs) -> HeadRoute | None:
-        spec = self.endpoint.spec
-        src, dst = heads_of(ours, spec), heads_of(theirs, spec)
-        heads = HeadRoute(route, src, dst, self.core.block_size)
-        return None if heads.whole else heads
 
     def _target(
         self, job: PrefillJob, rank: int, src: list[int], dst: list[int], notif: bytes, heads

@@ -108,6 +108,30 @@ def test_drain_moves_every_stream_off_a_decode_worker_with_nothing_recomputed(
         assert proc.wait(timeout=60) == 0
 
 
+def test_drain_moves_the_streams_of_a_tensor_parallel_decode_worker(expected, monkeypatch):
+    """Both decode workers are TP=2 groups: a drain moves each stream with every rank's
+    heads (decode/legs.py), over the router's Migrate, and the clients see the colocated
+    engine's tokens, nothing resumed."""
+    with (
+        Cluster("tiny-llama", 1, 2, worker_args=["--num-kv-blocks", "512"], decode_tp=2) as c,
+        Client(c.address, security=c.security) as client,
+    ):
+
+        def drain():
+            wid = busiest_decode(c)
+            monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", c.security.cluster_secret or "")
+            return wid, cli_main(["drain", wid, "--router", c.address])
+
+        results, (drained, code) = streams(client, drain)
+        assert code == 0
+        for (tokens, (timings, reason)), want in zip(results, expected):
+            assert (tokens, reason) == (want, "length")
+            assert timings["resumes"] == 0
+        moved = [t for _, (t, _) in results if t["migrations"]]
+        assert moved and all(t["decode_worker"] != drained for t in moved)
+        all_free(client)
+
+
 def pdserve_drain(cluster, worker_id: str, *flags: str) -> subprocess.CompletedProcess:
     """`pdserve drain` as a user runs it, with the cluster's secret in its environment."""
     cmd = [sys.executable, "-m", "pdserve.cli", "drain", worker_id, "--router", cluster.address]

@@ -176,9 +176,9 @@ def test_a_request_that_outruns_its_pre_copy_waits_at_the_destination_size(trio,
         assert kv is not None, "r6 stopped running before its last round"
         return kv[1]
 
-    def slow_pre_copy(*args):
-        nbytes = write(*args)
-        if args[7] == b"":  # a pre-copy round: it ends only once the request could outrun it
+    def slow_pre_copy(*args, final: bool, **kw):
+        nbytes = write(*args, final=final, **kw)
+        if not final:  # a pre-copy round: it ends only once the request could outrun it
             wait_for(lambda: computed() >= capacity, "r6 reaching the destination's size")
             steps = a.core.scheduler.steps
             wait_for(lambda: a.core.scheduler.steps >= steps + 3, "three more steps")
@@ -281,3 +281,133 @@ def test_a_request_parked_in_a_tier_moves_from_the_tier(trio, expected):
         assert a.core.stats().parked == 0
     finally:
         a.close()
+
+
+# -- tensor-parallel workers: each rank moves its own heads (their ranks are processes) -----
+def kv_tokens(worker, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+    """The KV of the first `num_tokens` tokens held in `block_ids`, every head of every rank
+    side by side (MLA: every rank holds the whole latent, checked equal; rank 0's)."""
+    core = worker.core
+    ids = torch.tensor(block_ids)
+    parts = [core.kv_pool.index_select(core.kv_block_dim, ids)]
+    parts += [torch.from_numpy(b) for b in core.rank_call("blocks", block_ids)]
+    if len(core.model_config.kv_token_shape) == 1:  # MLA's latent
+        assert all(torch.equal(p, parts[0]) for p in parts[1:]), "ranks' latents differ"
+        whole = parts[0]
+    else:
+        whole = torch.cat(parts, dim=-2)
+    d = core.kv_block_dim
+    return whole.flatten(d, d + 1).narrow(d, 0, num_tokens)
+
+
+@pytest.fixture(scope="module")
+def tp_workers():
+    """One prefill worker and decode workers of TP 2, 2 and 1 per model, shared by the
+    moves between them (each test ends with every block free)."""
+    base = dict(block_size=16, num_kv_blocks=NUM_BLOCKS)
+    made: dict[str, dict] = {}
+
+    def of(model: str) -> dict:
+        if model not in made:
+            w = {"prefill": prefill_worker(model, f"p-tp-{model}", "nixl", EngineArgs(**base))}
+            for name, tp in (("a2", 2), ("b2", 2), ("c1", 1)):
+                args = EngineArgs(**base, tensor_parallel_size=tp)
+                w[name] = decode_worker(model, f"{name}-tp-{model}", "nixl", args)
+            made[model] = w
+        return made[model]
+
+    yield of
+    for w in made.values():
+        for worker in w.values():
+            worker.close()
+
+
+@pytest.mark.parametrize(
+    "model,src,dst",
+    [
+        ("tiny-llama", "a2", "b2"),
+        ("tiny-llama", "a2", "c1"),
+        ("tiny-llama", "c1", "b2"),
+        ("tiny-deepseek", "a2", "b2"),
+    ],
+)
+def test_a_tensor_parallel_worker_moves_each_ranks_heads(model, src, dst, tp_workers, expected):
+    """Every rank of A writes its heads of the request's blocks into B's ranks (whole blocks
+    between equal groups, runs of heads between unequal ones), in pre-copy rounds and a
+    last one; B's ranks hold exactly A's KV for every moved token and finish the request
+    with the colocated engine's tokens."""
+    w = tp_workers(model)
+    prefill, a, b = w["prefill"], w[src], w[dst]
+    rid = f"t-{src}-{dst}"
+    stream = started(prefill, a, rid)
+    sent = take(stream, 6)
+    move = Move(a, b, rid, f"{rid}~m1", PROMPT, sent)
+    kept = snapshots(a)  # (rank 0's; the order of A's blocks is what is used here)
+    try:
+        moved = move.run()
+    finally:
+        del a.core.release  # the class's again
+    more, reason = rest(stream)
+    assert reason == "migrated"
+    sent += more
+    assert moved.rounds >= 2
+    assert moved.num_tokens == len(PROMPT) + len(sent)
+    with_kv = moved.num_tokens - 1  # the last token's KV is computed at the destination
+    blocks = -(-with_kv // 16)
+    assert moved.nbytes >= blocks * a.endpoint.bytes_per_block  # the last block twice
+    # nothing runs on A any more: its freed blocks still hold what it moved
+    want = kv_tokens(a, kept["order"][:blocks], with_kv)
+    got = kv_tokens(b, move.reserved.block_ids[:blocks], with_kv)
+    assert torch.equal(got, want)
+    tokens, reason = rest(move.start(sent))
+    assert (sent + tokens, reason) == (expected[model], "length")
+    for worker in (a, b):
+        worker.check_integrity()
+        assert worker.stats().free_blocks == NUM_BLOCKS
+
+
+def test_a_parked_request_of_a_tensor_parallel_worker_moves_from_every_ranks_tier(expected):
+    """A (TP=2) parks its request: each rank its own shard in its own host tier. Each rank
+    stages its shard and writes it into B's (TP=2) ranks in one round; the request finishes
+    on B with the colocated engine's tokens, and no tier of A keeps anything."""
+    model = "tiny-llama"
+    base = dict(block_size=16)
+    prefill = prefill_worker(model, "p-tp-park", "nixl", EngineArgs(**base, num_kv_blocks=64))
+    a = decode_worker(
+        model,
+        "s-tp-park",
+        "nixl",
+        EngineArgs(**base, num_kv_blocks=24, preemption="swap", tensor_parallel_size=2),
+    )
+    b = decode_worker(
+        model, "b-tp-park", "nixl", EngineArgs(**base, num_kv_blocks=64, tensor_parallel_size=2)
+    )
+    try:
+        stream = started(prefill, a, "t5")
+        sent = take(stream, 6)
+        a.reserve("hog", list(range(5, 5 + 19 * 16)), params(1), lease_s=60)
+        wait_for(lambda: a.core.stats().parked == 1, "a park")
+        while not stream.events.empty():
+            sent += take(stream, 1)
+        with a.lock:
+            parked = a.core.kv.parked_blocks("t5")
+            staged = a.migrator._staging(parked)
+            assert a.core.kv.copy_parked("t5", staged)  # rank 0's shard
+        move = Move(a, b, "t5", "t5~m1", PROMPT, sent)
+        moved = move.run()
+        assert rest(stream) == ([], "migrated")
+        assert moved.rounds == 1
+        assert moved.nbytes == parked * a.endpoint.bytes_per_block  # every rank's shard
+        bd = b.core.kv_block_dim
+        for i, dst in enumerate(move.reserved.block_ids[:parked]):
+            assert torch.equal(staged.select(bd, i), b.core.kv_pool.select(bd, dst)), i
+        tokens, reason = rest(move.start(sent))
+        assert (sent + tokens, reason) == (expected[model], "length")
+        a.release("hog", unpushed=True)
+        for w in (a, b):
+            w.check_integrity()  # every rank's tier included (TP check)
+        assert a.stats().free_blocks == 24 and b.stats().free_blocks == 64
+        assert a.core.kv.offload.stats().parked == 0
+    finally:
+        for w in (prefill, a, b):
+            w.close()

@@ -107,6 +107,11 @@ class TPOffload:
     def parked_blocks(self, request_id: str) -> int:
         return self.local.parked_blocks(request_id)  # every rank parks all or none
 
+    def copy_parked(self, request_id: str, into) -> bool:
+        """Rank 0's shard only: a live migration has each other rank stage its own where it
+        is (decode/rank.py), since `into` lives in this process."""
+        return self.local.copy_parked(request_id, into)
+
     def keep_prefix(self, block: int, h: int) -> None:
         kept = self.group.call("keep_prefix", block, h)  # whether each rank now holds it
         self.local.keep_prefix(block, h)

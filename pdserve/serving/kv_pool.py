@@ -30,6 +30,7 @@ from transfer import (
     check_handshake,
     head_routes,
 )
+from transfer.writes import HeadRoute
 
 RANK_ENDPOINT = "pdserve.serving.rank_kv:RankEndpoint"  # the other ranks' extension
 
@@ -88,6 +89,13 @@ class KVEndpoint:
                     f"dest_layout.block_bytes: rank {j}'s blocks differ from ours for its heads"
                 )
         return routes
+
+    def head_route(self, route: Route, peers: Sequence[PoolLayout]) -> HeadRoute | None:
+        """The heads `route` (one of routes_to(peers)) moves of each token -> None when both
+        ranks hold exactly those heads (it moves whole blocks)."""
+        src = heads_of(self.layouts[route.src], self.spec)
+        heads = HeadRoute(route, src, heads_of(peers[route.dst], self.spec), self.spec.block_size)
+        return None if heads.whole else heads
 
     def close(self) -> None:
         self.agent.close()
