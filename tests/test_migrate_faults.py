@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -29,11 +30,12 @@ def expected() -> list[list[int]]:
     return colocated()
 
 
-def cluster(points: str, *router_args: str) -> Cluster:
+def cluster(points: str, *router_args: str, decode_tp: int = 1) -> Cluster:
     return Cluster(
         "tiny-llama",
         1,
         2,
+        decode_tp=decode_tp,
         worker_args=["--num-kv-blocks", "512"],
         # greedy admission: when one decode worker is left it takes every stream (its
         # pool holds them all at full length), none waits out the router's queue timeout
@@ -109,6 +111,45 @@ def test_the_worker_a_request_goes_to_dies_mid_move(expected, tmp_path):
             assert tokens == want and reason == "length"
         on_a = [t for _, (t, _) in results if t["decode_worker"] == drained]
         assert on_a and all(t["migrations"] == 0 for t in on_a)
+        router = scrape(c.metrics["router-0"])
+        assert total(router, "pdserve_router_migrations_total", outcome="failed") >= 1
+        all_free(client, dead={other})
+
+
+def test_a_rank_of_the_tensor_parallel_worker_a_request_goes_to_dies_mid_move(
+    expected, tmp_path
+):
+    """Both decode workers are TP=2 groups. A holds the move's last round for a second
+    while rank 1 of B is SIGKILLed: B's group fails and B leaves service (exit 70), A's
+    rank 1 cannot write its heads, the move fails, and the request decodes on at A with
+    every rank's KV intact (B's own streams resume at A); every token equal, nothing held
+    by A afterwards."""
+    points = str(tmp_path)
+    with (
+        cluster(points, decode_tp=2) as c,
+        Client(c.address, security=c.security) as client,
+    ):
+        failpoints.arm(points, "any", "decode.migrate", "pause 1")
+        struck: list[int] = []
+
+        def kill_a_rank_of_the_other(pid: int, detail: str) -> None:
+            victim = other_decode(c, pid)
+            (rank1,) = subprocess.run(
+                ["pgrep", "-P", str(victim)], capture_output=True, text=True
+            ).stdout.split()
+            os.kill(int(rank1), signal.SIGKILL)
+            struck.append(victim)
+
+        watcher = on_fire(points, kill_a_rank_of_the_other)
+        results, (drained, other, _) = streams(client, lambda: drain_busiest(c))
+        watcher.join(timeout=5)
+        assert struck, "decode.migrate never fired"
+        b = c.procs[[p.pid for p in c.procs].index(struck[0])]
+        assert b.wait(30) == 70  # its group failed: out of service, and says why
+        for (tokens, (_, reason)), want in zip(results, expected):
+            assert tokens == want and reason == "length"
+        on_a = [t for _, (t, _) in results if t["decode_worker"] == drained]
+        assert on_a and all(t["migrations"] == 0 for t in on_a)  # B's own streams resumed
         router = scrape(c.metrics["router-0"])
         assert total(router, "pdserve_router_migrations_total", outcome="failed") >= 1
         all_free(client, dead={other})
