@@ -14,11 +14,13 @@ Rank 0 posts its legs over the worker's agent; ranks 1..n-1 post theirs over the
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.engine.tp_group import RankFailed  # a rank of our group is gone
 from pdserve.serving.destination import Destination
 from transfer import Transfer, TransferFailed, XferState, notification
 from transfer.writes import HeadRoute, Peers, PoolSide, block_runs, write_layers
@@ -26,13 +28,18 @@ from transfer.writes import HeadRoute, Peers, PoolSide, block_runs, write_layers
 RANK_EXTENSION = "decode.rank:DecodeRank"  # what a decode worker's ranks 1..n-1 run
 
 
+RANK_POLL_S = 0.002  # between polls of the ranks' WRITEs (each poll waits for their step)
+
+
 class RoundFailed(Exception):
     """A round's WRITEs could not all be posted, or one failed or was late. `wrote`: some
-    WRITE was posted and may still land (the destination's blocks stay fenced)."""
+    WRITE was posted and may still land (the destination's blocks stay fenced).
+    `retryable`: False when a rank of our group is gone (the worker leaves service)."""
 
-    def __init__(self, message: str, wrote: bool) -> None:
+    def __init__(self, message: str, wrote: bool, retryable: bool = True) -> None:
         super().__init__(message)
         self.wrote = wrote
+        self.retryable = retryable
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,61 @@ def plan_legs(endpoint, dest: Destination) -> list[Leg]:
     return [Leg(r.src, r.dst, endpoint.head_route(r, pools)) for r in endpoint.routes_to(pools)]
 
 
+def _rank_legs(legs: list[Leg], dest: Destination, notes: list[bytes]) -> dict[int, list[dict]]:
+    """The legs of ranks 1..n-1 as they travel to them, by rank."""
+    out: dict[int, list[dict]] = {}
+    for leg, note in zip(legs, notes):
+        if leg.rank > 0:
+            out.setdefault(leg.rank, []).append(
+                {
+                    "peer_key": (dest.worker_id, leg.dest_rank),
+                    "metadata": dest.rank_metadata(leg.dest_rank),
+                    "pool": dest.pools[leg.dest_rank],
+                    "heads": leg.heads,
+                    "notif": note,
+                }
+            )
+    return out
+
+
+def rank_call(worker, op: str, *args, wrote: bool = True):
+    """`op` on ranks 1..n-1 -> their answers; RoundFailed (not retryable) when the group is
+    gone meanwhile."""
+    try:
+        return worker.core.rank_call(op, *args)
+    except RankFailed as e:
+        raise RoundFailed(f"a rank of this worker is gone: {e}", wrote, retryable=False) from None
+
+
+def connect_ranks(worker, legs: list[Leg], dest: Destination) -> None:
+    """Ranks 1..n-1 add the destination ranks their legs go to (RoundFailed if one
+    cannot): before the request stops, since a first connection is slow."""
+    if worker.core.tp_size == 1:
+        return
+    notes = [b""] * len(legs)
+    for error in rank_call(worker, "migrate_connect", _rank_legs(legs, dest, notes), wrote=False):
+        if error is not None:
+            raise RoundFailed(f"a rank cannot reach the destination: {error}", False)
+
+
+def stage_ranks(worker, legs: list[Leg], key: str, request_id: str) -> bool:
+    """Ranks 1..n-1 that send (have legs) stage their shard of a parked request -> whether
+    every one did."""
+    if worker.core.tp_size == 1:
+        return True
+    senders = sorted({leg.rank for leg in legs if leg.rank > 0})
+    return all(rank_call(worker, "migrate_stage", key, request_id, senders, wrote=False))
+
+
+def release_ranks(worker, key: str, landed: bool) -> None:
+    """Ranks 1..n-1 let the move's round go (twice is harmless); a group gone meanwhile
+    holds nothing any more."""
+    if worker.core.tp_size == 1:
+        return
+    with contextlib.suppress(RankFailed):
+        worker.core.rank_call("migrate_release", key, landed)
+
+
 class Round:
     """The WRITEs of one round: `post()`, then `wait()`, then `release()` (always)."""
 
@@ -58,10 +120,17 @@ class Round:
         self._ranks = worker.core.tp_size > 1  # every rank answers, legs or none
         self.posted = False  # some WRITE was posted (it may land whatever happens next)
 
-    def post(self, local: PoolSide, src: np.ndarray, dst: np.ndarray, notify: str | None) -> int:
-        """WRITE blocks `src` (of `local` on rank 0, of each rank's pool or staged buffer on
-        the others) into the destination's `dst`, every layer; the last round names the
-        destination's request in `notify` -> bytes posted."""
+    def post(
+        self,
+        local: PoolSide,
+        src: np.ndarray,
+        dst: np.ndarray,
+        notify: str | None,
+        staged: bool = False,
+    ) -> int:
+        """WRITE blocks `src` (of `local` on rank 0; on the others of their pool, or of what
+        they staged when `staged`) into the destination's `dst`, every layer; the last
+        round names the destination's request in `notify` -> bytes posted."""
         worker, dest = self.worker, self.dest
         layers = worker.core.model_config.num_layers
         notes = [
@@ -70,19 +139,9 @@ class Round:
         ]
         blocks = (src, dst, block_runs(src, dst))
         nbytes = 0
-        others: dict[int, list[dict]] = {}
         with worker.agent_lock:
             for leg, note in zip(self.legs, notes):
                 if leg.rank > 0:
-                    others.setdefault(leg.rank, []).append(
-                        {
-                            "peer_key": (dest.worker_id, leg.dest_rank),
-                            "metadata": dest.rank_metadata(leg.dest_rank),
-                            "pool": dest.pools[leg.dest_rank],
-                            "heads": leg.heads,
-                            "notif": note,
-                        }
-                    )
                     continue
                 peer, remote = self.peers.side(
                     (dest.worker_id, leg.dest_rank),
@@ -107,8 +166,9 @@ class Round:
                 nbytes += n
         if self._ranks:
             self.posted = True  # a rank may have posted some before it failed
-            for answer in worker.core.rank_call(
-                "migrate_post", self.key, others, src.tolist(), dst.tolist(), layers
+            others = _rank_legs(self.legs, dest, notes)
+            for answer in rank_call(
+                worker, "migrate_post", self.key, others, src.tolist(), dst.tolist(), layers, staged
             ):
                 nbytes += answer["nbytes"]
                 if answer["error"] is not None:
@@ -128,8 +188,9 @@ class Round:
             if XferState.FAILED in states:
                 raise RoundFailed("a WRITE failed", True)
             done = all(s is XferState.DONE for s in states)
-            if done and self._ranks:
-                polled = worker.core.rank_call("migrate_poll", self.key)
+            asked = done and self._ranks
+            if asked:
+                polled = rank_call(worker, "migrate_poll", self.key)
                 failed = [p for p in polled if p.startswith("failed")]
                 if failed:
                     raise RoundFailed(f"a rank's WRITE {failed[0]}", True)
@@ -138,7 +199,7 @@ class Round:
                 return
             if time.monotonic() > deadline:
                 raise RoundFailed("the move was not done by its deadline", True)
-            time.sleep(poll_s)
+            time.sleep(max(poll_s, RANK_POLL_S) if asked else poll_s)
 
     def release(self, landed: bool) -> None:
         """Every transfer of the round released; `landed`: nothing of it is in flight."""
@@ -148,4 +209,4 @@ class Round:
                 xfer.release()
         self._mine = []
         if self._ranks:
-            worker.core.rank_call("migrate_release", self.key, landed)
+            release_ranks(worker, self.key, landed)

@@ -28,10 +28,16 @@ here untouched; one whose last round fails runs here again (admitted back with i
 Either way the destination's reservation is the router's to release (its blocks stay fenced
 until the push window is over, decode/reservations.py), so there is never a second owner.
 
+A tensor-parallel worker moves one leg per pair of ranks (decode/legs.py): rank 0 posts its
+own, ranks 1..n-1 theirs when told (decode/rank.py), each its own KV heads; a parked
+request's shard is staged by each sending rank from its own tier.
+
 Every call on the transfer agent is made under the worker's agent lock, never under its
 main lock: adding a peer and its first WRITE can take 100 ms (a connection is made), and
 the step loop must not wait for that (it skips collecting notifications while the agent
-is busy; decode/worker.py).
+is busy; decode/worker.py). Ranks 1..n-1 add their peers before the request stops; their
+posts and polls run between two steps of theirs, so a step may wait behind one (a post
+is quick once connected).
 """
 
 from __future__ import annotations
@@ -42,7 +48,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from decode.legs import Leg, Round, RoundFailed, plan_legs
+from decode.legs import (
+    Leg,
+    Round,
+    RoundFailed,
+    connect_ranks,
+    plan_legs,
+    release_ranks,
+    stage_ranks,
+)
 from pdserve.serving.destination import Destination
 from pdserve.serving.kv_pool import pool_geometry
 from pdserve.trace import Span, now
@@ -141,6 +155,10 @@ class Migrator:
                         )
                     except (ValueError, RuntimeError) as e:  # metadata it cannot use
                         raise MigrationFailed(f"destination {dest.worker_id}: {e}", True) from None
+        try:
+            connect_ranks(worker, legs, dest)  # ranks 1..n-1 to theirs
+        except RoundFailed as e:
+            raise MigrationFailed(f"destination {dest.worker_id}: {e}", e.retryable) from None
         move = _Move(dest, dest_request_id, legs, time.monotonic() + timeout_s)
         bs = worker.core.block_size
         with worker.lock:
@@ -183,19 +201,25 @@ class Migrator:
     def _move_parked(self, request, move: _Move) -> Migrated:
         """One round from the tier the request is parked in (it does not decode meanwhile):
         its KV unpacked into a staging buffer registered with the agent (on every rank of
-        a tensor-parallel worker, each its own shard), WRITTEN from there."""
+        a tensor-parallel worker that sends, each its own shard), WRITTEN from there. When
+        some rank's shard is lost, every rank drops the request's KV (the tiers hold all of
+        it or none) and it is computed again here."""
         worker = self.worker
         core = worker.core
         rid = request.request_id
         stopped, stopped_wall = time.monotonic(), now()
+        landed = False
         try:
             with worker.lock:  # the tiers are the core's: read under its lock
                 staging = self._staging(core.parked_blocks(rid))
-                if not core.copy_parked(request, staging) or not all(
-                    core.rank_call("migrate_stage", move.key, rid)
-                ):
-                    if core.tp_size > 1:  # the ranks that staged theirs drop them
-                        core.rank_call("migrate_release", move.key, True)
+                try:
+                    staged = core.copy_parked(request, staging) and stage_ranks(
+                        worker, move.legs, move.key, rid
+                    )
+                except RoundFailed as e:
+                    raise MigrationFailed(str(e), e.retryable) from None
+                if not staged:
+                    core.drop_parked(request)  # every rank's: computed again when readmitted
                     raise MigrationFailed(f"the parked KV of {rid!r} was lost or corrupt", True)
             blocks = list(range(staging.shape[core.kv_block_dim]))
             computed = request.num_computed_tokens
@@ -204,10 +228,11 @@ class Migrator:
             local = PoolSide(
                 pool_geometry(core.model_config, staging, core.kv_block_dim), region, None
             )
-            landed = False
             try:
                 sent = move.dest.cached_blocks
-                nbytes = self._write(move, blocks, sent, computed, final=True, local=local)
+                nbytes = self._write(
+                    move, blocks, sent, computed, final=True, local=local, staged=True
+                )
                 landed = True
             except MigrationFailed as e:
                 landed = not e.wrote  # nothing in flight: the region may go
@@ -221,6 +246,8 @@ class Migrator:
         except Exception:
             self._readmit(request)
             raise
+        finally:  # whatever the ranks staged goes (the round let it go already, or not)
+            release_ranks(worker, move.key, landed)
         return self._moved(request, 1, nbytes, stopped, stopped_wall)
 
     def _staging(self, num_blocks: int) -> torch.Tensor:
@@ -301,10 +328,11 @@ class Migrator:
         computed: int,
         final: bool,
         local: PoolSide | None = None,
+        staged: bool = False,
     ) -> int:
         """WRITE blocks [sent, the one holding token `computed` - 1] of every layer (from
-        `local`: our pool when None; the other ranks' pools, or what they staged), with the
-        notifications when `final` -> bytes moved."""
+        `local`: our pool when None; the other ranks' pools, or what they `staged`), with
+        the notifications when `final` -> bytes moved."""
         worker, dest = self.worker, move.dest
         upto = -(-computed // worker.core.block_size)
         if upto > len(dest.block_ids):
@@ -325,12 +353,13 @@ class Migrator:
                 src,
                 dst,
                 move.dest_request_id if final else None,
+                staged,
             )
             round_.wait(move.deadline, worker.config.kv_arrival_poll_s)
             landed = True
             return nbytes
         except RoundFailed as e:
             landed = not e.wrote
-            raise MigrationFailed(f"the move's {e}", True, wrote=e.wrote) from None
+            raise MigrationFailed(f"the move's {e}", e.retryable, wrote=e.wrote) from None
         finally:
             round_.release(landed)

@@ -3,6 +3,7 @@ KV heads of the moving request, from its pool (or from its shard of the request'
 over its own transfer agent, straight into the destination's ranks. Rank 0 plans the move's
 legs and drives its rounds (decode/legs.py); per round a rank runs
 
+    migrate_connect(legs)           (before anything stops) add the peers its legs go to
     migrate_stage(key, request_id)  (a parked request) its shard unpacked from its tier into
                                     a staging buffer registered with its agent -> ok
     migrate_post(key, legs, ...)    one WRITE per leg of this rank -> bytes, error
@@ -45,41 +46,76 @@ class DecodeRank(RankEndpoint):
         self.moves: dict[str, _Move] = {}
         self.retired: list[torch.Tensor] = []  # staging a lost WRITE may still read
 
-    def op_migrate_stage(self, key: str, request_id: str) -> bool:
-        """This rank's shard of a parked request into a staging buffer registered with the
-        agent -> False when it is lost (or the rank has no tier)."""
-        st = self.state
+    def _legs(self, legs: dict[int, list[dict]]) -> list[dict]:
+        return legs.get(self.state.spec.rank, [])
+
+    def _ready(self) -> None:
+        if self.local is None:  # the agent exists from op_endpoint on
+            self.local = pool_side(self.agent, self.layout)
+            self.peers = Peers(self.agent)
+
+    def op_migrate_connect(self, legs: dict[int, list[dict]]) -> str | None:
+        """Add the destination ranks this rank's legs go to (before the request stops: a
+        first connection is slow) -> None, or what went wrong."""
         try:
-            n = st.offload.parked_blocks(request_id) if st.offload is not None else 0
-            if n <= 0:
-                return False
-            pool, dim = st.cache.pool, st.cache.block_dim
-            shape = (*pool.shape[:dim], n, *pool.shape[dim + 1 :])
-            staging = torch.empty(shape, dtype=pool.dtype, device=pool.device)
-            if not st.offload.copy_parked(request_id, staging):
+            self._ready()
+            for leg in self._legs(legs):
+                self.peers.side(leg["peer_key"], leg["metadata"], leg["pool"])
+        except Exception as e:  # noqa: BLE001 - the answer carries it to rank 0
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def op_migrate_stage(self, key: str, request_id: str, senders: list[int]) -> bool:
+        """This rank's shard of a parked request into a staging buffer registered with the
+        agent, when the rank is one of the `senders` (it has legs) -> False when its shard
+        is lost (or the rank has no tier). A move left under `key` by an earlier try goes
+        first (its buffer kept aside: a WRITE of it may still be in flight)."""
+        self.op_migrate_release(key, False)
+        if self.state.spec.rank not in senders:
+            return True
+        st = self.state
+        region = None
+        try:
+            staging = st.parked_shard(request_id)
+            if staging is None:
                 return False
             region = self.agent.register(staging)
+            side = PoolSide(pool_geometry(st.config, staging, st.cache.block_dim), region, None)
         except Exception:  # noqa: BLE001 - the move fails, the group goes on
+            if region is not None:
+                with contextlib.suppress(Exception):
+                    self.agent.deregister(region)
             return False
-        geometry = pool_geometry(st.config, staging, dim)
-        self.moves[key] = _Move(staging=staging, side=PoolSide(geometry, region, None))
+        self.moves[key] = _Move(staging=staging, side=side)
         return True
 
     def op_migrate_post(
-        self, key: str, legs: dict[int, list[dict]], src: list[int], dst: list[int], layers: int
+        self,
+        key: str,
+        legs: dict[int, list[dict]],
+        src: list[int],
+        dst: list[int],
+        layers: int,
+        staged: bool,
     ) -> dict:
-        """WRITE blocks `src` (of the pool, or of the staging buffer when one was staged
-        under `key`) into `dst` for each of this rank's `legs` -> bytes posted, error."""
-        move = self.moves.setdefault(key, _Move())
+        """WRITE blocks `src` (of the pool; of what was staged under `key` when `staged`)
+        into `dst` for each of this rank's `legs` -> bytes posted, error."""
+        mine = self._legs(legs)
+        move = self.moves.get(key)
+        if not staged:
+            self.op_migrate_release(key, False)  # nothing of an earlier try is reused
+            move = self.moves[key] = _Move()
+        elif mine and (move is None or move.side is None):
+            return {"nbytes": 0, "error": f"nothing staged for {key!r}"}
+        elif move is None:
+            move = self.moves[key] = _Move()
         nbytes = 0
         try:
-            if self.local is None:
-                self.local = pool_side(self.agent, self.layout)
-                self.peers = Peers(self.agent)
-            local = move.side or self.local
+            self._ready()
+            local = move.side if staged else self.local
             s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
             blocks = (s, d, block_runs(s, d))
-            for leg in legs.get(self.state.spec.rank, []):
+            for leg in mine:
                 peer, remote = self.peers.side(leg["peer_key"], leg["metadata"], leg["pool"])
                 notif, heads = leg["notif"], leg["heads"]
                 xfer, n = write_layers(
@@ -105,10 +141,12 @@ class DecodeRank(RankEndpoint):
 
     def op_migrate_release(self, key: str, landed: bool) -> None:
         """The round is over: its transfers released; a staging buffer goes once `landed`
-        (nothing in flight), else it is kept until the rank closes."""
+        (or when none of this rank's WRITEs was posted), else it is kept until the rank
+        closes. Releasing a key twice does nothing."""
         move = self.moves.pop(key, None)
         if move is None:
             return
+        landed = landed or not move.transfers
         for xfer in move.transfers:
             with contextlib.suppress(Exception):  # else released with the agent
                 xfer.release()

@@ -46,9 +46,9 @@ def expected() -> dict[str, list[int]]:
     }
 
 
-def started(prefill, decode, rid: str):
-    reserved = decode.reserve(rid, PROMPT, params(), lease_s=30)
-    result = prefill.submit(rid, PROMPT, params(), destination(decode, reserved)).result(60)
+def started(prefill, decode, rid: str, prompt: list[int] = PROMPT):
+    reserved = decode.reserve(rid, prompt, params(), lease_s=30)
+    result = prefill.submit(rid, prompt, params(), destination(decode, reserved)).result(60)
     return decode.start(rid, result.first_token)
 
 
@@ -238,6 +238,18 @@ def wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+def parked_by_a_hog(prefill, a, rid: str) -> tuple[object, list[int]]:
+    """`rid` decodes on A (24 blocks) until a reservation takes all but one free block:
+    it preempts itself into A's host tier and stays parked -> its stream, what it sent."""
+    stream = started(prefill, a, rid)
+    sent = take(stream, 6)  # 63 tokens: 4 blocks
+    a.reserve("hog", list(range(5, 5 + 19 * 16)), params(1), lease_s=60)  # 19 of 20 free
+    wait_for(lambda: a.core.stats().parked == 1, "a park")
+    while not stream.events.empty():  # what it sent before it was parked
+        sent += take(stream, 1)
+    return stream, sent
+
+
 def test_a_request_parked_in_a_tier_moves_from_the_tier(trio, expected):
     """A's pool fills (a reservation holds all but one block): its request preempts itself
     and is parked in the host tier, where it stays (no room to come back). It moves to B in
@@ -248,15 +260,7 @@ def test_a_request_parked_in_a_tier_moves_from_the_tier(trio, expected):
         model, f"s-{model}", "nixl", EngineArgs(block_size=16, num_kv_blocks=24, preemption="swap")
     )
     try:
-        stream = started(prefill, a, "r5")
-        sent = take(stream, 6)  # 63 tokens: 4 blocks
-        hog = list(range(5, 5 + 19 * 16))  # 19 of the 20 free blocks
-        a.reserve("hog", hog, params(1), lease_s=60)
-        wait_for(lambda: a.core.stats().parked == 1, "a park")
-        more = []
-        while not stream.events.empty():  # what it sent before it was parked
-            more += take(stream, 1)
-        sent += more
+        stream, sent = parked_by_a_hog(prefill, a, "r5")
         with a.lock:
             parked = a.core.kv.parked_blocks("r5")
             staged = a.migrator._staging(parked)
@@ -323,25 +327,28 @@ def tp_workers():
 
 
 @pytest.mark.parametrize(
-    "model,src,dst",
+    "model,src,dst,first",
     [
-        ("tiny-llama", "a2", "b2"),
-        ("tiny-llama", "a2", "c1"),
-        ("tiny-llama", "c1", "b2"),
-        ("tiny-deepseek", "a2", "b2"),
+        ("tiny-llama", "a2", "b2", 3),
+        ("tiny-llama", "a2", "c1", 4),
+        ("tiny-llama", "c1", "b2", 5),
+        ("tiny-deepseek", "a2", "b2", 3),
     ],
 )
-def test_a_tensor_parallel_worker_moves_each_ranks_heads(model, src, dst, tp_workers, expected):
+def test_a_tensor_parallel_worker_moves_each_ranks_heads(model, src, dst, first, tp_workers):
     """Every rank of A writes its heads of the request's blocks into B's ranks (whole blocks
     between equal groups, runs of heads between unequal ones), in pre-copy rounds and a
     last one; B's ranks hold exactly A's KV for every moved token and finish the request
-    with the colocated engine's tokens."""
+    with the colocated engine's tokens. Each case has its own prompt: a destination's
+    freed blocks from an earlier case cannot hold the same KV."""
     w = tp_workers(model)
     prefill, a, b = w["prefill"], w[src], w[dst]
+    prompt = list(range(first, first + len(PROMPT)))
+    want_tokens = LLM(model, block_size=16).generate([prompt], params())[0].token_ids
     rid = f"t-{src}-{dst}"
-    stream = started(prefill, a, rid)
+    stream = started(prefill, a, rid, prompt)
     sent = take(stream, 6)
-    move = Move(a, b, rid, f"{rid}~m1", PROMPT, sent)
+    move = Move(a, b, rid, f"{rid}~m1", prompt, sent)
     kept = snapshots(a)  # (rank 0's; the order of A's blocks is what is used here)
     try:
         moved = move.run()
@@ -351,7 +358,7 @@ def test_a_tensor_parallel_worker_moves_each_ranks_heads(model, src, dst, tp_wor
     assert reason == "migrated"
     sent += more
     assert moved.rounds >= 2
-    assert moved.num_tokens == len(PROMPT) + len(sent)
+    assert moved.num_tokens == len(prompt) + len(sent)
     with_kv = moved.num_tokens - 1  # the last token's KV is computed at the destination
     blocks = -(-with_kv // 16)
     assert moved.nbytes >= blocks * a.endpoint.bytes_per_block  # the last block twice
@@ -360,7 +367,7 @@ def test_a_tensor_parallel_worker_moves_each_ranks_heads(model, src, dst, tp_wor
     got = kv_tokens(b, move.reserved.block_ids[:blocks], with_kv)
     assert torch.equal(got, want)
     tokens, reason = rest(move.start(sent))
-    assert (sent + tokens, reason) == (expected[model], "length")
+    assert (sent + tokens, reason) == (want_tokens, "length")
     for worker in (a, b):
         worker.check_integrity()
         assert worker.stats().free_blocks == NUM_BLOCKS
@@ -382,32 +389,74 @@ def test_a_parked_request_of_a_tensor_parallel_worker_moves_from_every_ranks_tie
     b = decode_worker(
         model, "b-tp-park", "nixl", EngineArgs(**base, num_kv_blocks=64, tensor_parallel_size=2)
     )
+    offload = a.core.kv.offload
+    park = offload.park
+    parked_from: list[list[int]] = []
+
+    def park_and_note(request_id, block_ids):
+        parked_from.append(list(block_ids))
+        return park(request_id, block_ids)
+
+    offload.park = park_and_note
     try:
-        stream = started(prefill, a, "t5")
-        sent = take(stream, 6)
-        a.reserve("hog", list(range(5, 5 + 19 * 16)), params(1), lease_s=60)
-        wait_for(lambda: a.core.stats().parked == 1, "a park")
-        while not stream.events.empty():
-            sent += take(stream, 1)
-        with a.lock:
-            parked = a.core.kv.parked_blocks("t5")
-            staged = a.migrator._staging(parked)
-            assert a.core.kv.copy_parked("t5", staged)  # rank 0's shard
+        stream, sent = parked_by_a_hog(prefill, a, "t5")
+        parked = a.core.kv.parked_blocks("t5")
         move = Move(a, b, "t5", "t5~m1", PROMPT, sent)
         moved = move.run()
         assert rest(stream) == ([], "migrated")
         assert moved.rounds == 1
         assert moved.nbytes == parked * a.endpoint.bytes_per_block  # every rank's shard
-        bd = b.core.kv_block_dim
-        for i, dst in enumerate(move.reserved.block_ids[:parked]):
-            assert torch.equal(staged.select(bd, i), b.core.kv_pool.select(bd, dst)), i
+        # the blocks it was parked from were never written since (the hog is never
+        # pushed): every rank's KV there equals B's, token by token
+        with_kv = moved.num_tokens - 1
+        (source,) = parked_from
+        want = kv_tokens(a, source[:parked], with_kv)
+        assert torch.equal(kv_tokens(b, move.reserved.block_ids[:parked], with_kv), want)
         tokens, reason = rest(move.start(sent))
         assert (sent + tokens, reason) == (expected[model], "length")
         a.release("hog", unpushed=True)
         for w in (a, b):
             w.check_integrity()  # every rank's tier included (TP check)
         assert a.stats().free_blocks == 24 and b.stats().free_blocks == 64
-        assert a.core.kv.offload.stats().parked == 0
+        assert offload.stats().parked == 0
+    finally:
+        offload.park = park
+        for w in (prefill, a, b):
+            w.close()
+
+
+def test_a_rank_that_lost_its_shard_of_a_parked_request_fails_the_move_and_it_is_recomputed(
+    expected,
+):
+    """A (TP=2) parks its request, then rank 1's shard is lost (dropped there alone). The
+    move fails (retryable) before a byte goes; every rank drops the request's KV, so the
+    tiers stay all or none (the ranks' integrity check agrees); once room comes back it is
+    computed again at A and ends with the colocated engine's tokens."""
+    model = "tiny-llama"
+    prefill = prefill_worker(model, "p-tp-lost", "nixl", EngineArgs(block_size=16))
+    a = decode_worker(
+        model,
+        "s-tp-lost",
+        "nixl",
+        EngineArgs(block_size=16, num_kv_blocks=24, preemption="swap", tensor_parallel_size=2),
+    )
+    b = decode_worker(model, "b-tp-lost", "nixl", EngineArgs(block_size=16, num_kv_blocks=64))
+    try:
+        stream, sent = parked_by_a_hog(prefill, a, "t6")
+        a.core.runner.group.send("drop_parked", "t6")  # rank 1's shard only
+        move = Move(a, b, "t6", "t6~m1", PROMPT, sent)
+        with pytest.raises(MigrationFailed, match="lost or corrupt") as e:
+            move.run()
+        assert e.value.retryable and not e.value.wrote
+        b.release("t6~m1", unpushed=True)
+        assert a.core.stats().parked == 0 and a.core.kv.offload.stats().parked == 0
+        a.check_integrity()  # every rank: no parked entry of it anywhere
+        a.release("hog", unpushed=True)  # room: it is computed again here
+        tokens, reason = rest(stream)
+        assert (sent + tokens, reason) == (expected[model], "length")
+        for w in (a, b):
+            w.check_integrity()
+        assert a.stats().free_blocks == 24 and b.stats().free_blocks == 64
     finally:
         for w in (prefill, a, b):
             w.close()

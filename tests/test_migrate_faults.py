@@ -119,9 +119,8 @@ def test_the_worker_a_request_goes_to_dies_mid_move(expected, tmp_path):
 def test_a_rank_of_the_tensor_parallel_worker_a_request_goes_to_dies_mid_move(expected, tmp_path):
     """Both decode workers are TP=2 groups. A holds the move's last round for a second
     while rank 1 of B is SIGKILLed: B's group fails and B leaves service (exit 70), A's
-    rank 1 cannot write its heads, the move fails, and the request decodes on at A with
-    every rank's KV intact (B's own streams resume at A); every token equal, nothing held
-    by A afterwards."""
+    last WRITEs into B fail, and the request decodes on at A with every rank's KV intact
+    (B's own streams resume at A); every token equal, nothing held by A afterwards."""
     points = str(tmp_path)
     with (
         cluster(points, decode_tp=2) as c,

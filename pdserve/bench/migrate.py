@@ -132,13 +132,18 @@ def bench_migrate(
     repeats: int = 2,
     seed: int = 0,
     cold: int = 2,
+    decode_tp: int = 1,
 ) -> dict:
+    """`decode_tp`: each decode worker a tensor-parallel group of that many ranks (every
+    rank moves its own KV heads)."""
+    if decode_tp < 1:
+        raise ValueError(f"decode_tp: must be >= 1, got {decode_tp}")
     g = torch.Generator().manual_seed(seed)
     blocks = 2 * (-(-(max(contexts) + before + after + 256) // 16)) + 64
     worker_args = ["--num-kv-blocks", str(blocks)]
     points = []
     with (
-        Cluster(model, 1, 2, worker_args=worker_args) as c,
+        Cluster(model, 1, 2, worker_args=worker_args, decode_tp=decode_tp) as c,
         Client(c.address, security=c.security) as client,
         progress(total=cold + len(contexts) * repeats, desc="bench migrate") as bar,
     ):
@@ -154,7 +159,9 @@ def bench_migrate(
     return {
         "benchmark": "migrate",
         "model": model,
-        "topology": "1P2D launched on 127.0.0.1 (NIXL over UCX)",
+        "topology": "1P2D launched on 127.0.0.1 (NIXL over UCX)"
+        + (f", decode TP={decode_tp}" if decode_tp > 1 else ""),
+        "decode_tp": decode_tp,
         "before": before,
         "after": after,
         "repeats": repeats,

@@ -50,7 +50,14 @@ def cmd_bench_migrate(args: argparse.Namespace) -> int:
     from pdserve.bench.migrate import bench_migrate, format_table
 
     report = bench_migrate(
-        args.model, args.contexts, args.before, args.after, args.repeats, args.seed, args.cold
+        args.model,
+        args.contexts,
+        args.before,
+        args.after,
+        args.repeats,
+        args.seed,
+        args.cold,
+        args.decode_tp,
     )
     return print_report(report, format_table, args.json)
 
@@ -336,6 +343,9 @@ def add_bench_parser(sub) -> None:
     mig.add_argument("--repeats", type=int, default=2)
     mig.add_argument("--seed", type=int, default=0)
     mig.add_argument("--cold", type=int, default=2, help="first moves reported apart")
+    mig.add_argument(
+        "--decode-tp", type=int, default=1, help="ranks per decode worker (tensor parallel)"
+    )
     mig.add_argument("--json", default=None, help="write the report here")
     mig.set_defaults(func=cmd_bench_migrate)
     kern = bench_sub.add_parser("kernels", help="decode/KV kernels against the memory roofline")

@@ -284,6 +284,11 @@ class EngineCore:
         parked_blocks() blocks -> False when it was lost or failed its checksum."""
         return self.kv.copy_parked(request.request_id, into)
 
+    def drop_parked(self, request: Request) -> None:
+        """A detached parked request's KV is dropped from the tiers (every rank's: some
+        rank's shard was lost); admitted back, it is computed again."""
+        self.kv.drop_parked(request.request_id)
+
     def handed_over(self, request: Request) -> None:
         """A detached request's KV is at its destination: its blocks (or its parked KV)
         are given back (an abort during the move is the destination's to apply now)."""

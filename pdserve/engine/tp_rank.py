@@ -116,6 +116,18 @@ class RankState:
         module, _, name = target.partition(":")
         self.ext = getattr(importlib.import_module(module), name)(self)
 
+    def parked_shard(self, request_id: str) -> torch.Tensor | None:
+        """This rank's shard of a parked request's KV, unpacked from its tier into a new
+        buffer shaped like its pool (a live migration's staging, decode/rank.py) -> None
+        when it has none, or it was lost or failed its checksum (then it is gone here)."""
+        n = self.offload.parked_blocks(request_id) if self.offload is not None else 0
+        if n <= 0:
+            return None
+        pool, dim = self.cache.pool, self.cache.block_dim
+        shape = (*pool.shape[:dim], n, *pool.shape[dim + 1 :])
+        shard = torch.empty(shape, dtype=pool.dtype, device=pool.device)
+        return shard if self.offload.copy_parked(request_id, shard) else None
+
     def memory(self) -> dict:
         from pdserve.engine.memory import rank_memory
 
