@@ -85,3 +85,32 @@ def test_every_state_has_its_failpoint():
                 assert {f"{role}-kill@{state}", f"{role}-stop@{state}"} <= set(FAULTS)
             else:
                 assert f"cancel@{state}" in FAULTS
+
+
+def test_the_migration_faults_drain_a_worker_and_strike_at_the_move(tmp_path):
+    """A fault on the live-migration path needs a move under way: the bench drains a decode
+    worker once half the streams run, and the failpoint at the move's last round strikes
+    the source itself (kill, stop), the client (cancel), or the destination."""
+    from types import SimpleNamespace
+
+    from pdserve.bench.strike import Strike
+
+    cluster = SimpleNamespace(names=[], procs=[])
+    want = {
+        "decode-kill@migrate": ("kill", ""),
+        "decode-stop@migrate": ("stop", "cont"),
+        "cancel@migrate": ("pause 1.0", "cancel"),
+        "migrate-dest-kill": ("pause 1.0", "kill-dest"),
+        "migrate-dest-stop": ("pause 1.0", "stop-dest"),
+    }
+    assert {f for f in FAULTS if "migrate" in f} == set(want)
+    for fault, (action, react) in want.items():
+        s = Strike.arm(fault, cluster, str(tmp_path), None, 8, 10.0)
+        armed = (tmp_path / "any.decode.migrate").read_text()
+        assert (s.point, armed, s.react) == ("decode.migrate", action, react), fault
+        assert (s.drain, s._drain_at) == ("due", 4)
+        s.finish()  # disarmed; nothing was drained, nothing to undo
+        assert not (tmp_path / "any.decode.migrate").exists()
+    other = Strike.arm("decode-kill@stream", cluster, str(tmp_path), None, 8, 10.0)
+    assert other.drain == ""
+    other.finish()

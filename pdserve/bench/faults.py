@@ -6,7 +6,10 @@ of a prefill or decode worker at the moment a request reaches STATE. The moment 
 a failpoint (pdserve/failpoints.py) armed in the workers fires when the first request gets
 there, and the worker strikes itself (kill, stop) or holds that state for PAUSE_S while the
 bench strikes a peer (the decode worker a prefill is about to push to) or cancels the
-client call of the request that fired it.
+client call of the request that fired it. The @migrate states and the migrate-dest faults
+need a live migration under way: the bench drains the busiest decode worker once half of
+the streams run (every stream on it moves to the other), and gives it requests again after
+the phase.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ STATES = MappingProxyType(
                 "stream": "its stream has handed over 4 tokens",
                 "spill": "a preempted request's KV is about to be spilled",
                 "reload": "a parked request's KV is about to be reloaded",
+                "migrate": "a drained request's KV moves to the other decode worker (its "
+                "last round, the request stopped)",
             }
         ),
         "prefill": MappingProxyType(
@@ -45,6 +50,7 @@ STATES = MappingProxyType(
                 "stream": "4 tokens streamed",
                 "spill": "while it is being spilled",
                 "reload": "while it is being reloaded",
+                "migrate": "while its KV moves to the other decode worker",
             }
         ),
     }
@@ -71,6 +77,10 @@ FAULT_HELP = MappingProxyType(
         "prefill timeout (the decode reservation must stay fenced, then free)",
         "spill-full": "every write of the decode workers' disk tiers fails with ENOSPC",
         "spill-corrupt": "the spill files are overwritten while a reload is about to read them",
+        "migrate-dest-kill": "SIGKILL the decode worker a drained request's KV is moving to, at "
+        "the move's last round",
+        "migrate-dest-stop": f"SIGSTOP it there for {STOP_S:g} s (past its reservations' lease), "
+        "then SIGCONT",
         "router-restart": "SIGKILL the router; the supervisor starts it again",
         "black-hole": "a 'decode worker' that accepts connections and never answers registers",
     }

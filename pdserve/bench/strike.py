@@ -17,6 +17,7 @@ import contextlib
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from pdserve.rpc import PROTOCOL_VERSION
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving import auth
+from pdserve.serving.drain import drained
 
 # fault state -> the failpoint that marks it (pdserve/failpoints.py names where each sits)
 POINT = MappingProxyType(
@@ -42,6 +44,7 @@ POINT = MappingProxyType(
         "accept": "prefill.accept",
         "push": "prefill.push",
         "posted": "prefill.posted",
+        "migrate": "decode.migrate",
     }
 )
 CORRUPT_BYTES = 4096  # overwritten at the start of every spill file (spill-corrupt)
@@ -53,7 +56,9 @@ class Strike:
     fired: "" (the worker struck itself), "cont" (SIGCONT it after STOP_S), "kill-peer" /
     "stop-peer" (the decode worker the paused prefill is about to push to), "cancel" (the
     request that fired it), "corrupt" (the spill files of the worker about to reload),
-    "moment" (no failpoint: strike when half the streams run)."""
+    "moment" (no failpoint: strike when half the streams run), "kill-dest" / "stop-dest"
+    (the decode worker a paused move goes to). `drain`: a fault that needs a live migration
+    drains the busiest decode worker when half the streams run (undone at finish)."""
 
     fault: str
     cluster: object
@@ -64,6 +69,9 @@ class Strike:
     concurrency: int = 1
     struck: bool = False
     note: str = ""
+    drain: str = ""  # "" (no drain), "due", or the id of the decode worker being drained
+    _drain_at: int = 0  # streams started (load.started) before the next drain
+    _drainer: threading.Thread | None = None
     # pid -> process name of every process seen since arming: a worker that killed itself
     # at its failpoint is gone (and maybe restarted) by the time the marker is read
     _names: dict[int, str] = field(default_factory=dict)
@@ -83,6 +91,9 @@ class Strike:
             and (fault.endswith("@stream"))
         ):
             s.react = "moment"
+        elif fault in ("migrate-dest-kill", "migrate-dest-stop"):
+            s.point, action = "decode.migrate", f"pause {PAUSE_S}"
+            s.react = fault.removeprefix("migrate-dest-") + "-dest"
         elif fault.startswith("cancel@"):
             s.point, action, s.react = POINT[fault.split("@")[1]], f"pause {PAUSE_S}", "cancel"
         elif fault == "stalled-push":
@@ -100,6 +111,8 @@ class Strike:
                 action, s.react = ("kill", "") if how == "kill" else ("stop", "cont")
             else:  # a decode worker, struck while a prefill holds before pushing to it
                 action, s.react = f"pause {PAUSE_S}", f"{how}-peer"
+        if s.point == "decode.migrate":
+            s.drain, s._drain_at = "due", max(1, concurrency // 2)
         if s.point is not None:
             s._seen()
             failpoints.arm(directory, "any", s.point, action)
@@ -115,6 +128,14 @@ class Strike:
             undo()
         if self.struck or self.react == "missed":
             return
+        drainer = self._drainer
+        if drainer is not None and not drainer.is_alive():  # over, and no move was struck
+            self._drainer = None
+            self._undrain()
+            self.drain = "due"  # again once as many more streams run
+            self._drain_at = load.started + max(1, self.concurrency // 2)
+        if self.drain == "due" and load.started >= self._drain_at:
+            self._start_drain()
         if self.react == "moment":
             if load.started >= max(1, self.concurrency // 2):
                 self._at_moment(load)
@@ -126,11 +147,14 @@ class Strike:
             return
         self.struck = True
         pid, detail = hit
-        self.note = f"{self.point} fired in {self._names.get(pid, f'pid {pid}')}"
+        fired = f"{self.point} fired in {self._names.get(pid, f'pid {pid}')}"
+        self.note = f"{self.note}; {fired}" if self.note else fired  # after "drained ..."
         if self.react == "cont":
             self._later(STOP_S, lambda: _signal(pid, signal.SIGCONT))
         elif self.react in ("kill-peer", "stop-peer"):
             self._strike_peer(detail)
+        elif self.react in ("kill-dest", "stop-dest"):
+            self._strike_dest(pid)
         elif self.react == "cancel":
             rid = detail.split()[0].split("~")[0]
             self.note += f"; cancelled {rid}" if load.cancel(rid) else f"; {rid} had ended"
@@ -143,6 +167,38 @@ class Strike:
         for _, undo in self._undo:
             undo()
         self._undo.clear()
+        if self._drainer is not None:
+            self._drainer.join(timeout=60)
+            self._drainer = None
+        self._undrain()
+
+    # -- a live migration ---------------------------------------------------------------
+    def _undrain(self) -> None:
+        """The drained worker gets requests again (unless it is gone)."""
+        if self.drain not in ("", "due"):
+            with contextlib.suppress(grpc.RpcError):
+                drained(self.cluster.address, self.cluster.security, self.drain, undo=True)
+            self.drain = ""
+
+    def _start_drain(self) -> None:
+        """Drain the busiest decode worker from a thread (its Drain call lasts until
+        nothing is left on it, or fails when it dies)."""
+        try:
+            name, _ = busiest(self.cluster, "decode")
+            wid = next(w for w, n in registered(self.cluster).items() if n == name)
+        except (RuntimeError, StopIteration, grpc.RpcError) as e:
+            self.note += f"; no decode worker to drain ({e})"
+            self.drain = ""
+            return
+        self.drain = wid
+        self.note += f"{'; ' if self.note else ''}drained {name}"
+
+        def run() -> None:
+            with contextlib.suppress(grpc.RpcError):
+                drained(self.cluster.address, self.cluster.security, wid, timeout_s=120)
+
+        self._drainer = threading.Thread(target=run, name="chaos-drain", daemon=True)
+        self._drainer.start()
 
     # -- reactions ------------------------------------------------------------------------
     def _missed(self) -> None:
@@ -173,6 +229,26 @@ class Strike:
             _signal(pid, signal.SIGSTOP)
             self._later(STOP_S, lambda: _signal(pid, signal.SIGCONT))
             self.note += f"; {name} SIGSTOPped for {STOP_S:g} s before the push to it"
+
+    def _strike_dest(self, pid: int) -> None:
+        """The decode worker that is not `pid` (the move's source): where the move goes."""
+        others = [
+            (n, p.pid)
+            for n, p in zip(self.cluster.names, self.cluster.procs)
+            if n.startswith("decode") and p.pid != pid and p.poll() is None
+        ]
+        if len(others) != 1:
+            self.note += f"; no single destination to strike ({len(others)} other decode)"
+            self._missed()
+            return
+        name, dest = others[0]
+        if self.react == "kill-dest":
+            _signal(dest, signal.SIGKILL)
+            self.note += f"; {name} SIGKILLed mid-move"
+        else:
+            _signal(dest, signal.SIGSTOP)
+            self._later(STOP_S, lambda: _signal(dest, signal.SIGCONT))
+            self.note += f"; {name} SIGSTOPped for {STOP_S:g} s mid-move"
 
     def _corrupt(self, pid: int) -> None:
         dirs = [d for d, owner in spill_dirs(self.spill_root or "").items() if owner == pid]
