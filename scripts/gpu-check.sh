@@ -46,7 +46,7 @@ if [[ -n "${GPU_CHECK_DRY_RUN:-}" ]]; then
     MODEL=tiny-llama
     CONTEXTS=64,256
     BATCH=4
-    SWEEP=(--concurrency 1,2 --num-kv-blocks 24 --quick)
+    SWEEP=(--concurrency 2 --num-kv-blocks 24 --quick)
     ROOFLINE=(--batches 1,2 --contexts 64)
     CALIBRATE=(--batches 1,2 --contexts 32,64 --num-kv-blocks 64)
     VS_REAL=(--concurrency 1,2 --num-kv-blocks 16 --requests 4)
