@@ -222,13 +222,7 @@ class Strike:
             self._missed()
             return
         pid = self.cluster.procs[self.cluster.names.index(name)].pid
-        if self.react == "kill-peer":
-            _signal(pid, signal.SIGKILL)
-            self.note += f"; {name} SIGKILLed before the push to it"
-        else:
-            _signal(pid, signal.SIGSTOP)
-            self._later(STOP_S, lambda: _signal(pid, signal.SIGCONT))
-            self.note += f"; {name} SIGSTOPped for {STOP_S:g} s before the push to it"
+        self._kill_or_stop(name, pid, self.react == "kill-peer", "before the push to it")
 
     def _strike_dest(self, pid: int) -> None:
         """The decode worker that is not `pid` (the move's source): where the move goes."""
@@ -242,13 +236,17 @@ class Strike:
             self._missed()
             return
         name, dest = others[0]
-        if self.react == "kill-dest":
-            _signal(dest, signal.SIGKILL)
-            self.note += f"; {name} SIGKILLed mid-move"
+        self._kill_or_stop(name, dest, self.react == "kill-dest", "mid-move")
+
+    def _kill_or_stop(self, name: str, pid: int, kill: bool, when: str) -> None:
+        """SIGKILL `pid`, or SIGSTOP it for STOP_S (its SIGCONT scheduled); noted."""
+        if kill:
+            _signal(pid, signal.SIGKILL)
+            self.note += f"; {name} SIGKILLed {when}"
         else:
-            _signal(dest, signal.SIGSTOP)
-            self._later(STOP_S, lambda: _signal(dest, signal.SIGCONT))
-            self.note += f"; {name} SIGSTOPped for {STOP_S:g} s mid-move"
+            _signal(pid, signal.SIGSTOP)
+            self._later(STOP_S, lambda: _signal(pid, signal.SIGCONT))
+            self.note += f"; {name} SIGSTOPped for {STOP_S:g} s {when}"
 
     def _corrupt(self, pid: int) -> None:
         dirs = [d for d, owner in spill_dirs(self.spill_root or "").items() if owner == pid]
