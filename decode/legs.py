@@ -56,16 +56,23 @@ def plan_legs(endpoint, dest: Destination) -> list[Leg]:
     return [Leg(r.src, r.dst, endpoint.head_route(r, pools)) for r in endpoint.routes_to(pools)]
 
 
+def _peer(dest: Destination, leg: Leg) -> tuple:
+    """What Peers.side needs of the leg's destination rank: (key, metadata, pool)."""
+    rank = leg.dest_rank
+    return (dest.worker_id, rank), dest.rank_metadata(rank), dest.pools[rank]
+
+
 def _rank_legs(legs: list[Leg], dest: Destination, notes: list[bytes]) -> dict[int, list[dict]]:
     """The legs of ranks 1..n-1 as they travel to them, by rank."""
     out: dict[int, list[dict]] = {}
     for leg, note in zip(legs, notes):
         if leg.rank > 0:
+            key, metadata, pool = _peer(dest, leg)
             out.setdefault(leg.rank, []).append(
                 {
-                    "peer_key": (dest.worker_id, leg.dest_rank),
-                    "metadata": dest.rank_metadata(leg.dest_rank),
-                    "pool": dest.pools[leg.dest_rank],
+                    "peer_key": key,
+                    "metadata": metadata,
+                    "pool": pool,
                     "heads": leg.heads,
                     "notif": note,
                 }
@@ -82,9 +89,16 @@ def rank_call(worker, op: str, *args, wrote: bool = True):
         raise RoundFailed(f"a rank of this worker is gone: {e}", wrote, retryable=False) from None
 
 
-def connect_ranks(worker, legs: list[Leg], dest: Destination) -> None:
-    """Ranks 1..n-1 add the destination ranks their legs go to (RoundFailed if one
-    cannot): before the request stops, since a first connection is slow."""
+def connect(worker, peers: Peers, legs: list[Leg], dest: Destination) -> None:
+    """Every rank adds the destination ranks its legs go to (RoundFailed if one cannot):
+    before the request stops, since a first connection is slow."""
+    with worker.agent_lock:
+        for leg in legs:
+            if leg.rank == 0:
+                try:
+                    peers.side(*_peer(dest, leg))
+                except (ValueError, RuntimeError) as e:  # metadata it cannot use
+                    raise RoundFailed(str(e), False) from None
     if worker.core.tp_size == 1:
         return
     notes = [b""] * len(legs)
@@ -143,11 +157,7 @@ class Round:
             for leg, note in zip(self.legs, notes):
                 if leg.rank > 0:
                     continue
-                peer, remote = self.peers.side(
-                    (dest.worker_id, leg.dest_rank),
-                    dest.rank_metadata(leg.dest_rank),
-                    dest.pools[leg.dest_rank],
-                )
+                peer, remote = self.peers.side(*_peer(dest, leg))
                 try:
                     xfer, n = write_layers(
                         worker.endpoint.agent,

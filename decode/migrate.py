@@ -52,7 +52,7 @@ from decode.legs import (
     Leg,
     Round,
     RoundFailed,
-    connect_ranks,
+    connect,
     plan_legs,
     release_ranks,
     stage_ranks,
@@ -144,19 +144,8 @@ class Migrator:
             legs = plan_legs(worker.endpoint, dest)  # the same model, heads we can map
         except HandshakeRefused as e:
             raise MigrationFailed(f"destination: {e}", False) from None
-        with worker.agent_lock:  # connect to its rank-0-bound ranks before anything stops
-            for leg in legs:
-                if leg.rank == 0:
-                    try:
-                        self.peers.side(
-                            (dest.worker_id, leg.dest_rank),
-                            dest.rank_metadata(leg.dest_rank),
-                            dest.pools[leg.dest_rank],
-                        )
-                    except (ValueError, RuntimeError) as e:  # metadata it cannot use
-                        raise MigrationFailed(f"destination {dest.worker_id}: {e}", True) from None
         try:
-            connect_ranks(worker, legs, dest)  # ranks 1..n-1 to theirs
+            connect(worker, self.peers, legs, dest)  # every rank to the ranks it writes to
         except RoundFailed as e:
             raise MigrationFailed(f"destination {dest.worker_id}: {e}", e.retryable) from None
         move = _Move(dest, dest_request_id, legs, time.monotonic() + timeout_s)
