@@ -24,6 +24,7 @@ from pdserve.engine.memory import held_bytes
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.runner import Runner
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.threads import on_own_thread
 from pdserve.kv import BlockAllocator, KVCache
 from pdserve.kv.manager import KVManager
 from pdserve.kv.offload import OffloadedKV, OffloadStore
@@ -35,20 +36,26 @@ from transfer.tiers import TIERS, Tier
 
 
 def build_engine(model: str, args: EngineArgs | None = None) -> tuple[EngineCore, ModelSource]:
+    """The engine core and where its weights came from. The building runs on a thread of
+    its own that exits before this returns (pdserve/engine/threads.py): the OpenMP team it
+    forms goes with it, and the thread that steps the engine keeps the only one."""
     args = args or EngineArgs()
     source = resolve(model)
-    config = source.config
     device = args.resolve_device()
     dtype = args.resolve_dtype(device)
     if args.tensor_parallel_size > 1:
         return build_tp_engine(model, source, args, device, dtype), source
+    return on_own_thread(_build_single, source, args, device, dtype), source
+
+
+def _build_single(source: ModelSource, args: EngineArgs, device, dtype) -> EngineCore:
+    config = source.config
     backend = ATTENTION_BACKENDS[args.attention_backend](device)
     net = build_model(config, dtype, device, source.weights_on(device))
     cc = args.cache_config(config, dtype, device, held_bytes(net))
     cache = KVCache(config, cc.num_blocks, cc.block_size, dtype, device)
     runner = ModelRunner(net, cache, backend, device, args.seed, cuda_graphs=args.cuda_graphs)
-    core = assemble_engine(config, args, cache, tiers(args, cache), runner, source.tokenizer)
-    return core, source
+    return assemble_engine(config, args, cache, tiers(args, cache), runner, source.tokenizer)
 
 
 def build_tp_engine(model: str, source, args, device: torch.device, dtype: torch.dtype):
@@ -65,8 +72,11 @@ def build_tp_engine(model: str, source, args, device: torch.device, dtype: torch
     if device.type == "cpu":
         threads = max(1, torch.get_num_threads() // size)
         torch.set_num_threads(threads)
+    # the ranks' processes are started here, on the caller's thread (they die with the
+    # thread that started them); rank 0's own building on a thread that goes away, as above
     group = TPGroup(model, args, device, threads)
-    try:
+
+    def build() -> EngineCore:
         group.send_each("load", [()] * (size - 1), answered=True)  # all ranks load at once
         net = build_model(config, dtype, device, source.weights_on(device), comm=group.comm)
         local = local_config(config, size)
@@ -82,6 +92,9 @@ def build_tp_engine(model: str, source, args, device: torch.device, dtype: torch
         return assemble_engine(
             config, args, TPCache(cache, group), [], runner, source.tokenizer, offload=offload
         )
+
+    try:
+        return on_own_thread(build)
     except BaseException:
         group.close()
         raise

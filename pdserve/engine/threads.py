@@ -1,0 +1,52 @@
+"""Which threads keep an OpenMP team: building an engine on a thread that goes away.
+
+Torch's CPU kernels (and our C decode kernel) run their parallel regions on libgomp, the
+OpenMP runtime torch ships. Every thread that runs a parallel region becomes the master of
+its own team, and the team's threads live as long as that thread does. Between regions a
+team's idle threads spin for a while before they sleep, so that the next region starts at
+once, except when the process has more of these managed threads than it has CPUs: then
+libgomp spins ~100 iterations and sleeps, and each region starts by waking its threads
+(a futex and a context switch each, per region).
+
+A worker that builds its model on one thread (loading and packing the weights, filling
+the KV pool: parallel regions) and steps it on another (its step loop) has two teams. On a
+2-CPU machine with 2 torch threads that is 3 managed threads for 2 CPUs, and the step
+loop's team sleeps between every matmul. Measured on a 2-vCPU VM (SmolLM2-135M, a 1P1D
+cluster, 16 streams): the decode worker's two compute threads switched ~1,400 and ~3,500
+times a second and used 0.79 + 0.43 CPUs; with the engine built on a thread that exits
+first, ~30 and 0 times a second, 0.81 + 0.79 CPUs, and the cluster served 8-14% more
+tokens per second (docs/benchmarks.md, "A cluster against the engine it runs").
+
+`on_own_thread` runs a function on a new thread and waits for it: when the thread exits,
+libgomp frees its team, and the first thread to step the engine is left with the only one.
+Nothing that starts a child process may run there: a child that asked for a signal when
+its parent dies (pdserve/lifetime.py, PR_SET_PDEATHSIG) gets it when the thread that
+started it exits, not the process.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def on_own_thread(fn: Callable[..., T], *args, name: str = "pdserve-build", **kwargs) -> T:
+    """fn(*args, **kwargs) on a new thread that exits when it returns -> its result (or its
+    exception, raised here). The caller waits: this moves the work, it does not overlap it."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["result"]  # type: ignore[return-value]
