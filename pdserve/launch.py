@@ -96,10 +96,20 @@ class Cluster:
         api_key_file: str | None = None,
         prefill_tp: int = 1,
         decode_tp: int = 1,
+        prefill_threads: int | None = None,
+        decode_threads: int | None = None,
     ) -> None:
         """`worker_args` go to every worker, `prefill_args`/`decode_args` to one role;
         `prefill_tp`/`decode_tp`: each worker of that role is a tensor-parallel group of
-        that many ranks (one process each, started by the worker)."""
+        that many ranks (one process each, started by the worker); `prefill_threads`/
+        `decode_threads`: torch threads of each worker of that role (its ranks split them),
+        instead of the even split of worker_threads()."""
+        for name, value in (
+            ("prefill_threads", prefill_threads),
+            ("decode_threads", decode_threads),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: {value} (must be >= 1)")
         secret = secrets.token_urlsafe(32)
         tls_pem = TLS.from_files(tls.cert, tls.key, tls.ca) if tls else None
         self.security = Security(cluster_secret=secret, tls=tls_pem)
@@ -129,13 +139,13 @@ class Cluster:
             # every worker starts at once (each loads the model and opens its transfer agent:
             # seconds apiece), then each READY line is read in turn
             started = []
-            for role, count, tp in (
-                ("prefill", prefill, prefill_tp),
-                ("decode", decode, decode_tp),
+            for role, count, tp, threads in (
+                ("prefill", prefill, prefill_tp, prefill_threads),
+                ("decode", decode, decode_tp, decode_threads),
             ):
                 for _ in range(count):
                     extra = prefill_args if role == "prefill" else decode_args
-                    own = ["--threads", str(per_rank * tp), "--tp", str(tp)]
+                    own = ["--threads", str(threads or per_rank * tp), "--tp", str(tp)]
                     argv = ["serve", role, *common, *own, *(worker_args or []), *(extra or [])]
                     started.append((self._start(argv), argv))
             for proc, argv in started:
@@ -341,6 +351,8 @@ def run_launch(args) -> int:
         api_key_file=args.api_key_file,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        prefill_threads=args.prefill_threads,
+        decode_threads=args.decode_threads,
     ) as c:
         print(f"cluster ready: router at {c.address}  (Ctrl-C stops everything)", flush=True)
         if c.http_address:

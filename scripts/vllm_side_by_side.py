@@ -197,10 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     bind = args.vllm_threads_bind
     vllm, vllm_url, vllm_argv = start_vllm(args.vllm_python, model_dir, log, 2048, bind)
     decode_args = ["--num-kv-blocks", str(args.num_kv_blocks)]
-    if args.pdserve_decode_threads:
-        decode_args += ["--threads", str(args.pdserve_decode_threads)]
     try:
-        with Cluster(MODEL, 1, 1, http_port=0, decode_args=decode_args) as cluster:
+        with Cluster(
+            MODEL,
+            1,
+            1,
+            http_port=0,
+            decode_args=decode_args,
+            decode_threads=args.pdserve_decode_threads,
+        ) as cluster:
             urls = {"vllm": vllm_url, "pdserve": f"http://{cluster.http_address}"}
             names = {"vllm": wait_ready(vllm_url, vllm, log, READY_TIMEOUT_S)}
             names["pdserve"] = get_json(f"{urls['pdserve']}/v1/models")["data"][0]["id"]

@@ -380,3 +380,13 @@ def test_workers_take_no_cuda_graphs_into_their_engine_arguments():
         assert engine_args(build_parser().parse_args(base)).cuda_graphs is True
         args = build_parser().parse_args([*base, "--no-cuda-graphs"])
         assert engine_args(args).cuda_graphs is False
+
+
+def test_launch_takes_threads_per_role_and_refuses_none():
+    from pdserve.cli import build_parser
+    from pdserve.launch import Cluster
+
+    args = build_parser().parse_args(["launch", "--model", "m", "--decode-threads", "3"])
+    assert (args.prefill_threads, args.decode_threads) == (None, 3)
+    with pytest.raises(ValueError, match="decode_threads: 0"):
+        Cluster("no-such-model", decode_threads=0)  # before any process starts

@@ -314,12 +314,27 @@ def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
 
     keys = tmp_path / "keys"
     keys.write_text("# one per line\nkey-one-abc\nkey-two-def\n")
-    with Cluster("tiny-llama", 1, 1, http_port=0, api_key_file=str(keys)) as c:
+    # threads given per role (launch's --prefill-threads/--decode-threads), not the even split
+    threads = {"prefill": 1, "decode": 3}
+    with Cluster(
+        "tiny-llama",
+        1,
+        1,
+        http_port=0,
+        api_key_file=str(keys),
+        prefill_threads=threads["prefill"],
+        decode_threads=threads["decode"],
+    ) as c:
         secret = c.security.cluster_secret
-        for proc in c.procs:
+        for name, proc in zip(c.names, c.procs):
             for part in ("cmdline", "environ"):
                 with open(f"/proc/{proc.pid}/{part}", "rb") as f:
                     assert secret.encode() not in f.read(), (proc.args, part)
+            role = name.split("-")[0]
+            if role in threads:
+                with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+                    argv = f.read().decode().split("\0")
+                assert argv[argv.index("--threads") + 1] == str(threads[role]), (name, argv)
         with Client(c.address, api_key="key-two-def") as client:
             served = client.generate([1, 2, 3], max_tokens=3, temperature=0)
             assert len(served.token_ids) == 3

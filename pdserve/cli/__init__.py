@@ -120,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--decode-tp", type=int, default=1, help="tensor-parallel ranks of each decode worker"
     )
+    for role in ("prefill", "decode"):
+        launch.add_argument(
+            f"--{role}-threads",
+            type=int,
+            default=None,
+            help=f"torch threads of each {role} worker (default: the CPUs split evenly over "
+            "every worker's ranks; docs/benchmarks.md says when to give decode more)",
+        )
     launch.add_argument("--port", type=int, default=0)
     launch.add_argument("--transfer", default="nixl", choices=PROCESS_BACKENDS)
     launch.add_argument(
