@@ -1,80 +1,104 @@
 """Building on a thread that goes away (pdserve/engine/threads.py): the OpenMP team a
 thread forms lives as long as the thread, so a build done on a thread that exits leaves
-no team behind to share the CPUs with the step loop's."""
+no team behind to share the CPUs with the step loop's.
+
+The thread counts are taken in a fresh interpreter: in pytest's own process, threads that
+earlier tests left (readers, gRPC, spill writers) may start or end while one is counted."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
-import time
 
 import pytest
-import torch
 
 from pdserve.engine.threads import on_own_thread
 
+COUNTS = r"""
+import json, os, threading, time
+import torch
+from pdserve.engine.args import EngineArgs
+from pdserve.engine.build import _build_single, build_engine
+from pdserve.engine.threads import on_own_thread
+from pdserve.weights import resolve
 
-def os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+torch.set_num_threads(2)  # a team of 2: its master and one pool thread
 
+def tids():
+    return set(os.listdir("/proc/self/task"))
 
-def settle(want, timeout_s: float = 10.0) -> int:
-    """Poll the process's thread count until want(count) (libgomp's threads leave shortly
-    after their master exits) -> the last count."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        count = os_threads()
-        if want(count) or time.monotonic() > deadline:
-            return count
-        time.sleep(0.01)
-
-
-def parallel_work() -> float:
+def parallel_work():
     # an elementwise op over 16M floats: torch splits it over its threads (a parallel region)
     return float(torch.ones(1 << 24).add_(1).sum())
 
-
-@pytest.fixture
-def two_threads():
-    if not os.path.isdir("/proc/self/task"):
-        pytest.skip("counts threads in /proc")
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)  # a team of 2: the master and one pool thread
-    yield
-    torch.set_num_threads(before)
-
-
-def grown_while_held(work) -> int:
-    """Threads the process has gained while a thread that ran `work` is still alive (it is
-    counted itself, so a bare thread is 0 and one with a team of 2 is 1)."""
-    counts, done, release = {}, threading.Event(), threading.Event()
-
-    def hold() -> None:
-        counts["before"] = os_threads()
+def left_while_held(work):
+    # threads that came with `work` and are still there while the thread that ran it lives
+    out, done, release = {}, threading.Event(), threading.Event()
+    def hold():
+        before = tids()
         work()
+        deadline = time.monotonic() + 2.0  # a team's threads leave shortly after their master
+        while time.monotonic() < deadline and tids() - before:
+            time.sleep(0.01)
+        out["new"] = len(tids() - before)
         done.set()
         release.wait(60)
-
     thread = threading.Thread(target=hold, daemon=True)
     thread.start()
-    assert done.wait(120)
-    during = settle(lambda n: n <= counts["before"], 2.0)
+    done.wait(120)
     release.set()
     thread.join(30)
-    return during - counts["before"]
+    return out["new"]
+
+args = EngineArgs(num_kv_blocks=256)
+source, device = resolve("tiny-llama"), args.resolve_device()
+dtype = args.resolve_dtype(device)
+base = tids()
+stay = left_while_held(parallel_work)
+deadline = time.monotonic() + 10.0
+while time.monotonic() < deadline and tids() - base:
+    time.sleep(0.01)
+result = []
+print(json.dumps({
+    "stay": stay,
+    "gone_with_its_thread": len(tids() - base),
+    "own_thread": left_while_held(lambda: result.append(on_own_thread(parallel_work))),
+    "result": result,
+    "build_here": left_while_held(lambda: _build_single(source, args, device, dtype)),
+    "build_engine": left_while_held(lambda: build_engine("tiny-llama", args)),
+}))
+"""
 
 
-def test_a_thread_that_stays_keeps_its_team(two_threads):
+@pytest.fixture(scope="module")
+def counts() -> dict:
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("counts threads in /proc")
+    out = subprocess.run(
+        [sys.executable, "-c", COUNTS], capture_output=True, text=True, timeout=300, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_thread_that_stays_keeps_its_team(counts):
     """The control: without it the tests below could not fail."""
-    base = settle(lambda n: True, 0)
-    assert grown_while_held(parallel_work) >= 1
-    assert settle(lambda n: n <= base) <= base  # and it goes when the thread does
+    assert counts["stay"] >= 1  # its pool thread, for as long as it lives
+    assert counts["gone_with_its_thread"] == 0
 
 
-def test_the_build_thread_takes_its_team_with_it(two_threads):
-    results = []
-    assert grown_while_held(lambda: results.append(on_own_thread(parallel_work))) <= 0
-    assert results == [float(2 * (1 << 24))]
+def test_the_build_thread_takes_its_team_with_it(counts):
+    assert counts["own_thread"] == 0
+    assert counts["result"] == [float(2 * (1 << 24))]
+
+
+def test_building_an_engine_leaves_no_team_on_the_building_thread(counts):
+    """build_engine builds on a thread of its own; the same build done on the caller's
+    thread (the control) leaves a team there for as long as the caller lives."""
+    assert counts["build_here"] >= 1
+    assert counts["build_engine"] == 0
 
 
 def test_the_result_and_the_error_come_back_to_the_caller():
@@ -87,17 +111,3 @@ def test_the_result_and_the_error_come_back_to_the_caller():
 
     with pytest.raises(KeyError, match="inside"):
         on_own_thread(fail)
-
-
-def test_building_an_engine_leaves_no_team_on_the_building_thread(two_threads):
-    """build_engine builds on a thread of its own; the same build done on the caller's
-    thread (the control) leaves a team there for as long as the caller lives."""
-    from pdserve.engine.args import EngineArgs
-    from pdserve.engine.build import _build_single, build_engine
-    from pdserve.weights import resolve
-
-    args = EngineArgs(num_kv_blocks=256)
-    source, device = resolve("tiny-llama"), args.resolve_device()
-    dtype = args.resolve_dtype(device)
-    assert grown_while_held(lambda: _build_single(source, args, device, dtype)) >= 1
-    assert grown_while_held(lambda: build_engine("tiny-llama", args)) <= 0

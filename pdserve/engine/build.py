@@ -42,6 +42,9 @@ def build_engine(model: str, args: EngineArgs | None = None) -> tuple[EngineCore
     args = args or EngineArgs()
     source = resolve(model)
     device = args.resolve_device()
+    if device.type == "cuda" and device.index is None:
+        # the current device is the caller's thread's: the build runs on another one
+        device = torch.device("cuda", torch.cuda.current_device())
     dtype = args.resolve_dtype(device)
     if args.tensor_parallel_size > 1:
         return build_tp_engine(model, source, args, device, dtype), source

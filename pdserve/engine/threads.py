@@ -14,8 +14,9 @@ the KV pool: parallel regions) and steps it on another (its step loop) has two t
 loop's team sleeps between every matmul. Measured on a 2-vCPU VM (SmolLM2-135M, a 1P1D
 cluster, 16 streams): the decode worker's two compute threads switched ~1,400 and ~3,500
 times a second and used 0.79 + 0.43 CPUs; with the engine built on a thread that exits
-first, ~30 and 0 times a second, 0.81 + 0.79 CPUs, and the cluster served 8-14% more
-tokens per second (docs/benchmarks.md, "A cluster against the engine it runs").
+first, ~30 and 0 times a second, 0.81 + 0.79 CPUs, and `bench parity`'s medians went from
+0.77-0.79 of the in-process engine to 0.80-0.89 (docs/benchmarks.md, "A cluster against
+the engine it runs").
 
 `on_own_thread` runs a function on a new thread and waits for it: when the thread exits,
 libgomp frees its team, and the first thread to step the engine is left with the only one.
@@ -33,9 +34,12 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def on_own_thread(fn: Callable[..., T], *args, name: str = "pdserve-build", **kwargs) -> T:
+def on_own_thread(fn: Callable[..., T], *args, **kwargs) -> T:
     """fn(*args, **kwargs) on a new thread that exits when it returns -> its result (or its
-    exception, raised here). The caller waits: this moves the work, it does not overlap it."""
+    exception, raised here). The caller waits, also when interrupted (a Ctrl-C here waits
+    for the work to end, then is raised): this moves the work, it never leaves it running.
+    Thread-local state does not follow (a CUDA current device, grad mode): pass what the
+    work needs explicitly."""
     box: dict[str, object] = {}
 
     def run() -> None:
@@ -44,9 +48,17 @@ def on_own_thread(fn: Callable[..., T], *args, name: str = "pdserve-build", **kw
         except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
             box["error"] = e
 
-    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread = threading.Thread(target=run, name="pdserve-build", daemon=True)
     thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["result"]  # type: ignore[return-value]
+    try:
+        thread.join()
+    except BaseException:
+        thread.join()  # a half-built engine must not build on behind its caller's back
+        raise
+    error = box.pop("error", None)
+    if error is not None:
+        try:
+            raise error  # type: ignore[misc]
+        finally:
+            del error, box  # the traceback holds the work's locals (a model, a pool)
+    return box.pop("result")  # type: ignore[return-value]
