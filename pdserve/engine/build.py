@@ -38,7 +38,7 @@ from transfer.tiers import TIERS, Tier
 def build_engine(model: str, args: EngineArgs | None = None) -> tuple[EngineCore, ModelSource]:
     """The engine core and where its weights came from. The building runs on a thread of
     its own that exits before this returns (pdserve/engine/threads.py): the OpenMP team it
-    forms goes with it, and the thread that steps the engine keeps the only one."""
+    forms goes with it instead of competing with the team of the thread that steps."""
     args = args or EngineArgs()
     source = resolve(model)
     device = args.resolve_device()

@@ -19,7 +19,9 @@ first, ~30 and 0 times a second, 0.81 + 0.79 CPUs, and `bench parity`'s medians 
 the engine it runs").
 
 `on_own_thread` runs a function on a new thread and waits for it: when the thread exits,
-libgomp frees its team, and the first thread to step the engine is left with the only one.
+libgomp frees its team, so the build leaves none behind. (A thread that runs torch work
+later, say a migration's staging copy, forms a team of its own for as long as it lives;
+on 2 CPUs a tiered-preemption run left none, as the process's thread count showed.)
 Nothing that starts a child process may run there: a child that asked for a signal when
 its parent dies (pdserve/lifetime.py, PR_SET_PDEATHSIG) gets it when the thread that
 started it exits, not the process.
