@@ -111,3 +111,31 @@ def test_the_result_and_the_error_come_back_to_the_caller():
 
     with pytest.raises(KeyError, match="inside"):
         on_own_thread(fail)
+
+
+INTERRUPTED = r"""
+import os, signal, threading, time
+from pdserve.engine.threads import on_own_thread
+
+finished = []
+
+def build():
+    time.sleep(0.5)
+    finished.append(time.monotonic())
+
+threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    on_own_thread(build)
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted after the build" if finished else "interrupted during the build")
+"""
+
+
+def test_an_interrupted_caller_waits_for_the_build_before_it_raises():
+    """Ctrl-C while a build runs: the KeyboardInterrupt comes once the build has ended, never
+    with a half-built engine still building behind the caller."""
+    out = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED], capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.strip() == "interrupted after the build", out.stderr[-2000:]

@@ -43,20 +43,27 @@ def on_own_thread(fn: Callable[..., T], *args, **kwargs) -> T:
     Thread-local state does not follow (a CUDA current device, grad mode): pass what the
     work needs explicitly."""
     box: dict[str, object] = {}
+    done = threading.Event()
 
     def run() -> None:
         try:
             box["result"] = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
             box["error"] = e
+        finally:
+            done.set()
 
     thread = threading.Thread(target=run, name="pdserve-build", daemon=True)
     thread.start()
     try:
-        thread.join()
+        done.wait()
     except BaseException:
-        thread.join()  # a half-built engine must not build on behind its caller's back
+        # a half-built engine must not build on behind its caller's back. Not join(): once
+        # interrupted, CPython 3.11's join() marks a live thread stopped (bpo-45274's fix
+        # releases its lock), and the next join() returns at once
+        done.wait()
         raise
+    thread.join()  # its OpenMP team is freed as it exits
     error = box.pop("error", None)
     if error is not None:
         try:
