@@ -382,7 +382,7 @@ def test_workers_take_no_cuda_graphs_into_their_engine_arguments():
         assert engine_args(args).cuda_graphs is False
 
 
-def test_launch_takes_threads_per_role_and_refuses_none():
+def test_launch_takes_threads_per_role_and_refuses_zero():
     from pdserve.cli import build_parser
     from pdserve.launch import Cluster
 

@@ -327,13 +327,14 @@ def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
     ) as c:
         secret = c.security.cluster_secret
         for name, proc in zip(c.names, c.procs):
+            seen = {}
             for part in ("cmdline", "environ"):
                 with open(f"/proc/{proc.pid}/{part}", "rb") as f:
-                    assert secret.encode() not in f.read(), (proc.args, part)
+                    seen[part] = f.read()
+                assert secret.encode() not in seen[part], (proc.args, part)
             role = name.split("-")[0]
             if role in threads:
-                with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
-                    argv = f.read().decode().split("\0")
+                argv = seen["cmdline"].decode().split("\0")
                 assert argv[argv.index("--threads") + 1] == str(threads[role]), (name, argv)
         with Client(c.address, api_key="key-two-def") as client:
             served = client.generate([1, 2, 3], max_tokens=3, temperature=0)
