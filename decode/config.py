@@ -29,6 +29,9 @@ class DecodeConfig:
     migrate_final_blocks: int = 2
     migrate_timeout_s: float = 30.0
     failpoints: Failpoints = NO_FAILPOINTS  # decode.reserve, decode.stream (pdserve/failpoints.py)
+    # the node's CPU lease (pdserve/engine/cpu_lease.py): steps run only in its turns; None:
+    # this worker's threads have their CPUs to themselves
+    cpu_lease: str | None = None
 
     def __post_init__(self) -> None:
         check_admission(self.admission, self.admission_margin)

@@ -32,6 +32,7 @@ from decode.streams import Stream
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
 from pdserve.engine.core import EngineCore
+from pdserve.engine.cpu_lease import open_lease, turn_of
 from pdserve.engine.output import FinishedRequest, StepOutput
 from pdserve.engine.request import Request
 from pdserve.sampling_params import SamplingParams
@@ -76,6 +77,7 @@ class DecodeWorker:
         self._stop = threading.Event()
         self.migrator = Migrator(self)
         self._detaching: dict[str, Future] = {}  # taken out at the next step boundary
+        self.cpu_lease = open_lease(config.cpu_lease, core.kv_pool.device.type)
         self._loop = threading.Thread(target=self._run, name="decode-loop", daemon=True)
         self._loop.start()
 
@@ -297,9 +299,10 @@ class DecodeWorker:
             if plan is None:
                 self._account()
                 return False
-        step_start = now()
-        result = core.run(plan)
-        step_end = now()
+        with turn_of(self.cpu_lease):  # the step's time starts once it has the CPUs
+            step_start = now()
+            result = core.run(plan)
+            step_end = now()
         with self.lock:
             out = core.end_step(plan, result)
             self.state.observe_step(plan, step_end - step_start)
@@ -346,3 +349,5 @@ class DecodeWorker:
         self._loop.join(timeout=5)
         self.endpoint.close()
         self.core.close()
+        if self.cpu_lease is not None:
+            self.cpu_lease.close()

@@ -14,9 +14,11 @@ from __future__ import annotations
 import os
 import queue
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ from pdserve.serving import auth
 from pdserve.serving.auth import TLS, Security
 
 _CREDENTIAL_ENV = frozenset({auth.CLUSTER_SECRET_ENV, auth.API_KEY_ENV})
+# memory-backed, where the machine has it: a lease's state is read at every turn
+_SHM = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
 
 @dataclass(frozen=True)
@@ -98,12 +102,15 @@ class Cluster:
         decode_tp: int = 1,
         prefill_threads: int | None = None,
         decode_threads: int | None = None,
+        share_cpus: bool = False,
     ) -> None:
         """`worker_args` go to every worker, `prefill_args`/`decode_args` to one role;
         `prefill_tp`/`decode_tp`: each worker of that role is a tensor-parallel group of
         that many ranks (one process each, started by the worker); `prefill_threads`/
         `decode_threads`: torch threads of each worker of that role (its ranks split them),
-        instead of the even split of worker_threads()."""
+        instead of the even split of worker_threads(); `share_cpus`: every worker's threads
+        span all the CPUs and the workers compute in turns (a CPU lease,
+        pdserve/engine/cpu_lease.py; CPU workers only)."""
         for name, value in (
             ("prefill_threads", prefill_threads),
             ("decode_threads", decode_threads),
@@ -122,6 +129,8 @@ class Cluster:
         self.metrics: dict[str, str] = {}  # role-index -> host:port of /metrics
         self.addresses: dict[str, str] = {}  # role-index -> host:port of its gRPC server
         self.http_address: str | None = None  # host:port of the OpenAI API, when asked for
+        # the CPU lease's files, removed by close()
+        self.lease_dir = tempfile.mkdtemp(prefix="pdserve-cpus-", dir=_SHM) if share_cpus else None
         try:
             router = ["serve", "router", "--model", model, "--port", str(port), *member]
             if http_port is not None:
@@ -136,6 +145,9 @@ class Cluster:
                 self.argvs[0][at] = self.http_address.rsplit(":", 1)[1]
             common = ["--model", model, "--router", self.address, "--transfer", transfer, *member]
             per_rank = worker_threads(prefill, decode, prefill_tp, decode_tp)
+            if self.lease_dir is not None:  # each worker's ranks split every CPU
+                per_rank = 0
+                common += ["--cpu-lease", os.path.join(self.lease_dir, "cpu")]
             # every worker starts at once (each loads the model and opens its transfer agent:
             # seconds apiece), then each READY line is read in turn
             started = []
@@ -145,7 +157,8 @@ class Cluster:
             ):
                 for _ in range(count):
                     extra = prefill_args if role == "prefill" else decode_args
-                    own = ["--threads", str(threads or per_rank * tp), "--tp", str(tp)]
+                    n = threads or per_rank * tp or (os.cpu_count() or 1)
+                    own = ["--threads", str(n), "--tp", str(tp)]
                     argv = ["serve", role, *common, *own, *(worker_args or []), *(extra or [])]
                     started.append((self._start(argv), argv))
             for proc, argv in started:
@@ -260,6 +273,8 @@ class Cluster:
                 proc.stdout.close()
         self.procs.clear()
         self.names.clear()
+        if self.lease_dir is not None:
+            shutil.rmtree(self.lease_dir, ignore_errors=True)
 
     def __enter__(self) -> Cluster:
         return self
@@ -353,6 +368,7 @@ def run_launch(args) -> int:
         decode_tp=args.decode_tp,
         prefill_threads=args.prefill_threads,
         decode_threads=args.decode_threads,
+        share_cpus=args.share_cpus,
     ) as c:
         print(f"cluster ready: router at {c.address}  (Ctrl-C stops everything)", flush=True)
         if c.http_address:

@@ -25,6 +25,9 @@ class PrefillConfig:
     default_timeout_s: float = 120.0
     # prefill.accept, prefill.push, prefill.posted (pdserve/failpoints.py)
     failpoints: Failpoints = NO_FAILPOINTS
+    # the node's CPU lease (pdserve/engine/cpu_lease.py): a batch's forward pass runs only
+    # in its turns; None: this worker's threads have their CPUs to themselves
+    cpu_lease: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_push not in KV_PUSH:

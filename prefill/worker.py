@@ -22,6 +22,7 @@ import numpy as np
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
 from pdserve.engine.core import EngineCore
+from pdserve.engine.cpu_lease import open_lease, turn_of
 from pdserve.sampling_params import SamplingParams
 from pdserve.serving.destination import Destination
 from pdserve.serving.kv_pool import KVEndpoint, open_endpoint
@@ -68,6 +69,7 @@ class PrefillWorker:
         self.batcher = Batcher(core.token_budget)
         self.queued_tokens = 0
         self.lock = threading.Lock()  # queued_tokens (submit and heartbeats vs the loop)
+        self.cpu_lease = open_lease(config.cpu_lease, core.kv_pool.device.type)
         self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
         self._thread.start()
 
@@ -126,6 +128,8 @@ class PrefillWorker:
         self._thread.join(timeout=10)
         self.endpoint.close()
         self.core.close()  # the spill tiers of --prefix-offload
+        if self.cpu_lease is not None:
+            self.cpu_lease.close()
 
     # -- the loop -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -180,9 +184,10 @@ class PrefillWorker:
 
             on_layer = (lambda i: post(range(i, i + 1))) if self.layerwise else None
             work_sent = work is not None  # sent first thing: its answers must be read
-            tokens = self.core.prefill(
-                [j.request for j in runnable], on_layer_done=on_layer, rank_work=work
-            )
+            with turn_of(self.cpu_lease):
+                tokens = self.core.prefill(
+                    [j.request for j in runnable], on_layer_done=on_layer, rank_work=work
+                )
             computed, computed_wall = time.monotonic(), now()
             if not self.layerwise:  # every layer in one WRITE per request
                 post(range(num_layers))

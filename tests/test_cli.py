@@ -387,6 +387,8 @@ def test_launch_takes_threads_per_role_and_refuses_zero():
     from pdserve.launch import Cluster
 
     args = build_parser().parse_args(["launch", "--model", "m", "--decode-threads", "3"])
-    assert (args.prefill_threads, args.decode_threads) == (None, 3)
+    assert (args.prefill_threads, args.decode_threads, args.share_cpus) == (None, 3, False)
+    args = build_parser().parse_args(["launch", "--model", "m", "--share-cpus"])
+    assert args.share_cpus
     with pytest.raises(ValueError, match="decode_threads: 0"):
         Cluster("no-such-model", decode_threads=0)  # before any process starts

@@ -314,18 +314,20 @@ def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
 
     keys = tmp_path / "keys"
     keys.write_text("# one per line\nkey-one-abc\nkey-two-def\n")
-    # threads given per role (launch's --prefill-threads/--decode-threads), not the even split
-    threads = {"prefill": 1, "decode": 3}
+    # workers sharing the CPUs in turns (launch's --share-cpus): each one's threads span
+    # every CPU unless its role's are given (launch's --decode-threads)
+    threads = {"prefill": os.cpu_count(), "decode": 3}
     with Cluster(
         "tiny-llama",
         1,
         1,
         http_port=0,
         api_key_file=str(keys),
-        prefill_threads=threads["prefill"],
         decode_threads=threads["decode"],
+        share_cpus=True,
     ) as c:
         secret = c.security.cluster_secret
+        lease = os.path.join(c.lease_dir, "cpu")
         for name, proc in zip(c.names, c.procs):
             seen = {}
             for part in ("cmdline", "environ"):
@@ -336,10 +338,14 @@ def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
             if role in threads:
                 argv = seen["cmdline"].decode().split("\0")
                 assert argv[argv.index("--threads") + 1] == str(threads[role]), (name, argv)
+                assert argv[argv.index("--cpu-lease") + 1] == lease, (name, argv)
         with Client(c.address, api_key="key-two-def") as client:
             served = client.generate([1, 2, 3], max_tokens=3, temperature=0)
             assert len(served.token_ids) == 3
             before = sorted((w.worker_id, w.address) for w in client.workers())
+        # the prompt's forward pass and at least two decode steps each took a turn
+        with open(lease + ".state", "rb") as f:
+            assert int.from_bytes(f.read(8), "little") >= 3
         with Client(c.address) as anonymous:
             with pytest.raises(Unauthorized):
                 anonymous.generate([1, 2, 3], max_tokens=3)
@@ -377,6 +383,7 @@ def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
         )
         with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
             assert r.status == 200
+    assert not os.path.exists(c.lease_dir)  # the lease's files go with the cluster
     out, err = capfd.readouterr()
     assert secret not in out and secret not in err
     assert "key-one-abc" not in out + err

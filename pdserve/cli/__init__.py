@@ -126,8 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
             type=int,
             default=None,
             help=f"torch threads of each {role} worker (default: the CPUs split evenly over "
-            "every worker's ranks; docs/benchmarks.md says when to give decode more)",
+            "every worker's ranks, or all of them with --share-cpus; docs/benchmarks.md says "
+            "when to give decode more)",
         )
+    launch.add_argument(
+        "--share-cpus",
+        action="store_true",
+        help="CPU workers: each one's threads span every CPU and the workers compute in "
+        "turns (a forward pass each) instead of splitting the CPUs (docs/benchmarks.md)",
+    )
     launch.add_argument("--port", type=int, default=0)
     launch.add_argument("--transfer", default="nixl", choices=PROCESS_BACKENDS)
     launch.add_argument(

@@ -186,6 +186,7 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
             admission=args.admission,
             admission_margin=args.admission_margin,
             failpoints=Failpoints(args.failpoints),
+            cpu_lease=args.cpu_lease,
         )
         worker = DecodeWorker.build(args.model, engine_args(args), config, agent)
         service = DecodeService(worker)
@@ -196,7 +197,10 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         from prefill.worker import PrefillWorker
 
         config = PrefillConfig(
-            worker_id, kv_push=args.kv_push, failpoints=Failpoints(args.failpoints)
+            worker_id,
+            kv_push=args.kv_push,
+            failpoints=Failpoints(args.failpoints),
+            cpu_lease=args.cpu_lease,
         )
         worker = PrefillWorker.build(args.model, engine_args(args), config, agent)
         service = PrefillService(worker)
@@ -368,6 +372,13 @@ def add_serve_parser(sub) -> None:
             p.add_argument("--device", default="auto")
             p.add_argument("--max-num-batched-tokens", type=int, default=2048)
             p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+            p.add_argument(
+                "--cpu-lease",
+                default=None,
+                metavar="PATH",
+                help="compute only in turns of this CPU lease, shared by the node's workers "
+                "(pdserve launch --share-cpus sets it; pdserve/engine/cpu_lease.py)",
+            )
             p.add_argument(
                 "--no-cuda-graphs",
                 action="store_true",

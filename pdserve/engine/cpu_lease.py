@@ -1,0 +1,175 @@
+"""Workers on one CPU node that take turns at all of its cores, instead of splitting them.
+
+On a CPU node every worker's forward pass is an OpenMP team that spins between parallel
+regions; two teams on the same cores (a prefill and a decode worker, each given every CPU)
+preempt each other inside regions and both crawl, and splitting the cores between them
+leaves a worker's share idle whenever it has nothing to do (a decode worker waiting for
+prompts, a prefill worker between bursts). With a lease, each worker's team spans every
+core, and a worker computes only while it holds the lease: one forward pass at a time (a
+decode step, a prefill batch), then the turn passes to a worker that is waiting, if any.
+
+    lease = CpuLease.open("/dev/shm/pdserve-<cluster>/cpu")  # every worker of the node
+    with lease.turn():
+        core.run(plan)
+
+The lock is `flock` on a file (the kernel drops it when a holder dies). Turns are fair
+between processes: a holder that releases while another worker waits does not take the lock
+again until that worker has had a turn (a shared turn counter in a small mapped file, each
+worker's "waiting" flag in its own byte). A worker's slot is claimed with a lock on a file
+of its own, so a dead worker's stale flag is recognised and ignored.
+
+Only an engine's driver takes the lease: tensor-parallel ranks compute in lockstep with it
+(their collectives would deadlock on a lock their driver holds).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
+
+SLOTS = 64  # workers that can share one lease
+HANDOFF_TIMEOUT_S = 0.05  # a waiter that does not take its turn by then (it died) is skipped
+_POLL_S = 0.0002
+_TURN = slice(0, 8)
+
+
+class LeaseUnavailable(RuntimeError):
+    """Every slot of the lease is taken (retrying will not help until a worker exits)."""
+
+
+class CpuLease:
+    def __init__(self, lock_fd: int, slot_fd: int, slot: int, state: mmap.mmap, base: str):
+        self._lock_fd = lock_fd
+        self._slot_fd = slot_fd
+        self.slot = slot
+        self._state = state
+        self._base = base
+        self._held = False
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> CpuLease:
+        """Join the lease at `path` (its files are created beside it: `path`.lock, .state,
+        .slotN); LeaseUnavailable when SLOTS workers hold it already."""
+        base = str(path)
+        Path(base).parent.mkdir(parents=True, exist_ok=True)
+        lock_fd = _open(base + ".lock")
+        slot_fd = None
+        try:
+            slot, slot_fd = _claim_slot(base)
+            state_fd = _open(base + ".state")
+            try:
+                if os.fstat(state_fd).st_size < 8 + SLOTS:
+                    os.ftruncate(state_fd, 8 + SLOTS)  # zeros; a second one to it: no-op
+                state = mmap.mmap(state_fd, 8 + SLOTS)
+            finally:
+                os.close(state_fd)
+        except BaseException:
+            for fd in (lock_fd, slot_fd):
+                if fd is not None:
+                    os.close(fd)
+            raise
+        state[8 + slot] = 0  # a dead worker's flag in this slot is not ours
+        return cls(lock_fd, slot_fd, slot, state, base)
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """Hold every core for the body."""
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def acquire(self) -> None:
+        assert not self._held, "the lease is held already (turns do not nest)"
+        self._state[8 + self.slot] = 1
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # the GIL is released while it waits
+        finally:
+            self._state[8 + self.slot] = 0
+        self._held = True
+        self._state[_TURN] = (self.turns() + 1).to_bytes(8, "little")
+
+    def release(self) -> None:
+        """Unlock; if another worker is waiting, return only once it has taken its turn
+        (or HANDOFF_TIMEOUT_S passed), so that this one cannot take the lock straight back.
+        (A worker that starts waiting just after this looks gets the turn after next.)"""
+        turn = self.turns()
+        self._held = False
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        if not self.others_waiting():
+            return
+        deadline = time.monotonic() + HANDOFF_TIMEOUT_S
+        while self.turns() == turn:
+            if time.monotonic() >= deadline:
+                self._clear_stale_flags()
+                return
+            time.sleep(_POLL_S)
+
+    def others_waiting(self) -> bool:
+        flags = self._state[8 : 8 + SLOTS]
+        return any(flags[i] for i in range(SLOTS) if i != self.slot)
+
+    def _clear_stale_flags(self) -> None:
+        """A flag whose slot no live worker holds (its worker died waiting) is cleared."""
+        for i in range(SLOTS):
+            if i == self.slot or not self._state[8 + i]:
+                continue
+            fd = _open(f"{self._base}.slot{i}")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # alive: it will take its turn
+            else:
+                self._state[8 + i] = 0
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        if self._held:
+            self.release()
+        self._state.close()
+        os.close(self._slot_fd)
+        os.close(self._lock_fd)
+
+    def turns(self) -> int:
+        """Turns taken so far by every worker of the lease."""
+        return int.from_bytes(self._state[_TURN], "little")
+
+
+def open_lease(path: str | None, device_type: str) -> CpuLease | None:
+    """The lease at `path` for a worker computing on `device_type`, or None without one (a
+    worker that has its cores to itself). ValueError off the CPU: a GPU worker's forward
+    passes must not wait for each other's."""
+    if not path:
+        return None
+    if device_type != "cpu":
+        raise ValueError(f"cpu_lease: a {device_type} worker does not share CPUs in turns")
+    return CpuLease.open(path)
+
+
+def turn_of(lease: CpuLease | None) -> AbstractContextManager:
+    """A turn of `lease`; nothing to wait for without one."""
+    return lease.turn() if lease is not None else nullcontext()
+
+
+def _claim_slot(base: str) -> tuple[int, int]:
+    for i in range(SLOTS):
+        fd = _open(f"{base}.slot{i}")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return i, fd
+    raise LeaseUnavailable(f"all {SLOTS} slots of the CPU lease at {base} are held")
+
+
+def _open(path: str) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

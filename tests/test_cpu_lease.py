@@ -1,0 +1,205 @@
+"""The CPU lease (pdserve/engine/cpu_lease.py): one holder at a time, turns handed to a
+waiting worker, a dead worker's lock and flag never block the others."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from pdserve.engine import cpu_lease
+from pdserve.engine.cpu_lease import CpuLease, LeaseUnavailable, open_lease
+
+DEADLINE_S = 30.0
+
+# a worker: N turns, each creating an exclusive marker (two holders at once cannot both
+# create it) and logging its name, with the CPUs "used" for 2 ms
+WORKER = """
+import os, sys, time
+from pdserve.engine.cpu_lease import CpuLease
+path, name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+lease = CpuLease.open(path)
+print("open", flush=True)
+sys.stdin.readline()  # go
+for _ in range(n):
+    with lease.turn():
+        fd = os.open(path + ".inside", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        with open(path + ".log", "a") as log:
+            log.write(name + "\\n")
+        time.sleep(0.002)
+        os.close(fd)
+        os.unlink(path + ".inside")
+"""
+
+# a process that waits for the lease (or holds it) until killed
+HOLDER = """
+import sys, time
+from pdserve.engine.cpu_lease import CpuLease
+lease = CpuLease.open(sys.argv[1])
+lease.acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def _start(code: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _until(cond, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def _stop(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=DEADLINE_S)
+        for stream in (p.stdin, p.stdout):
+            if stream:
+                stream.close()
+
+
+def test_workers_hold_it_one_at_a_time_and_take_turns(tmp_path):
+    path, n = str(tmp_path / "cpu"), 40
+    procs = [_start(WORKER, path, name, str(n)) for name in "abc"]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "open"
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for p in procs:
+            assert p.wait(timeout=DEADLINE_S) == 0  # an overlap is a FileExistsError
+    finally:
+        _stop(*procs)
+    order = (tmp_path / "cpu.log").read_text().split()
+    assert sorted(order) == sorted("abc" * n)
+    # fair: when the first worker is done, the others have had most of their turns too (a
+    # plain lock lets its holder take it straight back, and one worker runs all of its own)
+    first_done = min(max(i for i, w in enumerate(order) if w == name) for name in "abc")
+    before = order[: first_done + 1]
+    assert all(before.count(name) >= n // 2 for name in "abc"), "".join(order)
+
+
+def test_a_release_hands_the_turn_to_a_waiting_worker(tmp_path):
+    path = tmp_path / "cpu"
+    first, second = CpuLease.open(path), CpuLease.open(path)
+    assert first.slot != second.slot
+    log = []
+    first.acquire()
+    assert first.turns() == 1
+
+    def wait_for_a_turn():
+        with second.turn():
+            log.append("second")
+            time.sleep(0.01)
+
+    t = threading.Thread(target=wait_for_a_turn)
+    t.start()
+    try:
+        _until(first.others_waiting, "the second worker to wait")
+        first.release()  # returns once the waiting worker has the lease
+        first.acquire()  # so this one is after its turn
+        log.append("first")
+        assert log == ["second", "first"]
+        assert first.turns() == 3
+        first.release()
+    finally:
+        t.join(timeout=DEADLINE_S)
+        first.close()
+        second.close()
+    assert not t.is_alive()
+
+
+def test_no_waiter_no_wait(tmp_path):
+    lease = CpuLease.open(tmp_path / "cpu")
+    try:
+        start = time.monotonic()
+        for _ in range(100):
+            with lease.turn():
+                pass
+        assert lease.turns() == 100
+        assert time.monotonic() - start < cpu_lease.HANDOFF_TIMEOUT_S * 10
+        with lease.turn(), pytest.raises(AssertionError, match="do not nest"):
+            lease.acquire()
+    finally:
+        lease.close()
+
+
+def test_a_dead_holder_frees_the_lease(tmp_path):
+    path = str(tmp_path / "cpu")
+    holder = _start(HOLDER, path)
+    lease = CpuLease.open(path)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        holder.send_signal(signal.SIGKILL)
+        got = threading.Event()
+        t = threading.Thread(target=lambda: (lease.acquire(), got.set()), daemon=True)
+        t.start()
+        assert got.wait(DEADLINE_S), "the lease was not freed when its holder died"
+        lease.release()
+    finally:
+        _stop(holder)
+        lease.close()
+
+
+def test_a_worker_that_died_waiting_is_skipped(tmp_path):
+    path = str(tmp_path / "cpu")
+    lease = CpuLease.open(path)
+    lease.acquire()
+    waiter = _start(HOLDER, path)  # blocks in acquire(): its flag is up
+    try:
+        _until(lease.others_waiting, "the other worker to wait")
+        waiter.send_signal(signal.SIGKILL)
+        waiter.wait(timeout=DEADLINE_S)
+        start = time.monotonic()
+        lease.release()  # no one takes the turn: it gives up after the hand-off timeout
+        assert time.monotonic() - start < cpu_lease.HANDOFF_TIMEOUT_S + 5
+        assert not lease.others_waiting()  # and the dead worker's flag is cleared
+        start = time.monotonic()
+        with lease.turn():
+            pass
+        assert time.monotonic() - start < cpu_lease.HANDOFF_TIMEOUT_S
+    finally:
+        _stop(waiter)
+        lease.close()
+
+
+def test_slots_run_out_and_come_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_lease, "SLOTS", 2)
+    path = tmp_path / "cpu"
+    a, b = CpuLease.open(path), CpuLease.open(path)
+    with pytest.raises(LeaseUnavailable, match="all 2 slots"):
+        CpuLease.open(path)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(LeaseUnavailable):
+        CpuLease.open(path)
+    assert len(os.listdir("/proc/self/fd")) == fds  # a failed open leaks nothing
+    a.close()
+    c = CpuLease.open(path)
+    assert c.slot == a.slot
+    b.close()
+    c.close()
+
+
+def test_only_cpu_workers_take_turns(tmp_path):
+    assert open_lease(None, "cuda") is None
+    with pytest.raises(ValueError, match="cpu_lease: a cuda worker"):
+        open_lease(str(tmp_path / "cpu"), "cuda")
+    lease = open_lease(str(tmp_path / "cpu"), "cpu")
+    assert isinstance(lease, CpuLease)
+    lease.close()
