@@ -1,5 +1,6 @@
 """The CPU lease (pdserve/engine/cpu_lease.py): one holder at a time, turns handed to a
-waiting worker, a dead worker's lock and flag never block the others."""
+waiting worker, a dead worker's lock and flag never block the others, nor does a stuck
+holder for longer than the stall timeout."""
 
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def test_a_release_hands_the_turn_to_a_waiting_worker(tmp_path):
     first, second = CpuLease.open(path), CpuLease.open(path)
     assert first.slot != second.slot
     log = []
-    first.acquire()
+    assert first.acquire()
     assert first.turns() == 1
 
     def wait_for_a_turn():
@@ -113,7 +114,7 @@ def test_a_release_hands_the_turn_to_a_waiting_worker(tmp_path):
     try:
         _until(first.others_waiting, "the second worker to wait")
         first.release()  # returns once the waiting worker has the lease
-        first.acquire()  # so this one is after its turn
+        assert first.acquire()  # so this one is after its turn
         log.append("first")
         assert log == ["second", "first"]
         assert first.turns() == 3
@@ -203,3 +204,28 @@ def test_only_cpu_workers_take_turns(tmp_path):
     lease = open_lease(str(tmp_path / "cpu"), "cpu")
     assert isinstance(lease, CpuLease)
     lease.close()
+
+
+def test_a_stuck_holder_is_waited_for_only_so_long(tmp_path, caplog):
+    path = str(tmp_path / "cpu")
+    holder = _start(HOLDER, path)  # holds the lease and never lets go (a hung worker)
+    lease = CpuLease.open(path, stall_timeout_s=0.3)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        assert not lease.acquire()  # gave up: compute without it
+        assert 0.3 <= time.monotonic() - start < 0.3 + 5
+        assert "computing without it" in caplog.text
+        with open(path + ".state", "rb") as f:
+            assert not any(f.read()[8:])  # no worker's flag is up: none waits for a turn
+        start = time.monotonic()
+        with lease.turn():  # still stuck: no second wait
+            pass
+        assert time.monotonic() - start < 0.2
+        holder.send_signal(signal.SIGKILL)  # the lock comes free: turns again
+        _until(lambda: lease.acquire(), "the lease to be taken again")
+        assert lease.turns() == 2  # the stuck holder's turn, then this one
+        lease.release()
+    finally:
+        _stop(holder)
+        lease.close()

@@ -18,6 +18,11 @@ again until that worker has had a turn (a shared turn counter in a small mapped 
 worker's "waiting" flag in its own byte). A worker's slot is claimed with a lock on a file
 of its own, so a dead worker's stale flag is recognised and ignored.
 
+A worker that dies holding the lease frees it (the kernel drops its lock); one that hangs
+holding it (a stuck step, a stopped process) must not stop its neighbours: a wait longer
+than `stall_timeout_s` gives up, logs it, and the waiter computes without the lease (its
+CPUs are idle: the holder is not computing either) until the lock comes free again.
+
 Only an engine's driver takes the lease: tensor-parallel ranks compute in lockstep with it
 (their collectives would deadlock on a lock their driver holds).
 """
@@ -25,8 +30,10 @@ Only an engine's driver takes the lease: tensor-parallel ranks compute in lockst
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -34,8 +41,12 @@ from pathlib import Path
 
 SLOTS = 64  # workers that can share one lease
 HANDOFF_TIMEOUT_S = 0.05  # a waiter that does not take its turn by then (it died) is skipped
+# a holder that keeps the lease longer is stuck (a legitimate turn is one forward pass: a
+# 2,048-token prefill batch takes seconds on a small CPU box, a minute for a 8B model)
+STALL_TIMEOUT_S = 120.0
 _POLL_S = 0.0002
 _TURN = slice(0, 8)
+log = logging.getLogger(__name__)
 
 
 class LeaseUnavailable(RuntimeError):
@@ -43,16 +54,36 @@ class LeaseUnavailable(RuntimeError):
 
 
 class CpuLease:
-    def __init__(self, lock_fd: int, slot_fd: int, slot: int, state: mmap.mmap, base: str):
+    def __init__(
+        self,
+        lock_fd: int,
+        slot_fd: int,
+        slot: int,
+        state: mmap.mmap,
+        base: str,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
+    ):
         self._lock_fd = lock_fd
         self._slot_fd = slot_fd
         self.slot = slot
         self._state = state
         self._base = base
-        self._held = False
+        self.stall_timeout_s = stall_timeout_s
+        # A blocking flock() has no timeout, so a contended one runs on a thread of its own
+        # (started at the first): "idle" (no flock() under way), "waiting" (for a caller),
+        # "abandoned" (its caller gave up: the lock is let go as soon as it is got), "held".
+        self._mu = threading.Lock()
+        self._phase = "idle"
+        self._request = threading.Event()
+        self._granted = threading.Event()
+        self._waiter: threading.Thread | None = None
+
+    @property
+    def _held(self) -> bool:
+        return self._phase == "held"
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> CpuLease:
+    def open(cls, path: str | os.PathLike, stall_timeout_s: float = STALL_TIMEOUT_S) -> CpuLease:
         """Join the lease at `path` (its files are created beside it: `path`.lock, .state,
         .slotN); LeaseUnavailable when SLOTS workers hold it already."""
         base = str(path)
@@ -74,34 +105,78 @@ class CpuLease:
                     os.close(fd)
             raise
         state[8 + slot] = 0  # a dead worker's flag in this slot is not ours
-        return cls(lock_fd, slot_fd, slot, state, base)
+        return cls(lock_fd, slot_fd, slot, state, base, stall_timeout_s)
 
     @contextmanager
     def turn(self) -> Iterator[None]:
-        """Hold every core for the body."""
-        self.acquire()
+        """Hold every core for the body (or, past a stuck holder, run it without)."""
+        held = self.acquire()
         try:
             yield
         finally:
-            self.release()
+            if held:
+                self.release()
 
-    def acquire(self) -> None:
-        assert not self._held, "the lease is held already (turns do not nest)"
+    def acquire(self) -> bool:
+        """Wait for the lease -> True once held; False when its holder has kept it longer
+        than `stall_timeout_s` (or still does, since an earlier wait gave up)."""
+        with self._mu:
+            assert self._phase != "held", "the lease is held already (turns do not nest)"
+            if self._phase == "abandoned":
+                return False  # the stuck holder has not let go yet
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._phase = "waiting"
+            else:
+                return self._take()
         self._state[8 + self.slot] = 1
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # the GIL is released while it waits
-        finally:
+        self._granted.clear()
+        if self._waiter is None:
+            self._waiter = threading.Thread(target=self._wait_loop, name="cpu-lease", daemon=True)
+            self._waiter.start()
+        self._request.set()
+        self._granted.wait(self.stall_timeout_s)
+        with self._mu:
             self._state[8 + self.slot] = 0
-        self._held = True
+            if self._phase == "waiting":
+                self._phase = "abandoned"
+                log.warning(
+                    "the CPU lease %s has been held for over %.3g s: computing without it "
+                    "until it comes free",
+                    self._base,
+                    self.stall_timeout_s,
+                )
+                return False
+            return self._take()
+
+    def _take(self) -> bool:
+        self._phase = "held"
         self._state[_TURN] = (self.turns() + 1).to_bytes(8, "little")
+        return True
+
+    def _wait_loop(self) -> None:
+        while True:
+            self._request.wait()
+            self._request.clear()
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # the GIL is released while it waits
+            with self._mu:
+                if self._phase == "waiting":
+                    self._phase = "held"
+                    self._granted.set()
+                else:  # abandoned: its caller went on without it
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                    self._phase = "idle"
 
     def release(self) -> None:
         """Unlock; if another worker is waiting, return only once it has taken its turn
         (or HANDOFF_TIMEOUT_S passed), so that this one cannot take the lock straight back.
         (A worker that starts waiting just after this looks gets the turn after next.)"""
         turn = self.turns()
-        self._held = False
-        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        with self._mu:
+            assert self._phase == "held", "release() of a lease that is not held"
+            self._phase = "idle"
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         if not self.others_waiting():
             return
         deadline = time.monotonic() + HANDOFF_TIMEOUT_S
@@ -134,6 +209,8 @@ class CpuLease:
     def close(self) -> None:
         if self._held:
             self.release()
+        if self._phase != "idle":
+            return  # the waiting thread is in flock() on these files: the process's exit frees them
         self._state.close()
         os.close(self._slot_fd)
         os.close(self._lock_fd)
