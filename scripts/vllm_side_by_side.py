@@ -182,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--pdserve-decode-threads", type=int, default=None, help="default: pdserve launch's"
     )
+    ap.add_argument(
+        "--pdserve-share-cpus",
+        action="store_true",
+        help="pdserve launch --share-cpus: each worker on every CPU, computing in turns",
+    )
     ap.add_argument("--api", choices=["chat", "completions"], default="chat")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.max_tokens < 1 or min(concurrencies) < 1:
         ap.error("rounds, max-tokens and every concurrency must be >= 1")
 
-    from pdserve.launch import Cluster, worker_threads
+    from pdserve.launch import Cluster
 
     model_dir = export_checkpoint(Path(args.model_dir).expanduser())
     log = Path(args.json or "vllm-side-by-side.json").with_suffix(".vllm.log")
@@ -205,7 +210,13 @@ def main(argv: list[str] | None = None) -> int:
             http_port=0,
             decode_args=decode_args,
             decode_threads=args.pdserve_decode_threads,
+            share_cpus=args.pdserve_share_cpus,
         ) as cluster:
+            threads = {  # as the workers were started
+                name.split("-")[0]: int(argv[argv.index("--threads") + 1])
+                for name, argv in zip(cluster.names, cluster.argvs)
+                if "--threads" in argv
+            }
             urls = {"vllm": vllm_url, "pdserve": f"http://{cluster.http_address}"}
             names = {"vllm": wait_ready(vllm_url, vllm, log, READY_TIMEOUT_S)}
             names["pdserve"] = get_json(f"{urls['pdserve']}/v1/models")["data"][0]["id"]
@@ -254,10 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         pdserve={
             "topology": "1P1D",
             "decode_args": decode_args,
-            "threads": {
-                "decode": args.pdserve_decode_threads or worker_threads(1, 1),
-                "prefill": worker_threads(1, 1),
-            },
+            "threads": threads,
+            "share_cpus": args.pdserve_share_cpus,
         },
         machine=machine_info(),
         points=points,

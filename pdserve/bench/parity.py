@@ -11,9 +11,11 @@ round and the median ratio.
 
 Threads: the engine runs with `threads` torch threads (default: every CPU) and so does the
 cluster's decode worker; the prefill worker keeps what pdserve.launch.worker_threads gives
-it (1 on 2 CPUs), and the router and the client's event loop run beside them, as they
-would on a node. The report records every count. The engine and the decode worker have the
-same KV pool (`num_kv_blocks`, big enough that nothing is preempted) and block size.
+it (1 on 2 CPUs), or every CPU with `share_cpus` (launch --share-cpus: the workers compute
+in turns), and the router and the client's event loop run beside them, as they would on a
+node. The report records every count, as the workers were started. The engine and the
+decode worker have the same KV pool (`num_kv_blocks`, big enough that nothing is
+preempted) and block size.
 Every cluster stream has a deadline (DEADLINE_S) and must end with its final message
 (the SDK's StreamEnded otherwise).
 """
@@ -84,9 +86,10 @@ def bench_parity(
     threads: int | None = None,
     num_kv_blocks: int = 1024,
     seed: int = 0,
+    share_cpus: bool = False,
 ) -> dict:
     from pdserve import LLM
-    from pdserve.launch import Cluster, worker_threads
+    from pdserve.launch import Cluster
     from pdserve.weights import resolve
 
     threads = threads or os.cpu_count() or 1
@@ -105,8 +108,15 @@ def bench_parity(
     llm = LLM(model, num_kv_blocks=num_kv_blocks)
     run_engine(llm, warm, 4)  # warm-up: first-call allocations
     points = {c: [] for c in concurrencies}
-    decode_args = ["--num-kv-blocks", str(num_kv_blocks), "--threads", str(threads)]
-    with Cluster(model, 1, 1, decode_args=decode_args) as cluster:
+    decode_args = ["--num-kv-blocks", str(num_kv_blocks)]
+    with Cluster(
+        model, 1, 1, decode_args=decode_args, decode_threads=threads, share_cpus=share_cpus
+    ) as cluster:
+        started = {  # each worker's threads, as it was started
+            name.split("-")[0]: int(argv[argv.index("--threads") + 1])
+            for name, argv in zip(cluster.names, cluster.argvs)
+            if "--threads" in argv
+        }
         run_cluster(cluster, warm, 4)  # warm-up, as above
         steps = [(r, c) for r in range(rounds) for c in concurrencies]
         for r, c in progress(steps, desc="bench parity", unit="point"):
@@ -138,10 +148,11 @@ def bench_parity(
         "max_tokens": max_tokens,
         "threads": {
             "engine": threads,
-            "decode_worker": threads,
-            "prefill_worker": worker_threads(1, 1),
+            "decode_worker": started["decode"],
+            "prefill_worker": started["prefill"],
             "cpus": os.cpu_count(),
         },
+        "share_cpus": share_cpus,
         "num_kv_blocks": num_kv_blocks,
         "rounds": rounds,
         "seed": seed,
@@ -161,9 +172,12 @@ def bench_parity(
 
 
 def format_table(report: dict) -> str:
+    t = report["threads"]
+    prefill = f", prefill worker {t['prefill_worker']}" if "prefill_worker" in t else ""
+    turns = " (workers in turns: --share-cpus)" if report.get("share_cpus") else ""
     lines = [
         f"bench parity: {report['model']}, 1P1D cluster vs in-process engine, "
-        f"{report['threads']['engine']} threads each, {report['max_tokens']} output tokens",
+        f"{t['engine']} threads each{prefill}{turns}, {report['max_tokens']} output tokens",
         f"{'c':>4} {'engine tok/s':>18} {'cluster tok/s':>18} {'ratio':>6} {'equal':>6}",
     ]
     for p in report["points"]:

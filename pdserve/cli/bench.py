@@ -132,6 +132,7 @@ def cmd_bench_parity(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         threads=args.threads,
         seed=args.seed,
+        share_cpus=args.share_cpus,
     )
     return print_report(report, format_table, args.json)
 
@@ -408,6 +409,11 @@ def add_bench_parser(sub) -> None:
     par.add_argument("--max-tokens", type=int, default=128)
     par.add_argument("--rounds", type=int, default=2, help="interleaved A/B rounds")
     par.add_argument("--threads", type=int, default=None, help="torch threads (default: CPUs)")
+    par.add_argument(
+        "--share-cpus",
+        action="store_true",
+        help="the cluster as launch --share-cpus starts it (each worker on every CPU, in turns)",
+    )
     par.add_argument("--seed", type=int, default=0)
     par.add_argument("--json", default=None)
     par.set_defaults(func=cmd_bench_parity)
