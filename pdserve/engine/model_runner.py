@@ -130,7 +130,9 @@ class ModelRunner:
         # back to the caller's chunk order
         rank = {i: r for r, i in enumerate(i for i in order if chunks[i].sample)}
         back = [rank[i] for i in range(len(chunks)) if chunks[i].sample]
-        logits = logits[back]
+        if back != list(range(len(back))):  # a row copy; `logits[back]` (advanced indexing) took
+            # 2.5-12 ms for [16, 49152] on 2 CPUs, and a decode step's order is mostly kept
+            logits = logits.index_select(0, torch.tensor(back, device=logits.device))
         sampling = [packed[r] for r in back]
         tokens = sample(
             logits, [c.params for c in sampling], [c.generator for c in sampling], self.generator

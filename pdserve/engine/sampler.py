@@ -55,7 +55,10 @@ def sample(
     uniform = [float(torch.rand((), generator=generators[i] or default_generator)) for i in rows]
     sampled = [params[i] for i in rows]
     temps = torch.tensor([p.temperature for p in sampled], device=device)
-    scaled = logits[torch.tensor(rows, device=device)] / temps[:, None]
+    if len(rows) < len(params):  # index_select: a row copy (advanced indexing of a [N,
+        # vocab] tensor took 2.5-12 ms at N = 16 on 2 CPUs, most of a 50 ms step)
+        logits = logits.index_select(0, torch.tensor(rows, device=device))
+    scaled = logits / temps[:, None]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in sampled]
     top_p = [p.top_p for p in sampled]
     filtered = any(k < vocab or p < 1.0 for k, p in zip(top_k, top_p))
