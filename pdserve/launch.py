@@ -145,8 +145,7 @@ class Cluster:
                 self.argvs[0][at] = self.http_address.rsplit(":", 1)[1]
             common = ["--model", model, "--router", self.address, "--transfer", transfer, *member]
             per_rank = worker_threads(prefill, decode, prefill_tp, decode_tp)
-            if self.lease_dir is not None:  # each worker's ranks split every CPU
-                per_rank = 0
+            if self.lease_dir is not None:
                 common += ["--cpu-lease", os.path.join(self.lease_dir, "cpu")]
             # every worker starts at once (each loads the model and opens its transfer agent:
             # seconds apiece), then each READY line is read in turn
@@ -157,7 +156,8 @@ class Cluster:
             ):
                 for _ in range(count):
                     extra = prefill_args if role == "prefill" else decode_args
-                    n = threads or per_rank * tp or (os.cpu_count() or 1)
+                    # in turns, each worker's ranks split every CPU
+                    n = threads or ((os.cpu_count() or 1) if self.lease_dir else per_rank * tp)
                     own = ["--threads", str(n), "--tp", str(tp)]
                     argv = ["serve", role, *common, *own, *(worker_args or []), *(extra or [])]
                     started.append((self._start(argv), argv))
