@@ -349,5 +349,5 @@ class DecodeWorker:
         self._loop.join(timeout=5)
         self.endpoint.close()
         self.core.close()
-        if self.cpu_lease is not None:
+        if self.cpu_lease is not None and not self._loop.is_alive():  # else it may be mid-turn
             self.cpu_lease.close()

@@ -30,8 +30,6 @@ from pdserve.serving import auth
 from pdserve.serving.auth import TLS, Security
 
 _CREDENTIAL_ENV = frozenset({auth.CLUSTER_SECRET_ENV, auth.API_KEY_ENV})
-# memory-backed, where the machine has it: a lease's state is read at every turn
-_SHM = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
 
 @dataclass(frozen=True)
@@ -72,6 +70,13 @@ def _read_ready(stream, lines: queue.Queue) -> None:
         lines.put("")
         return
     _forward(stream)
+
+
+def _lease_dir() -> str:
+    """A fresh directory for a cluster's CPU lease: memory-backed where the machine has one
+    (the lease's state is read at every turn), else the temporary directory."""
+    shm = "/dev/shm"
+    return tempfile.mkdtemp(prefix="pdserve-cpus-", dir=shm if os.access(shm, os.W_OK) else None)
 
 
 def worker_threads(prefill: int, decode: int, prefill_tp: int = 1, decode_tp: int = 1) -> int:
@@ -130,7 +135,7 @@ class Cluster:
         self.addresses: dict[str, str] = {}  # role-index -> host:port of its gRPC server
         self.http_address: str | None = None  # host:port of the OpenAI API, when asked for
         # the CPU lease's files, removed by close()
-        self.lease_dir = tempfile.mkdtemp(prefix="pdserve-cpus-", dir=_SHM) if share_cpus else None
+        self.lease_dir = _lease_dir() if share_cpus else None
         try:
             router = ["serve", "router", "--model", model, "--port", str(port), *member]
             if http_port is not None:

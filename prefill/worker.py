@@ -128,7 +128,7 @@ class PrefillWorker:
         self._thread.join(timeout=10)
         self.endpoint.close()
         self.core.close()  # the spill tiers of --prefix-offload
-        if self.cpu_lease is not None:
+        if self.cpu_lease is not None and not self._thread.is_alive():  # else it may be mid-turn
             self.cpu_lease.close()
 
     # -- the loop -------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams, trace
 from pdserve.client import Client, InvalidRequest, Overloaded
-from pdserve.launch import Cluster
+from pdserve.launch import Cluster, worker_threads
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 
@@ -315,15 +315,15 @@ def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
     keys = tmp_path / "keys"
     keys.write_text("# one per line\nkey-one-abc\nkey-two-def\n")
     # workers sharing the CPUs in turns (launch's --share-cpus): each one's threads span
-    # every CPU unless its role's are given (launch's --decode-threads)
-    threads = {"prefill": os.cpu_count(), "decode": 3}
+    # every CPU unless its role's are given (launch's --prefill-threads)
+    threads = {"prefill": 1, "decode": os.cpu_count()}
     with Cluster(
         "tiny-llama",
         1,
         1,
         http_port=0,
         api_key_file=str(keys),
-        decode_threads=threads["decode"],
+        prefill_threads=threads["prefill"],
         share_cpus=True,
     ) as c:
         secret = c.security.cluster_secret
@@ -404,7 +404,14 @@ def test_a_cluster_launched_with_mutual_tls(tmp_path):
 
     certs = make_certs(tmp_path, ["127.0.0.1"])
     files = TLSFiles(str(certs["member.pem"]), str(certs["member-key.pem"]), str(certs["ca.pem"]))
-    with Cluster("tiny-llama", 1, 1, http_port=0, tls=files) as c:
+    # threads given for one role (launch's --decode-threads), the even split for the other
+    with Cluster("tiny-llama", 1, 1, http_port=0, tls=files, decode_threads=3) as c:
+        threads = {"prefill": str(worker_threads(1, 1)), "decode": "3"}
+        for name, argv in zip(c.names, c.argvs):
+            role = name.split("-")[0]
+            if role in threads:
+                assert argv[argv.index("--threads") + 1] == threads[role], (name, argv)
+                assert "--cpu-lease" not in argv
         member = TLS.from_files(files.cert, files.key, files.ca)
         with Client(c.address, tls=member) as client:
             assert len(client.generate([1, 2, 3], max_tokens=3, temperature=0).token_ids) == 3

@@ -29,6 +29,7 @@ Only an engine's driver takes the lease: tensor-parallel ranks compute in lockst
 
 from __future__ import annotations
 
+import enum
 import fcntl
 import logging
 import mmap
@@ -53,6 +54,18 @@ class LeaseUnavailable(RuntimeError):
     """Every slot of the lease is taken (retrying will not help until a worker exits)."""
 
 
+class _Phase(enum.Enum):
+    """Where this worker's side of the lease is. A blocking flock() has no timeout, so a
+    contended one runs on a thread of the lease's own (started at the first) while the
+    caller waits on an event with a deadline."""
+
+    IDLE = "idle"  # no flock() under way, the lock not held
+    WAITING = "waiting"  # the thread is in flock() for a caller that waits
+    ABANDONED = "abandoned"  # its caller gave up: the lock is let go as soon as it is got
+    HELD = "held"
+    CLOSED = "closed"
+
+
 class CpuLease:
     def __init__(
         self,
@@ -69,18 +82,11 @@ class CpuLease:
         self._state = state
         self._base = base
         self.stall_timeout_s = stall_timeout_s
-        # A blocking flock() has no timeout, so a contended one runs on a thread of its own
-        # (started at the first): "idle" (no flock() under way), "waiting" (for a caller),
-        # "abandoned" (its caller gave up: the lock is let go as soon as it is got), "held".
-        self._mu = threading.Lock()
-        self._phase = "idle"
+        self._mu = threading.Lock()  # the phase, and the lock's non-blocking calls
+        self._phase = _Phase.IDLE
         self._request = threading.Event()
         self._granted = threading.Event()
         self._waiter: threading.Thread | None = None
-
-    @property
-    def _held(self) -> bool:
-        return self._phase == "held"
 
     @classmethod
     def open(cls, path: str | os.PathLike, stall_timeout_s: float = STALL_TIMEOUT_S) -> CpuLease:
@@ -121,26 +127,41 @@ class CpuLease:
         """Wait for the lease -> True once held; False when its holder has kept it longer
         than `stall_timeout_s` (or still does, since an earlier wait gave up)."""
         with self._mu:
-            assert self._phase != "held", "the lease is held already (turns do not nest)"
-            if self._phase == "abandoned":
+            assert self._phase is not _Phase.HELD, "the lease is held already (turns do not nest)"
+            if self._phase is _Phase.CLOSED:
+                raise RuntimeError("the CPU lease is closed")
+            if self._phase is _Phase.ABANDONED:
                 return False  # the stuck holder has not let go yet
             try:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                self._phase = "waiting"
+                self._phase = _Phase.WAITING
             else:
                 return self._take()
         self._state[8 + self.slot] = 1
-        self._granted.clear()
-        if self._waiter is None:
-            self._waiter = threading.Thread(target=self._wait_loop, name="cpu-lease", daemon=True)
-            self._waiter.start()
-        self._request.set()
-        self._granted.wait(self.stall_timeout_s)
+        requested = False
+        try:
+            self._granted.clear()
+            if self._waiter is None:
+                waiter = threading.Thread(target=self._wait_loop, name="cpu-lease", daemon=True)
+                waiter.start()
+                self._waiter = waiter
+            self._request.set()
+            requested = True
+            self._granted.wait(self.stall_timeout_s)
+        except BaseException:  # interrupted: no flag left up, no grant kept
+            with self._mu:
+                self._state[8 + self.slot] = 0
+                if self._phase is _Phase.HELD:
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                    self._phase = _Phase.IDLE
+                elif self._phase is _Phase.WAITING:
+                    self._phase = _Phase.ABANDONED if requested else _Phase.IDLE
+            raise
         with self._mu:
             self._state[8 + self.slot] = 0
-            if self._phase == "waiting":
-                self._phase = "abandoned"
+            if self._phase is _Phase.WAITING:
+                self._phase = _Phase.ABANDONED
                 log.warning(
                     "the CPU lease %s has been held for over %.3g s: computing without it "
                     "until it comes free",
@@ -151,7 +172,7 @@ class CpuLease:
             return self._take()
 
     def _take(self) -> bool:
-        self._phase = "held"
+        self._phase = _Phase.HELD
         self._state[_TURN] = (self.turns() + 1).to_bytes(8, "little")
         return True
 
@@ -159,14 +180,20 @@ class CpuLease:
         while True:
             self._request.wait()
             self._request.clear()
+            with self._mu:
+                if self._phase is _Phase.CLOSED:
+                    return
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # the GIL is released while it waits
             with self._mu:
-                if self._phase == "waiting":
-                    self._phase = "held"
+                if self._phase is _Phase.WAITING:
+                    self._phase = _Phase.HELD
                     self._granted.set()
+                elif self._phase is _Phase.CLOSED:  # close() left these files to us
+                    self._close_files()
+                    return
                 else:  # abandoned: its caller went on without it
                     fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-                    self._phase = "idle"
+                    self._phase = _Phase.IDLE
 
     def release(self) -> None:
         """Unlock; if another worker is waiting, return only once it has taken its turn
@@ -174,8 +201,8 @@ class CpuLease:
         (A worker that starts waiting just after this looks gets the turn after next.)"""
         turn = self.turns()
         with self._mu:
-            assert self._phase == "held", "release() of a lease that is not held"
-            self._phase = "idle"
+            assert self._phase is _Phase.HELD, "release() of a lease that is not held"
+            self._phase = _Phase.IDLE
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         if not self.others_waiting():
             return
@@ -207,10 +234,21 @@ class CpuLease:
                 os.close(fd)
 
     def close(self) -> None:
-        if self._held:
-            self.release()
-        if self._phase != "idle":
-            return  # the waiting thread is in flock() on these files: the process's exit frees them
+        """Leave the lease (a turn still held is given up; a second close does nothing).
+        Call it from the thread that takes the turns, once it takes no more."""
+        with self._mu:
+            phase, self._phase = self._phase, _Phase.CLOSED
+            if phase is _Phase.CLOSED:
+                return
+            if phase is _Phase.ABANDONED:  # the thread is in flock() on these files
+                return  # and closes them once it gets the lock (or the process exits)
+            if phase is _Phase.HELD:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            self._close_files()
+        self._request.set()  # the thread, if any, returns
+
+    def _close_files(self) -> None:
+        self._state[8 + self.slot] = 0
         self._state.close()
         os.close(self._slot_fd)
         os.close(self._lock_fd)
