@@ -32,10 +32,10 @@ from decode.streams import Stream
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
 from pdserve.engine.core import EngineCore
-from pdserve.engine.cpu_lease import open_lease, turn_of
 from pdserve.engine.output import FinishedRequest, StepOutput
 from pdserve.engine.request import Request
 from pdserve.sampling_params import SamplingParams
+from pdserve.serving.cpu_lease import open_lease, turn_of
 from pdserve.serving.destination import Destination
 from pdserve.serving.kv_pool import KVEndpoint, open_endpoint
 from pdserve.serving.registration import WorkerStats

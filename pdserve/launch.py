@@ -115,7 +115,7 @@ class Cluster:
         `decode_threads`: torch threads of each worker of that role (its ranks split them),
         instead of the even split of worker_threads(); `share_cpus`: every worker's threads
         span all the CPUs and the workers compute in turns (a CPU lease,
-        pdserve/engine/cpu_lease.py; CPU workers only)."""
+        pdserve/serving/cpu_lease.py; CPU workers only)."""
         for name, value in (
             ("prefill_threads", prefill_threads),
             ("decode_threads", decode_threads),
@@ -252,6 +252,14 @@ class Cluster:
                     raise RuntimeError("a worker process exited during start-up")
                 time.sleep(0.1)
         raise TimeoutError(f"workers did not register within {timeout_s}s")
+
+    def threads(self) -> dict[str, int]:
+        """role -> the torch threads its workers were started with (their --threads)."""
+        return {
+            name.split("-")[0]: int(argv[argv.index("--threads") + 1])
+            for name, argv in zip(self.names, self.argvs)
+            if "--threads" in argv
+        }
 
     def cpu_seconds(self) -> dict[str, float]:
         """role-index -> CPU seconds (user + system) each process has used so far (Linux)."""

@@ -25,7 +25,7 @@ class PrefillConfig:
     default_timeout_s: float = 120.0
     # prefill.accept, prefill.push, prefill.posted (pdserve/failpoints.py)
     failpoints: Failpoints = NO_FAILPOINTS
-    # the node's CPU lease (pdserve/engine/cpu_lease.py): a batch's forward pass runs only
+    # the node's CPU lease (pdserve/serving/cpu_lease.py): a batch's forward pass runs only
     # in its turns; None: this worker's threads have their CPUs to themselves
     cpu_lease: str | None = None
 

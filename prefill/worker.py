@@ -22,8 +22,8 @@ import numpy as np
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
 from pdserve.engine.core import EngineCore
-from pdserve.engine.cpu_lease import open_lease, turn_of
 from pdserve.sampling_params import SamplingParams
+from pdserve.serving.cpu_lease import open_lease, turn_of
 from pdserve.serving.destination import Destination
 from pdserve.serving.kv_pool import KVEndpoint, open_endpoint
 from pdserve.serving.registration import WorkerStats

@@ -212,11 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             decode_threads=args.pdserve_decode_threads,
             share_cpus=args.pdserve_share_cpus,
         ) as cluster:
-            threads = {  # as the workers were started
-                name.split("-")[0]: int(argv[argv.index("--threads") + 1])
-                for name, argv in zip(cluster.names, cluster.argvs)
-                if "--threads" in argv
-            }
+            threads = cluster.threads()
             urls = {"vllm": vllm_url, "pdserve": f"http://{cluster.http_address}"}
             names = {"vllm": wait_ready(vllm_url, vllm, log, READY_TIMEOUT_S)}
             names["pdserve"] = get_json(f"{urls['pdserve']}/v1/models")["data"][0]["id"]

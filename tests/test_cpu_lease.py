@@ -1,4 +1,4 @@
-"""The CPU lease (pdserve/engine/cpu_lease.py): one holder at a time, turns handed to a
+"""The CPU lease (pdserve/serving/cpu_lease.py): one holder at a time, turns handed to a
 waiting worker, a dead worker's lock and flag never block the others, nor does a stuck
 holder for longer than the stall timeout."""
 
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from pdserve.engine import cpu_lease
-from pdserve.engine.cpu_lease import CpuLease, LeaseUnavailable, open_lease
+from pdserve.serving import cpu_lease
+from pdserve.serving.cpu_lease import CpuLease, LeaseUnavailable, open_lease
 
 DEADLINE_S = 30.0
 
@@ -22,7 +22,7 @@ DEADLINE_S = 30.0
 # create it) and logging its name, with the CPUs "used" for 2 ms
 WORKER = """
 import os, sys, time
-from pdserve.engine.cpu_lease import CpuLease
+from pdserve.serving.cpu_lease import CpuLease
 path, name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 lease = CpuLease.open(path)
 print("open", flush=True)
@@ -40,7 +40,7 @@ for _ in range(n):
 # a process that waits for the lease (or holds it) until killed
 HOLDER = """
 import sys, time
-from pdserve.engine.cpu_lease import CpuLease
+from pdserve.serving.cpu_lease import CpuLease
 lease = CpuLease.open(sys.argv[1])
 lease.acquire()
 print("held", flush=True)
@@ -76,7 +76,7 @@ def _stop(*procs: subprocess.Popen) -> None:
 
 def _flags_up(path: str) -> int:
     with open(path + ".state", "rb") as f:
-        return sum(f.read()[8:])
+        return sum(f.read()[cpu_lease._FLAGS :])
 
 
 def test_workers_hold_it_one_at_a_time_and_take_turns(tmp_path, monkeypatch):
@@ -231,8 +231,7 @@ def test_a_stuck_holder_is_waited_for_only_so_long(tmp_path, caplog):
         assert not lease.acquire()  # gave up: compute without it
         assert 1.0 <= time.monotonic() - start < 1.0 + 5
         assert "computing without it" in caplog.text
-        with open(path + ".state", "rb") as f:
-            assert not any(f.read()[8:])  # no worker's flag is up: none waits for a turn
+        assert _flags_up(path) == 0  # no worker's flag is up: none waits for a turn
         start = time.monotonic()
         with lease.turn():  # still stuck: no second wait
             pass

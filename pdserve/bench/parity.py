@@ -112,11 +112,7 @@ def bench_parity(
     with Cluster(
         model, 1, 1, decode_args=decode_args, decode_threads=threads, share_cpus=share_cpus
     ) as cluster:
-        started = {  # each worker's threads, as it was started
-            name.split("-")[0]: int(argv[argv.index("--threads") + 1])
-            for name, argv in zip(cluster.names, cluster.argvs)
-            if "--threads" in argv
-        }
+        started = cluster.threads()
         run_cluster(cluster, warm, 4)  # warm-up, as above
         steps = [(r, c) for r in range(rounds) for c in concurrencies]
         for r, c in progress(steps, desc="bench parity", unit="point"):

@@ -46,7 +46,9 @@ HANDOFF_TIMEOUT_S = 0.05  # a waiter that does not take its turn by then (it die
 # 2,048-token prefill batch takes seconds on a small CPU box, a minute for a 8B model)
 STALL_TIMEOUT_S = 120.0
 _POLL_S = 0.0002
+# the state file: the turn counter (8 bytes), then one waiting flag per slot
 _TURN = slice(0, 8)
+_FLAGS = 8
 log = logging.getLogger(__name__)
 
 
@@ -79,6 +81,7 @@ class CpuLease:
         self._lock_fd = lock_fd
         self._slot_fd = slot_fd
         self.slot = slot
+        self._flag = _FLAGS + slot  # this worker's waiting flag in the state file
         self._state = state
         self._base = base
         self.stall_timeout_s = stall_timeout_s
@@ -100,9 +103,9 @@ class CpuLease:
             slot, slot_fd = _claim_slot(base)
             state_fd = _open(base + ".state")
             try:
-                if os.fstat(state_fd).st_size < 8 + SLOTS:
-                    os.ftruncate(state_fd, 8 + SLOTS)  # zeros; a second one to it: no-op
-                state = mmap.mmap(state_fd, 8 + SLOTS)
+                if os.fstat(state_fd).st_size < _FLAGS + SLOTS:
+                    os.ftruncate(state_fd, _FLAGS + SLOTS)  # zeros; a second one to it: no-op
+                state = mmap.mmap(state_fd, _FLAGS + SLOTS)
             finally:
                 os.close(state_fd)
         except BaseException:
@@ -110,7 +113,7 @@ class CpuLease:
                 if fd is not None:
                     os.close(fd)
             raise
-        state[8 + slot] = 0  # a dead worker's flag in this slot is not ours
+        state[_FLAGS + slot] = 0  # a dead worker's flag in this slot is not ours
         return cls(lock_fd, slot_fd, slot, state, base, stall_timeout_s)
 
     @contextmanager
@@ -138,7 +141,7 @@ class CpuLease:
                 self._phase = _Phase.WAITING
             else:
                 return self._take()
-        self._state[8 + self.slot] = 1
+        self._state[self._flag] = 1
         requested = False
         try:
             self._granted.clear()
@@ -151,7 +154,7 @@ class CpuLease:
             self._granted.wait(self.stall_timeout_s)
         except BaseException:  # interrupted: no flag left up, no grant kept
             with self._mu:
-                self._state[8 + self.slot] = 0
+                self._state[self._flag] = 0
                 if self._phase is _Phase.HELD:
                     fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
                     self._phase = _Phase.IDLE
@@ -159,7 +162,7 @@ class CpuLease:
                     self._phase = _Phase.ABANDONED if requested else _Phase.IDLE
             raise
         with self._mu:
-            self._state[8 + self.slot] = 0
+            self._state[self._flag] = 0
             if self._phase is _Phase.WAITING:
                 self._phase = _Phase.ABANDONED
                 log.warning(
@@ -214,13 +217,14 @@ class CpuLease:
             time.sleep(_POLL_S)
 
     def others_waiting(self) -> bool:
-        flags = self._state[8 : 8 + SLOTS]
-        return any(flags[i] for i in range(SLOTS) if i != self.slot)
+        return any(self._state[_FLAGS : self._flag]) or any(
+            self._state[self._flag + 1 : _FLAGS + SLOTS]
+        )
 
     def _clear_stale_flags(self) -> None:
         """A flag whose slot no live worker holds (its worker died waiting) is cleared."""
         for i in range(SLOTS):
-            if i == self.slot or not self._state[8 + i]:
+            if i == self.slot or not self._state[_FLAGS + i]:
                 continue
             fd = _open(f"{self._base}.slot{i}")
             try:
@@ -228,7 +232,7 @@ class CpuLease:
             except BlockingIOError:
                 continue  # alive: it will take its turn
             else:
-                self._state[8 + i] = 0
+                self._state[_FLAGS + i] = 0
                 fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
                 os.close(fd)
@@ -248,7 +252,7 @@ class CpuLease:
         self._request.set()  # the thread, if any, returns
 
     def _close_files(self) -> None:
-        self._state[8 + self.slot] = 0
+        self._state[self._flag] = 0
         self._state.close()
         os.close(self._slot_fd)
         os.close(self._lock_fd)
