@@ -1,6 +1,6 @@
 """The CPU lease (pdserve/serving/cpu_lease.py): one holder at a time, turns handed to a
-waiting worker, a dead worker's lock and flag never block the others, nor does a stuck
-holder for longer than the stall timeout."""
+waiting worker, a dead worker's lock and flag never block the others, nor does a stopped
+holder, nor a stuck one for longer than the stall timeout."""
 
 from __future__ import annotations
 
@@ -242,6 +242,49 @@ def test_a_stuck_holder_is_waited_for_only_so_long(tmp_path, caplog):
         lease.release()
     finally:
         _stop(holder)
+        lease.close()
+
+
+def test_a_stopped_holder_is_not_waited_for(tmp_path, caplog):
+    path = str(tmp_path / "cpu")
+    holder = _start(HOLDER, path)
+    lease = CpuLease.open(path)  # the default stall timeout: minutes
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert lease.holder() == holder.pid
+        holder.send_signal(signal.SIGSTOP)  # frozen mid-turn
+        start = time.monotonic()
+        assert not lease.acquire()  # gave up: compute without it
+        assert time.monotonic() - start < 5 * cpu_lease.STOPPED_CHECK_S + 5
+        assert f"held by a stopped process (pid {holder.pid})" in caplog.text
+        holder.send_signal(signal.SIGCONT)
+        holder.send_signal(signal.SIGKILL)  # the lock comes free: turns again
+        _until(lambda: lease.acquire(), "the lease to be taken again")
+        assert lease.holder() == os.getpid()
+        lease.release()
+        assert lease.holder() == 0
+    finally:
+        _stop(holder)
+        lease.close()
+
+
+def test_a_running_holder_is_waited_for(tmp_path):
+    path = str(tmp_path / "cpu")
+    holder = CpuLease.open(path)
+    lease = CpuLease.open(path)
+    try:
+        assert holder.acquire()
+        got = threading.Event()
+        t = threading.Thread(target=lambda: got.set() if lease.acquire() else None, daemon=True)
+        t.start()
+        # several of the waiter's looks at the holder: alive, so it keeps waiting
+        assert not got.wait(4 * cpu_lease.STOPPED_CHECK_S)
+        holder.release()
+        assert got.wait(DEADLINE_S), "the waiter did not get its turn"
+        t.join(DEADLINE_S)
+        lease.release()
+    finally:
+        holder.close()
         lease.close()
 
 

@@ -19,9 +19,11 @@ worker's "waiting" flag in its own byte). A worker's slot is claimed with a lock
 of its own, so a dead worker's stale flag is recognised and ignored.
 
 A worker that dies holding the lease frees it (the kernel drops its lock); one that hangs
-holding it (a stuck step, a stopped process) must not stop its neighbours: a wait longer
-than `stall_timeout_s` gives up, logs it, and the waiter computes without the lease (its
-CPUs are idle: the holder is not computing either) until the lock comes free again.
+holding it must not stop its neighbours. A stopped holder (SIGSTOP, a debugger; the holder
+writes its pid into the state file) is seen within STOPPED_CHECK_S; any other wait longer
+than `stall_timeout_s` (a stuck step) gives up too. Either way the waiter logs it and
+computes without the lease (its CPUs are idle: the holder is not computing either) until
+the lock comes free again.
 
 Only an engine's driver takes the lease: tensor-parallel ranks compute in lockstep with it
 (their collectives would deadlock on a lock their driver holds).
@@ -45,10 +47,13 @@ HANDOFF_TIMEOUT_S = 0.05  # a waiter that does not take its turn by then (it die
 # a holder that keeps the lease longer is stuck (a legitimate turn is one forward pass: a
 # 2,048-token prefill batch takes seconds on a small CPU box, a minute for a 8B model)
 STALL_TIMEOUT_S = 120.0
+STOPPED_CHECK_S = 0.25  # a waiter looks this often whether the holder is a stopped process
 _POLL_S = 0.0002
-# the state file: the turn counter (8 bytes), then one waiting flag per slot
+# the state file: the turn counter (8 bytes), the holder's pid (8; 0: none), then one
+# waiting flag per slot
 _TURN = slice(0, 8)
-_FLAGS = 8
+_HOLDER = slice(8, 16)
+_FLAGS = 16
 log = logging.getLogger(__name__)
 
 
@@ -151,7 +156,7 @@ class CpuLease:
                 self._waiter = waiter
             self._request.set()
             requested = True
-            self._granted.wait(self.stall_timeout_s)
+            why = self._await_grant()
         except BaseException:  # interrupted: no flag left up, no grant kept
             with self._mu:
                 self._state[self._flag] = 0
@@ -166,18 +171,37 @@ class CpuLease:
             if self._phase is _Phase.WAITING:
                 self._phase = _Phase.ABANDONED
                 log.warning(
-                    "the CPU lease %s has been held for over %.3g s: computing without it "
-                    "until it comes free",
+                    "the CPU lease %s %s: computing without it until it comes free",
                     self._base,
-                    self.stall_timeout_s,
+                    why,
                 )
                 return False
             return self._take()
 
+    def _await_grant(self) -> str:
+        """Wait for the waiting thread's grant, at most the stall timeout and only while
+        the holder is not a stopped process -> why it gave up ("" when granted)."""
+        deadline = time.monotonic() + self.stall_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if self._granted.wait(max(0.0, min(STOPPED_CHECK_S, left))):
+                return ""
+            if left <= STOPPED_CHECK_S:
+                return f"has been held for over {self.stall_timeout_s:.3g} s"
+            holder = self.holder()
+            if _stopped(holder):
+                return f"is held by a stopped process (pid {holder})"
+
     def _take(self) -> bool:
         self._phase = _Phase.HELD
+        self._state[_HOLDER] = os.getpid().to_bytes(8, "little")
         self._state[_TURN] = (self.turns() + 1).to_bytes(8, "little")
         return True
+
+    def holder(self) -> int:
+        """The pid of the worker holding the lease (0: none; a holder that died holding it
+        may still be named until the next turn)."""
+        return int.from_bytes(self._state[_HOLDER], "little")
 
     def _wait_loop(self) -> None:
         while True:
@@ -206,6 +230,7 @@ class CpuLease:
         with self._mu:
             assert self._phase is _Phase.HELD, "release() of a lease that is not held"
             self._phase = _Phase.IDLE
+            self._state[_HOLDER] = bytes(8)
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         if not self.others_waiting():
             return
@@ -247,6 +272,7 @@ class CpuLease:
             if phase is _Phase.ABANDONED:  # the thread is in flock() on these files
                 return  # and closes them once it gets the lock (or the process exits)
             if phase is _Phase.HELD:
+                self._state[_HOLDER] = bytes(8)
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             self._close_files()
         self._request.set()  # the thread, if any, returns
@@ -276,6 +302,20 @@ def open_lease(path: str | None, device_type: str) -> CpuLease | None:
 def turn_of(lease: CpuLease | None) -> AbstractContextManager:
     """A turn of `lease`; nothing to wait for without one."""
     return lease.turn() if lease is not None else nullcontext()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether `pid` is a stopped (or traced) process; False when it is not there or the
+    system has no /proc."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]  # after "(comm) "
+    return state in (b"T", b"t")
 
 
 def _claim_slot(base: str) -> tuple[int, int]:
