@@ -411,10 +411,8 @@ def add_bench_parser(sub) -> None:
     par.add_argument("--threads", type=int, default=None, help="torch threads (default: CPUs)")
     par.add_argument(
         "--share-cpus",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the cluster's workers on every CPU, in turns, or (--no-share-cpus) on an even "
-        "split (default: as launch does)",
+        action="store_true",
+        help="the cluster as launch --share-cpus starts it (each worker on every CPU, in turns)",
     )
     par.add_argument("--seed", type=int, default=0)
     par.add_argument("--json", default=None)
