@@ -77,7 +77,8 @@ class DecodeWorker:
         self._stop = threading.Event()
         self.migrator = Migrator(self)
         self._detaching: dict[str, Future] = {}  # taken out at the next step boundary
-        self.cpu_lease = open_lease(config.cpu_lease, core.kv_pool.device.type)
+        # decode steps of the node's decode workers overlap, each on its part of the CPUs
+        self.cpu_lease = open_lease(config.cpu_lease, core.kv_pool.device.type, shared=True)
         self._loop = threading.Thread(target=self._run, name="decode-loop", daemon=True)
         self._loop.start()
 

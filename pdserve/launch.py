@@ -182,8 +182,11 @@ class Cluster:
             ):
                 for _ in range(count):
                     extra = prefill_args if role == "prefill" else decode_args
-                    # in turns, each worker's ranks split every CPU
-                    n = threads or ((os.cpu_count() or 1) if self.lease_dir else per_rank * tp)
+                    # in turns, a prefill worker's ranks split every CPU and the decode
+                    # workers' steps (which overlap) split them between them
+                    cpus = os.cpu_count() or 1
+                    turns = cpus if role == "prefill" else max(1, cpus // max(1, decode))
+                    n = threads or (turns if self.lease_dir else per_rank * tp)
                     own = ["--threads", str(n), "--tp", str(tp)]
                     argv = ["serve", role, *common, *own, *(worker_args or []), *(extra or [])]
                     started.append((self._start(argv), argv))

@@ -325,6 +325,7 @@ def bench_sweep(
     rates: list[float] | None = None,
     requests_per_rate: int = 48,
     skew: str | None = None,
+    share_cpus: bool = False,
 ) -> dict:
     """`concurrency` (closed-loop clients per point) or `rates` (open-loop arrivals per
     second per point, `requests_per_rate` requests each), not both. `mean_output` defaults
@@ -334,7 +335,8 @@ def bench_sweep(
     `slo` (default DEFAULT_SWEEP_SLO) may be relative: multiples of the unloaded TTFT and
     TPOT p50, those of the first policy's lowest-load point. `partial_json`: the report so
     far is written there after every point (a sweep stopped midway keeps what it measured).
-    `skew`: None (the router spreads the load) or "late-join" (see the module's doc)."""
+    `skew`: None (the router spreads the load) or "late-join" (see the module's doc);
+    `share_cpus`: each cluster's workers compute in turns (launch --share-cpus)."""
     from pdserve.launch import Cluster
     from pdserve.weights import resolve
 
@@ -381,6 +383,7 @@ def bench_sweep(
                 "decode": decode,
                 "num_kv_blocks": num_kv_blocks,
                 "block_size": block_size,
+                "share_cpus": share_cpus,
             },
             "workload": {
                 "kind": workload,
@@ -424,6 +427,7 @@ def bench_sweep(
                     router_args=["--queue-timeout", "3600", "--max-queue", "4096"]
                     + router_flags(policy),
                     decode_args=decode_args,
+                    share_cpus=share_cpus,
                 )
             )
         skewed = {p: LateJoin(c) for p, c in clusters.items()} if skew else {}

@@ -264,6 +264,7 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
         rates=args.rate,
         requests_per_rate=args.requests_per_rate,
         skew=args.skew,
+        share_cpus=args.share_cpus,
     )
     print(format_table(report))
     if args.json:
@@ -525,6 +526,11 @@ def add_bench_parser(sub) -> None:
         "router's live-migration rebalancer (e.g. kv-aware+tiered+migrate); `default` is what "
         "a decode worker runs when given no policy flags (default greedy+recompute,"
         "greedy+tiered,default; --quick: greedy+recompute,default)",
+    )
+    sw.add_argument(
+        "--share-cpus",
+        action="store_true",
+        help="each cluster's workers on every CPU, in turns (launch --share-cpus)",
     )
     sw.add_argument(
         "--skew",

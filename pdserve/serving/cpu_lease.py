@@ -12,6 +12,13 @@ decode step, a prefill batch), then the turn passes to a worker that is waiting,
     with lease.turn():
         core.run(plan)
 
+A lease opened `shared` takes turns that may overlap with other shared turns, never with an
+exclusive one: decode workers share (each on its part of the cores: their steps are small
+and scale poorly with threads, so two of them side by side beat two in a row), a prefill
+worker's batch takes every core alone. A shared turn does not start while an exclusive
+worker waits (a gate file it holds while it waits), so prefill is not starved by decode
+steps that overlap one another.
+
 The lock is `flock` on a file (the kernel drops it when a holder dies). Turns are fair
 between processes: a holder that releases while another worker waits does not take the lock
 again until that worker has had a turn (a shared turn counter in a small mapped file, each
@@ -49,11 +56,12 @@ HANDOFF_TIMEOUT_S = 0.05  # a waiter that does not take its turn by then (it die
 STALL_TIMEOUT_S = 120.0
 STOPPED_CHECK_S = 0.25  # a waiter looks this often whether the holder is a stopped process
 _POLL_S = 0.0002
-# the state file: the turn counter (8 bytes), the holder's pid (8; 0: none), then one
-# waiting flag per slot
+# the state file: the turn counter (8 bytes), each slot's pid while its worker waits for or
+# holds the lease (8 bytes a slot; 0: neither), then each slot's waiting flag (a byte)
 _TURN = slice(0, 8)
-_HOLDER = slice(8, 16)
-_FLAGS = 16
+_PIDS = 8
+_FLAGS = _PIDS + 8 * SLOTS
+_SIZE = _FLAGS + SLOTS
 log = logging.getLogger(__name__)
 
 
@@ -76,17 +84,19 @@ class _Phase(enum.Enum):
 class CpuLease:
     def __init__(
         self,
-        lock_fd: int,
-        slot_fd: int,
+        fds: tuple[int, int, int],
         slot: int,
         state: mmap.mmap,
         base: str,
         stall_timeout_s: float = STALL_TIMEOUT_S,
+        shared: bool = False,
     ):
-        self._lock_fd = lock_fd
-        self._slot_fd = slot_fd
+        self._lock_fd, self._gate_fd, self._slot_fd = fds
         self.slot = slot
+        self.shared = shared
+        self._mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         self._flag = _FLAGS + slot  # this worker's waiting flag in the state file
+        self._pid = slice(_PIDS + 8 * slot, _PIDS + 8 * slot + 8)  # and its pid
         self._state = state
         self._base = base
         self.stall_timeout_s = stall_timeout_s
@@ -97,29 +107,38 @@ class CpuLease:
         self._waiter: threading.Thread | None = None
 
     @classmethod
-    def open(cls, path: str | os.PathLike, stall_timeout_s: float = STALL_TIMEOUT_S) -> CpuLease:
-        """Join the lease at `path` (its files are created beside it: `path`.lock, .state,
-        .slotN); LeaseUnavailable when SLOTS workers hold it already."""
+    def open(
+        cls,
+        path: str | os.PathLike,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
+        shared: bool = False,
+    ) -> CpuLease:
+        """Join the lease at `path` (its files are created beside it: `path`.lock, .gate,
+        .state, .slotN); LeaseUnavailable when SLOTS workers hold it already. `shared`:
+        this worker's turns may overlap with those of other shared workers (never with an
+        exclusive worker's)."""
         base = str(path)
         Path(base).parent.mkdir(parents=True, exist_ok=True)
         lock_fd = _open(base + ".lock")
-        slot_fd = None
+        gate_fd = slot_fd = None
         try:
+            gate_fd = _open(base + ".gate")
             slot, slot_fd = _claim_slot(base)
             state_fd = _open(base + ".state")
             try:
-                if os.fstat(state_fd).st_size < _FLAGS + SLOTS:
-                    os.ftruncate(state_fd, _FLAGS + SLOTS)  # zeros; a second one to it: no-op
-                state = mmap.mmap(state_fd, _FLAGS + SLOTS)
+                if os.fstat(state_fd).st_size < _SIZE:
+                    os.ftruncate(state_fd, _SIZE)  # zeros; a second one to it: no-op
+                state = mmap.mmap(state_fd, _SIZE)
             finally:
                 os.close(state_fd)
         except BaseException:
-            for fd in (lock_fd, slot_fd):
+            for fd in (lock_fd, gate_fd, slot_fd):
                 if fd is not None:
                     os.close(fd)
             raise
-        state[_FLAGS + slot] = 0  # a dead worker's flag in this slot is not ours
-        return cls(lock_fd, slot_fd, slot, state, base, stall_timeout_s)
+        state[_FLAGS + slot] = 0  # a dead worker's flag and pid in this slot are not ours
+        state[_PIDS + 8 * slot : _PIDS + 8 * slot + 8] = bytes(8)
+        return cls((lock_fd, gate_fd, slot_fd), slot, state, base, stall_timeout_s, shared)
 
     @contextmanager
     def turn(self) -> Iterator[None]:
@@ -140,12 +159,10 @@ class CpuLease:
                 raise RuntimeError("the CPU lease is closed")
             if self._phase is _Phase.ABANDONED:
                 return False  # the stuck holder has not let go yet
-            try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self._phase = _Phase.WAITING
-            else:
+            if self._try_lock():
                 return self._take()
+            self._phase = _Phase.WAITING
+        self._state[self._pid] = os.getpid().to_bytes(8, "little")
         self._state[self._flag] = 1
         requested = False
         try:
@@ -160,6 +177,7 @@ class CpuLease:
         except BaseException:  # interrupted: no flag left up, no grant kept
             with self._mu:
                 self._state[self._flag] = 0
+                self._state[self._pid] = bytes(8)
                 if self._phase is _Phase.HELD:
                     fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
                     self._phase = _Phase.IDLE
@@ -170,6 +188,7 @@ class CpuLease:
             self._state[self._flag] = 0
             if self._phase is _Phase.WAITING:
                 self._phase = _Phase.ABANDONED
+                self._state[self._pid] = bytes(8)
                 log.warning(
                     "the CPU lease %s %s: computing without it until it comes free",
                     self._base,
@@ -178,9 +197,26 @@ class CpuLease:
                 return False
             return self._take()
 
+    def _try_lock(self) -> bool:
+        """The lock now, or False. Through the gate: while an exclusive worker waits for
+        shared holders to finish it holds the gate, so that no new shared turn starts."""
+        try:
+            fcntl.flock(self._gate_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        try:
+            fcntl.flock(self._lock_fd, self._mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        else:
+            return True
+        finally:
+            fcntl.flock(self._gate_fd, fcntl.LOCK_UN)
+
     def _await_grant(self) -> str:
-        """Wait for the waiting thread's grant, at most the stall timeout and only while
-        the holder is not a stopped process -> why it gave up ("" when granted)."""
+        """Wait for the waiting thread's grant, at most the stall timeout and only while no
+        other worker holding or awaiting the lease is a stopped process -> why it gave up
+        ("" when granted)."""
         deadline = time.monotonic() + self.stall_timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -188,20 +224,21 @@ class CpuLease:
                 return ""
             if left <= STOPPED_CHECK_S:
                 return f"has been held for over {self.stall_timeout_s:.3g} s"
-            holder = self.holder()
-            if _stopped(holder):
-                return f"is held by a stopped process (pid {holder})"
+            for pid in self.holders():
+                if pid != os.getpid() and _stopped(pid):
+                    return f"is held by a stopped process (pid {pid})"
 
     def _take(self) -> bool:
         self._phase = _Phase.HELD
-        self._state[_HOLDER] = os.getpid().to_bytes(8, "little")
+        self._state[self._pid] = os.getpid().to_bytes(8, "little")
         self._state[_TURN] = (self.turns() + 1).to_bytes(8, "little")
         return True
 
-    def holder(self) -> int:
-        """The pid of the worker holding the lease (0: none; a holder that died holding it
-        may still be named until the next turn)."""
-        return int.from_bytes(self._state[_HOLDER], "little")
+    def holders(self) -> list[int]:
+        """The pids of the workers holding the lease or waiting for it (a worker that died
+        may still be named until its slot is taken again)."""
+        pids = (self._state[_PIDS + 8 * i : _PIDS + 8 * i + 8] for i in range(SLOTS))
+        return [pid for pid in (int.from_bytes(p, "little") for p in pids) if pid]
 
     def _wait_loop(self) -> None:
         while True:
@@ -210,7 +247,10 @@ class CpuLease:
             with self._mu:
                 if self._phase is _Phase.CLOSED:
                     return
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # the GIL is released while it waits
+            # the GIL is released while it waits; the gate is held while waiting for the lock
+            fcntl.flock(self._gate_fd, fcntl.LOCK_EX)
+            fcntl.flock(self._lock_fd, self._mode)
+            fcntl.flock(self._gate_fd, fcntl.LOCK_UN)
             with self._mu:
                 if self._phase is _Phase.WAITING:
                     self._phase = _Phase.HELD
@@ -230,7 +270,7 @@ class CpuLease:
         with self._mu:
             assert self._phase is _Phase.HELD, "release() of a lease that is not held"
             self._phase = _Phase.IDLE
-            self._state[_HOLDER] = bytes(8)
+            self._state[self._pid] = bytes(8)
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         if not self.others_waiting():
             return
@@ -272,23 +312,23 @@ class CpuLease:
             if phase is _Phase.ABANDONED:  # the thread is in flock() on these files
                 return  # and closes them once it gets the lock (or the process exits)
             if phase is _Phase.HELD:
-                self._state[_HOLDER] = bytes(8)
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             self._close_files()
         self._request.set()  # the thread, if any, returns
 
     def _close_files(self) -> None:
         self._state[self._flag] = 0
+        self._state[self._pid] = bytes(8)
         self._state.close()
-        os.close(self._slot_fd)
-        os.close(self._lock_fd)
+        for fd in (self._slot_fd, self._gate_fd, self._lock_fd):
+            os.close(fd)
 
     def turns(self) -> int:
         """Turns taken so far by every worker of the lease."""
         return int.from_bytes(self._state[_TURN], "little")
 
 
-def open_lease(path: str | None, device_type: str) -> CpuLease | None:
+def open_lease(path: str | None, device_type: str, shared: bool = False) -> CpuLease | None:
     """The lease at `path` for a worker computing on `device_type`, or None without one (a
     worker that has its cores to itself). ValueError off the CPU: a GPU worker's forward
     passes must not wait for each other's."""
@@ -296,7 +336,7 @@ def open_lease(path: str | None, device_type: str) -> CpuLease | None:
         return None
     if device_type != "cpu":
         raise ValueError(f"cpu_lease: a {device_type} worker does not share CPUs in turns")
-    return CpuLease.open(path)
+    return CpuLease.open(path, shared=shared)
 
 
 def turn_of(lease: CpuLease | None) -> AbstractContextManager:
