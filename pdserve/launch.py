@@ -123,7 +123,7 @@ class Cluster:
         decode_tp: int = 1,
         prefill_threads: int | None = None,
         decode_threads: int | None = None,
-        share_cpus: bool = False,
+        share_cpus: bool | None = None,
     ) -> None:
         """`worker_args` go to every worker, `prefill_args`/`decode_args` to one role;
         `prefill_tp`/`decode_tp`: each worker of that role is a tensor-parallel group of
@@ -131,7 +131,9 @@ class Cluster:
         `decode_threads`: torch threads of each worker of that role (its ranks split them),
         instead of the even split of worker_threads(); `share_cpus`: every worker's threads
         span all the CPUs and the workers compute in turns (a CPU lease,
-        pdserve/serving/cpu_lease.py; CPU workers only)."""
+        pdserve/serving/cpu_lease.py; CPU workers only): None (the default) shares when
+        the workers compute on the CPU, True insists (ValueError for GPU workers), False
+        splits the CPUs evenly."""
         for name, value in (
             ("prefill_threads", prefill_threads),
             ("decode_threads", decode_threads),
@@ -150,14 +152,19 @@ class Cluster:
         self.metrics: dict[str, str] = {}  # role-index -> host:port of /metrics
         self.addresses: dict[str, str] = {}  # role-index -> host:port of its gRPC server
         self.http_address: str | None = None  # host:port of the OpenAI API, when asked for
-        if share_cpus and not all(
-            computes_on_cpu([*(worker_args or []), *(extra or [])])
-            for extra in (prefill_args, decode_args)
-        ):  # here, not as each worker fails to start
-            raise ValueError("share_cpus: only workers that compute on the CPU take turns")
-        # the CPU lease's files, removed by close()
-        self.lease_dir = _lease_dir() if share_cpus else None
+        role_args = {
+            "prefill": [*(worker_args or []), *(prefill_args or [])],
+            "decode": [*(worker_args or []), *(decode_args or [])],
+        }
+        if share_cpus is not False:
+            on_cpu = all(computes_on_cpu(a) for a in role_args.values())
+            if share_cpus and not on_cpu:
+                raise ValueError("share_cpus: only workers that compute on the CPU take turns")
+            share_cpus = on_cpu
+        self.lease_dir = None  # the CPU lease's files, removed by close()
         try:
+            if share_cpus:
+                self.lease_dir = _lease_dir()
             router = ["serve", "router", "--model", model, "--port", str(port), *member]
             if http_port is not None:
                 router += ["--http-port", str(http_port)]

@@ -184,8 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--pdserve-share-cpus",
-        action="store_true",
-        help="pdserve launch --share-cpus: each worker on every CPU, computing in turns",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pdserve launch --share-cpus: each worker on every CPU, computing in turns "
+        "(default: as launch does)",
     )
     ap.add_argument("--api", choices=["chat", "completions"], default="chat")
     ap.add_argument("--seed", type=int, default=0)
@@ -213,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             share_cpus=args.pdserve_share_cpus,
         ) as cluster:
             threads = cluster.threads()
+            shared = cluster.lease_dir is not None
             urls = {"vllm": vllm_url, "pdserve": f"http://{cluster.http_address}"}
             names = {"vllm": wait_ready(vllm_url, vllm, log, READY_TIMEOUT_S)}
             names["pdserve"] = get_json(f"{urls['pdserve']}/v1/models")["data"][0]["id"]
@@ -262,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             "topology": "1P1D",
             "decode_args": decode_args,
             "threads": threads,
-            "share_cpus": args.pdserve_share_cpus,
+            "share_cpus": shared,
         },
         machine=machine_info(),
         points=points,

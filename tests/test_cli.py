@@ -387,14 +387,16 @@ def test_launch_takes_threads_per_role_and_refuses_zero():
     from pdserve.launch import Cluster
 
     args = build_parser().parse_args(["launch", "--model", "m", "--decode-threads", "3"])
-    assert (args.prefill_threads, args.decode_threads, args.share_cpus) == (None, 3, False)
+    assert (args.prefill_threads, args.decode_threads, args.share_cpus) == (None, 3, None)
     args = build_parser().parse_args(["launch", "--model", "m", "--share-cpus"])
-    assert args.share_cpus
+    assert args.share_cpus is True
+    args = build_parser().parse_args(["launch", "--model", "m", "--no-share-cpus"])
+    assert args.share_cpus is False
     with pytest.raises(ValueError, match="decode_threads: 0"):
         Cluster("no-such-model", decode_threads=0)  # before any process starts
 
 
-def test_only_cpu_workers_are_launched_in_turns(monkeypatch):
+def test_workers_share_the_cpus_only_when_they_compute_on_them(monkeypatch):
     import torch
 
     from pdserve.launch import Cluster, computes_on_cpu
@@ -406,6 +408,6 @@ def test_only_cpu_workers_are_launched_in_turns(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
         assert computes_on_cpu(["--threads", "2"]) is not cuda
         assert computes_on_cpu(["--device", "auto"]) is not cuda
-    # turns for GPU workers fail in the launcher, before any process starts
+    # insisting on turns for GPU workers fails in the launcher, before any process starts
     with pytest.raises(ValueError, match="share_cpus: only workers that compute on the CPU"):
         Cluster("no-such-model", decode_args=["--device", "cuda"], share_cpus=True)

@@ -314,8 +314,8 @@ def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
 
     keys = tmp_path / "keys"
     keys.write_text("# one per line\nkey-one-abc\nkey-two-def\n")
-    # workers sharing the CPUs in turns (launch's --share-cpus): each one's threads span
-    # every CPU unless its role's are given (launch's --prefill-threads)
+    # CPU workers share the CPUs in turns by default (launch's --share-cpus): each one's
+    # threads span every CPU unless its role's are given (launch's --prefill-threads)
     threads = {"prefill": 1, "decode": os.cpu_count()}
     with Cluster(
         "tiny-llama",
@@ -324,7 +324,6 @@ def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
         http_port=0,
         api_key_file=str(keys),
         prefill_threads=threads["prefill"],
-        share_cpus=True,
     ) as c:
         secret = c.security.cluster_secret
         lease = os.path.join(c.lease_dir, "cpu")
@@ -404,8 +403,11 @@ def test_a_cluster_launched_with_mutual_tls(tmp_path):
 
     certs = make_certs(tmp_path, ["127.0.0.1"])
     files = TLSFiles(str(certs["member.pem"]), str(certs["member-key.pem"]), str(certs["ca.pem"]))
-    # threads given for one role (launch's --decode-threads), the even split for the other
-    with Cluster("tiny-llama", 1, 1, http_port=0, tls=files, decode_threads=3) as c:
+    # the CPUs split (launch's --no-share-cpus): threads given for one role (launch's
+    # --decode-threads), the even split for the other
+    with Cluster(
+        "tiny-llama", 1, 1, http_port=0, tls=files, decode_threads=3, share_cpus=False
+    ) as c:
         assert c.threads() == {"prefill": worker_threads(1, 1), "decode": 3}
         assert not any("--cpu-lease" in argv for argv in c.argvs)
         member = TLS.from_files(files.cert, files.key, files.ca)

@@ -10,12 +10,12 @@ first, then cluster first, ...), so a noisy neighbour hits both; the report keep
 round and the median ratio.
 
 Threads: the engine runs with `threads` torch threads (default: every CPU) and so does the
-cluster's decode worker; the prefill worker keeps what pdserve.launch.worker_threads gives
-it (1 on 2 CPUs), or every CPU with `share_cpus` (launch --share-cpus: the workers compute
-in turns), and the router and the client's event loop run beside them, as they would on a
-node. The report records every count, as the workers were started. The engine and the
-decode worker have the same KV pool (`num_kv_blocks`, big enough that nothing is
-preempted) and block size.
+cluster's decode worker; the prefill worker gets every CPU too when the workers share them
+in turns (launch's default on CPU), or what pdserve.launch.worker_threads gives it (1 on 2
+CPUs) with `share_cpus=False` (launch --no-share-cpus); the router and the client's event
+loop run beside them, as they would on a node. The report records every count, as the
+workers were started. The engine and the decode worker have the same KV pool
+(`num_kv_blocks`, big enough that nothing is preempted) and block size.
 Every cluster stream has a deadline (DEADLINE_S) and must end with its final message
 (the SDK's StreamEnded otherwise).
 """
@@ -86,7 +86,7 @@ def bench_parity(
     threads: int | None = None,
     num_kv_blocks: int = 1024,
     seed: int = 0,
-    share_cpus: bool = False,
+    share_cpus: bool | None = None,
 ) -> dict:
     from pdserve import LLM
     from pdserve.launch import Cluster
@@ -113,6 +113,7 @@ def bench_parity(
         model, 1, 1, decode_args=decode_args, decode_threads=threads, share_cpus=share_cpus
     ) as cluster:
         started = cluster.threads()
+        shared = cluster.lease_dir is not None
         run_cluster(cluster, warm, 4)  # warm-up, as above
         steps = [(r, c) for r in range(rounds) for c in concurrencies]
         for r, c in progress(steps, desc="bench parity", unit="point"):
@@ -148,7 +149,7 @@ def bench_parity(
             "prefill_worker": started["prefill"],
             "cpus": os.cpu_count(),
         },
-        "share_cpus": share_cpus,
+        "share_cpus": shared,
         "num_kv_blocks": num_kv_blocks,
         "rounds": rounds,
         "seed": seed,

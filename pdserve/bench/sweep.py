@@ -325,7 +325,7 @@ def bench_sweep(
     rates: list[float] | None = None,
     requests_per_rate: int = 48,
     skew: str | None = None,
-    share_cpus: bool = False,
+    share_cpus: bool | None = None,
 ) -> dict:
     """`concurrency` (closed-loop clients per point) or `rates` (open-loop arrivals per
     second per point, `requests_per_rate` requests each), not both. `mean_output` defaults
@@ -336,7 +336,7 @@ def bench_sweep(
     TPOT p50, those of the first policy's lowest-load point. `partial_json`: the report so
     far is written there after every point (a sweep stopped midway keeps what it measured).
     `skew`: None (the router spreads the load) or "late-join" (see the module's doc);
-    `share_cpus`: each cluster's workers compute in turns (launch --share-cpus)."""
+    `share_cpus`: each cluster's workers compute in turns (None: as launch does)."""
     from pdserve.launch import Cluster
     from pdserve.weights import resolve
 
@@ -373,6 +373,7 @@ def bench_sweep(
         )
     vocab = resolve(model).config.vocab_size
     points: list[dict] = []
+    clusters: dict = {}  # policy -> its cluster
 
     def report(points: list[dict]) -> dict:
         return {
@@ -383,7 +384,7 @@ def bench_sweep(
                 "decode": decode,
                 "num_kv_blocks": num_kv_blocks,
                 "block_size": block_size,
-                "share_cpus": share_cpus,
+                "share_cpus": any(c.lease_dir for c in clusters.values()),
             },
             "workload": {
                 "kind": workload,
@@ -408,7 +409,6 @@ def bench_sweep(
         # every policy's cluster is up at once (idle ones cost nearly no CPU) and the points
         # interleave, each concurrency running every policy in turn (the order rotating),
         # so that a slow spell of a shared machine hits every policy alike
-        clusters = {}
         for policy in policies:
             decode_args = policy_flags(policy)
             if spill_dir:

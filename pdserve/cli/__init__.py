@@ -125,15 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
             f"--{role}-threads",
             type=int,
             default=None,
-            help=f"torch threads of each {role} worker (default: the CPUs split evenly over "
-            "every worker's ranks, or all of them with --share-cpus; docs/benchmarks.md says "
-            "when to give decode more)",
+            help=f"torch threads of each {role} worker (default: every CPU when the workers "
+            "share them in turns, else the CPUs split evenly over every worker's ranks; "
+            "docs/benchmarks.md)",
         )
     launch.add_argument(
         "--share-cpus",
-        action="store_true",
-        help="CPU workers: each one's threads span every CPU and the workers compute in "
-        "turns (a forward pass each) instead of splitting the CPUs (docs/benchmarks.md)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="each worker's threads span every CPU and the workers compute in turns (a "
+        "forward pass each) instead of splitting the CPUs (default: on when the workers "
+        "compute on the CPU; --no-share-cpus splits them; docs/benchmarks.md)",
     )
     launch.add_argument("--port", type=int, default=0)
     launch.add_argument("--transfer", default="nixl", choices=PROCESS_BACKENDS)

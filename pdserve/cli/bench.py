@@ -412,8 +412,10 @@ def add_bench_parser(sub) -> None:
     par.add_argument("--threads", type=int, default=None, help="torch threads (default: CPUs)")
     par.add_argument(
         "--share-cpus",
-        action="store_true",
-        help="the cluster as launch --share-cpus starts it (each worker on every CPU, in turns)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the cluster's workers on every CPU, in turns, or (--no-share-cpus) on an even "
+        "split (default: as launch does)",
     )
     par.add_argument("--seed", type=int, default=0)
     par.add_argument("--json", default=None)
@@ -529,8 +531,10 @@ def add_bench_parser(sub) -> None:
     )
     sw.add_argument(
         "--share-cpus",
-        action="store_true",
-        help="each cluster's workers on every CPU, in turns (launch --share-cpus)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="each cluster's workers on every CPU, in turns, or (--no-share-cpus) on an "
+        "even split (default: as launch does)",
     )
     sw.add_argument(
         "--skew",
