@@ -324,6 +324,7 @@ def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
         http_port=0,
         api_key_file=str(keys),
         prefill_threads=threads["prefill"],
+        worker_args=["--device", "cpu"],  # (on a CUDA machine too)
     ) as c:
         secret = c.security.cluster_secret
         lease = os.path.join(c.lease_dir, "cpu")

@@ -4,6 +4,7 @@ holder, nor a stuck one for longer than the stall timeout."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -77,6 +78,22 @@ def _stop(*procs: subprocess.Popen) -> None:
 def _flags_up(path: str) -> int:
     with open(path + ".state", "rb") as f:
         return sum(f.read()[cpu_lease._FLAGS :])
+
+
+def _gate_held(path: str) -> bool:
+    fd = os.open(path + ".gate", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _acquire_in_thread(lease: CpuLease) -> threading.Event:
+    got = threading.Event()
+    threading.Thread(target=lambda: lease.acquire() and got.set(), daemon=True).start()
+    return got
 
 
 def test_workers_hold_it_one_at_a_time_and_take_turns(tmp_path, monkeypatch):
@@ -270,28 +287,20 @@ def test_a_stopped_holder_is_not_waited_for(tmp_path, caplog):
 
 def test_a_running_holder_is_waited_for(tmp_path):
     path = str(tmp_path / "cpu")
-    holder = CpuLease.open(path)
+    holder = _start(HOLDER, path)  # another process, asleep (state S) holding the lease
     lease = CpuLease.open(path)
     try:
-        assert holder.acquire()
-        got = threading.Event()
-        t = threading.Thread(target=lambda: got.set() if lease.acquire() else None, daemon=True)
-        t.start()
-        # several of the waiter's looks at the holder: alive, so it keeps waiting
-        assert not got.wait(4 * cpu_lease.STOPPED_CHECK_S)
-        holder.release()
+        assert holder.stdout.readline().strip() == "held"
+        got = _acquire_in_thread(lease)
+        # several of the waiter's looks at the holder: not stopped, so it keeps waiting
+        assert not got.wait(6 * cpu_lease.STOPPED_CHECK_S)
+        assert lease._phase is cpu_lease._Phase.WAITING
+        holder.send_signal(signal.SIGKILL)
         assert got.wait(DEADLINE_S), "the waiter did not get its turn"
-        t.join(DEADLINE_S)
         lease.release()
     finally:
-        holder.close()
+        _stop(holder)
         lease.close()
-
-
-def _acquire_in_thread(lease: CpuLease) -> threading.Event:
-    got = threading.Event()
-    threading.Thread(target=lambda: lease.acquire() and got.set(), daemon=True).start()
-    return got
 
 
 def test_shared_turns_overlap_and_an_exclusive_one_is_not_starved(tmp_path):
@@ -304,7 +313,7 @@ def test_shared_turns_overlap_and_an_exclusive_one_is_not_starved(tmp_path):
         assert not x_got.wait(0.2)  # an exclusive turn waits for every shared one
         s2.release()
         assert not x_got.wait(0.2)
-        _until(lambda: _flags_up(path) == 1, "the exclusive worker's flag")
+        _until(lambda: _gate_held(path), "the exclusive worker to hold the gate")
         s2_got = _acquire_in_thread(s2)  # a shared turn asked for while x waits...
         assert not s2_got.wait(0.2)  # ...waits behind x, though s1's turn is shared
         s1.release()

@@ -377,7 +377,7 @@ def add_serve_parser(sub) -> None:
                 default=None,
                 metavar="PATH",
                 help="compute only in turns of this CPU lease, shared by the node's workers "
-                "(pdserve launch --share-cpus sets it; pdserve/serving/cpu_lease.py)",
+                "(pdserve launch sets it for CPU workers; pdserve/serving/cpu_lease.py)",
             )
             p.add_argument(
                 "--no-cuda-graphs",

@@ -43,6 +43,7 @@ import fcntl
 import logging
 import mmap
 import os
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -54,14 +55,17 @@ HANDOFF_TIMEOUT_S = 0.05  # a waiter that does not take its turn by then (it die
 # a holder that keeps the lease longer is stuck (a legitimate turn is one forward pass: a
 # 2,048-token prefill batch takes seconds on a small CPU box, a minute for a 8B model)
 STALL_TIMEOUT_S = 120.0
-STOPPED_CHECK_S = 0.25  # a waiter looks this often whether the holder is a stopped process
+# a waiter looks this often whether a holder is a stopped process (twice in a row: gives up)
+STOPPED_CHECK_S = 0.25
 _POLL_S = 0.0002
-# the state file: the turn counter (8 bytes), each slot's pid while its worker waits for or
-# holds the lease (8 bytes a slot; 0: neither), then each slot's waiting flag (a byte)
-_TURN = slice(0, 8)
-_PIDS = 8
-_FLAGS = _PIDS + 8 * SLOTS
-_SIZE = _FLAGS + SLOTS
+# the state file, per slot: the turns its worker took (8 bytes; one writer each, so shared
+# turns taken at once lose no count), its pid while its worker holds the gate or the lock
+# (8 bytes; 0: neither), its waiting flag (a byte)
+_TURNS = 0
+_PIDS = 8 * SLOTS
+_FLAGS = 16 * SLOTS
+_SIZE = 17 * SLOTS
+_COUNTS = struct.Struct(f"<{SLOTS}Q")
 log = logging.getLogger(__name__)
 
 
@@ -97,6 +101,7 @@ class CpuLease:
         self._mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         self._flag = _FLAGS + slot  # this worker's waiting flag in the state file
         self._pid = slice(_PIDS + 8 * slot, _PIDS + 8 * slot + 8)  # and its pid
+        self._turn = slice(_TURNS + 8 * slot, _TURNS + 8 * slot + 8)  # and its turns
         self._state = state
         self._base = base
         self.stall_timeout_s = stall_timeout_s
@@ -162,7 +167,6 @@ class CpuLease:
             if self._try_lock():
                 return self._take()
             self._phase = _Phase.WAITING
-        self._state[self._pid] = os.getpid().to_bytes(8, "little")
         self._state[self._flag] = 1
         requested = False
         try:
@@ -171,24 +175,21 @@ class CpuLease:
                 waiter = threading.Thread(target=self._wait_loop, name="cpu-lease", daemon=True)
                 waiter.start()
                 self._waiter = waiter
+            requested = True  # (before the thread may start its flock)
             self._request.set()
-            requested = True
             why = self._await_grant()
         except BaseException:  # interrupted: no flag left up, no grant kept
             with self._mu:
                 self._state[self._flag] = 0
-                self._state[self._pid] = bytes(8)
                 if self._phase is _Phase.HELD:
-                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-                    self._phase = _Phase.IDLE
+                    self._unlock()
                 elif self._phase is _Phase.WAITING:
                     self._phase = _Phase.ABANDONED if requested else _Phase.IDLE
             raise
         with self._mu:
             self._state[self._flag] = 0
-            if self._phase is _Phase.WAITING:
+            if self._phase is _Phase.WAITING:  # (the thread, still in flock, keeps our pid)
                 self._phase = _Phase.ABANDONED
-                self._state[self._pid] = bytes(8)
                 log.warning(
                     "the CPU lease %s %s: computing without it until it comes free",
                     self._base,
@@ -204,9 +205,11 @@ class CpuLease:
             fcntl.flock(self._gate_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
+        self._state[self._pid] = os.getpid().to_bytes(8, "little")
         try:
             fcntl.flock(self._lock_fd, self._mode | fcntl.LOCK_NB)
         except BlockingIOError:
+            self._state[self._pid] = bytes(8)
             return False
         else:
             return True
@@ -214,29 +217,45 @@ class CpuLease:
             fcntl.flock(self._gate_fd, fcntl.LOCK_UN)
 
     def _await_grant(self) -> str:
-        """Wait for the waiting thread's grant, at most the stall timeout and only while no
-        other worker holding or awaiting the lease is a stopped process -> why it gave up
-        ("" when granted)."""
+        """Wait for the waiting thread's grant, at most the stall timeout and only until a
+        worker holding the gate or the lock has been seen stopped at two looks in a row ->
+        why it gave up ("" when granted)."""
         deadline = time.monotonic() + self.stall_timeout_s
+        suspect = 0
         while True:
             left = deadline - time.monotonic()
             if self._granted.wait(max(0.0, min(STOPPED_CHECK_S, left))):
                 return ""
             if left <= STOPPED_CHECK_S:
                 return f"has been held for over {self.stall_timeout_s:.3g} s"
-            for pid in self.holders():
-                if pid != os.getpid() and _stopped(pid):
-                    return f"is held by a stopped process (pid {pid})"
+            stopped = self._stopped_holder()
+            if stopped and stopped == suspect:
+                return f"is held by a stopped process (pid {stopped})"
+            suspect = stopped
+
+    def _stopped_holder(self) -> int:
+        """The pid of another live worker that holds the gate or the lock and is stopped,
+        or 0 (a dead worker's pid, left in its slot, is not looked at: its slot is free)."""
+        for i in range(SLOTS):
+            pid = int.from_bytes(self._state[_PIDS + 8 * i : _PIDS + 8 * i + 8], "little")
+            if i != self.slot and pid and _stopped(pid) and self._slot_alive(i):
+                return pid
+        return 0
 
     def _take(self) -> bool:
         self._phase = _Phase.HELD
-        self._state[self._pid] = os.getpid().to_bytes(8, "little")
-        self._state[_TURN] = (self.turns() + 1).to_bytes(8, "little")
+        count = int.from_bytes(self._state[self._turn], "little")
+        self._state[self._turn] = (count + 1).to_bytes(8, "little")
         return True
 
+    def _unlock(self) -> None:
+        self._phase = _Phase.IDLE
+        self._state[self._pid] = bytes(8)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
     def holders(self) -> list[int]:
-        """The pids of the workers holding the lease or waiting for it (a worker that died
-        may still be named until its slot is taken again)."""
+        """The pids of the workers holding the gate or the lock (a worker that died holding
+        them may still be named until its slot is taken again)."""
         pids = (self._state[_PIDS + 8 * i : _PIDS + 8 * i + 8] for i in range(SLOTS))
         return [pid for pid in (int.from_bytes(p, "little") for p in pids) if pid]
 
@@ -249,6 +268,7 @@ class CpuLease:
                     return
             # the GIL is released while it waits; the gate is held while waiting for the lock
             fcntl.flock(self._gate_fd, fcntl.LOCK_EX)
+            self._state[self._pid] = os.getpid().to_bytes(8, "little")
             fcntl.flock(self._lock_fd, self._mode)
             fcntl.flock(self._gate_fd, fcntl.LOCK_UN)
             with self._mu:
@@ -259,8 +279,7 @@ class CpuLease:
                     self._close_files()
                     return
                 else:  # abandoned: its caller went on without it
-                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-                    self._phase = _Phase.IDLE
+                    self._unlock()
 
     def release(self) -> None:
         """Unlock; if another worker is waiting, return only once it has taken its turn
@@ -269,9 +288,7 @@ class CpuLease:
         turn = self.turns()
         with self._mu:
             assert self._phase is _Phase.HELD, "release() of a lease that is not held"
-            self._phase = _Phase.IDLE
-            self._state[self._pid] = bytes(8)
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            self._unlock()
         if not self.others_waiting():
             return
         deadline = time.monotonic() + HANDOFF_TIMEOUT_S
@@ -289,18 +306,21 @@ class CpuLease:
     def _clear_stale_flags(self) -> None:
         """A flag whose slot no live worker holds (its worker died waiting) is cleared."""
         for i in range(SLOTS):
-            if i == self.slot or not self._state[_FLAGS + i]:
-                continue
-            fd = _open(f"{self._base}.slot{i}")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # alive: it will take its turn
-            else:
+            if i != self.slot and self._state[_FLAGS + i] and not self._slot_alive(i):
                 self._state[_FLAGS + i] = 0
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            finally:
-                os.close(fd)
+
+    def _slot_alive(self, i: int) -> bool:
+        """Whether a live worker holds slot i (its lock on the slot's file)."""
+        fd = _open(f"{self._base}.slot{i}")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         """Leave the lease (a turn still held is given up; a second close does nothing).
@@ -325,7 +345,7 @@ class CpuLease:
 
     def turns(self) -> int:
         """Turns taken so far by every worker of the lease."""
-        return int.from_bytes(self._state[_TURN], "little")
+        return sum(_COUNTS.unpack_from(self._state, _TURNS))
 
 
 def open_lease(path: str | None, device_type: str, shared: bool = False) -> CpuLease | None:
