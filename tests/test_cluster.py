@@ -14,6 +14,7 @@ from pdserve.client import Client, InvalidRequest, Overloaded
 from pdserve.launch import Cluster, worker_threads
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
+from pdserve.serving import cpu_lease
 
 PROMPTS = [
     [5],
@@ -343,9 +344,11 @@ def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
             served = client.generate([1, 2, 3], max_tokens=3, temperature=0)
             assert len(served.token_ids) == 3
             before = sorted((w.worker_id, w.address) for w in client.workers())
-        # the prompt's forward pass and at least two decode steps each took a turn
+        # the prompt's forward pass and at least two decode steps each took a turn, the
+        # prefill worker's and the decode worker's (each slot counts its worker's turns)
         with open(lease + ".state", "rb") as f:
-            assert int.from_bytes(f.read(8), "little") >= 3
+            turns = cpu_lease._COUNTS.unpack_from(f.read(), cpu_lease._TURNS)
+        assert sum(turns) >= 3 and sum(1 for n in turns if n) == 2, turns
         with Client(c.address) as anonymous:
             with pytest.raises(Unauthorized):
                 anonymous.generate([1, 2, 3], max_tokens=3)
