@@ -21,13 +21,14 @@ steps that overlap one another.
 
 The lock is `flock` on a file (the kernel drops it when a holder dies). Turns are fair
 between processes: a holder that releases while another worker waits does not take the lock
-again until that worker has had a turn (a shared turn counter in a small mapped file, each
-worker's "waiting" flag in its own byte). A worker's slot is claimed with a lock on a file
-of its own, so a dead worker's stale flag is recognised and ignored.
+again until that worker has had a turn (per-worker turn counters in a small mapped file,
+summed, and each worker's "waiting" flag in its own byte). A worker's slot is claimed with
+a lock on a file of its own, so a dead worker's stale flag is recognised and ignored.
 
 A worker that dies holding the lease frees it (the kernel drops its lock); one that hangs
-holding it must not stop its neighbours. A stopped holder (SIGSTOP, a debugger; the holder
-writes its pid into the state file) is seen within STOPPED_CHECK_S; any other wait longer
+holding it must not stop its neighbours. A stopped holder (SIGSTOP, a debugger; a worker
+writes its pid into the state file while it holds the gate or the lock) is seen at two
+looks in a row, STOPPED_CHECK_S apart; any other wait longer
 than `stall_timeout_s` (a stuck step) gives up too. Either way the waiter logs it and
 computes without the lease (its CPUs are idle: the holder is not computing either) until
 the lock comes free again.
