@@ -178,6 +178,10 @@ class Cluster:
                 self.argvs[0][at] = self.http_address.rsplit(":", 1)[1]
             common = ["--model", model, "--router", self.address, "--transfer", transfer, *member]
             per_rank = worker_threads(prefill, decode, prefill_tp, decode_tp)
+            # in turns, a prefill worker's ranks split every CPU and the decode workers'
+            # steps (which overlap) split them between them
+            cpus = os.cpu_count() or 1
+            in_turns = {"prefill": cpus, "decode": max(1, cpus // max(1, decode))}
             if self.lease_dir is not None:
                 common += ["--cpu-lease", os.path.join(self.lease_dir, "cpu")]
             # every worker starts at once (each loads the model and opens its transfer agent:
@@ -188,14 +192,9 @@ class Cluster:
                 ("decode", decode, decode_tp, decode_threads),
             ):
                 for _ in range(count):
-                    extra = prefill_args if role == "prefill" else decode_args
-                    # in turns, a prefill worker's ranks split every CPU and the decode
-                    # workers' steps (which overlap) split them between them
-                    cpus = os.cpu_count() or 1
-                    turns = cpus if role == "prefill" else max(1, cpus // max(1, decode))
-                    n = threads or (turns if self.lease_dir else per_rank * tp)
+                    n = threads or (in_turns[role] if self.lease_dir else per_rank * tp)
                     own = ["--threads", str(n), "--tp", str(tp)]
-                    argv = ["serve", role, *common, *own, *(worker_args or []), *(extra or [])]
+                    argv = ["serve", role, *common, *own, *role_args[role]]
                     started.append((self._start(argv), argv))
             for proc, argv in started:
                 self._ready(proc, argv)

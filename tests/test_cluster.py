@@ -346,8 +346,7 @@ def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
             before = sorted((w.worker_id, w.address) for w in client.workers())
         # the prompt's forward pass and at least two decode steps each took a turn, the
         # prefill worker's and the decode worker's (each slot counts its worker's turns)
-        with open(lease + ".state", "rb") as f:
-            turns = cpu_lease._COUNTS.unpack_from(f.read(), cpu_lease._TURNS)
+        turns = cpu_lease.slot_turns(lease)
         assert sum(turns) >= 3 and sum(1 for n in turns if n) == 2, turns
         with Client(c.address) as anonymous:
             with pytest.raises(Unauthorized):

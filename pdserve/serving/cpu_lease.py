@@ -66,7 +66,7 @@ _TURNS = 0
 _PIDS = 8 * SLOTS
 _FLAGS = 16 * SLOTS
 _SIZE = 17 * SLOTS
-_COUNTS = struct.Struct(f"<{SLOTS}Q")
+_PER_SLOT = struct.Struct(f"<{SLOTS}Q")  # the turns, or the pids, of every slot
 log = logging.getLogger(__name__)
 
 
@@ -98,11 +98,10 @@ class CpuLease:
     ):
         self._lock_fd, self._gate_fd, self._slot_fd = fds
         self.slot = slot
-        self.shared = shared
         self._mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         self._flag = _FLAGS + slot  # this worker's waiting flag in the state file
-        self._pid = slice(_PIDS + 8 * slot, _PIDS + 8 * slot + 8)  # and its pid
-        self._turn = slice(_TURNS + 8 * slot, _TURNS + 8 * slot + 8)  # and its turns
+        self._pid = _field(_PIDS, slot)  # and its pid
+        self._turn = _field(_TURNS, slot)  # and its turns
         self._state = state
         self._base = base
         self.stall_timeout_s = stall_timeout_s
@@ -143,7 +142,7 @@ class CpuLease:
                     os.close(fd)
             raise
         state[_FLAGS + slot] = 0  # a dead worker's flag and pid in this slot are not ours
-        state[_PIDS + 8 * slot : _PIDS + 8 * slot + 8] = bytes(8)
+        state[_field(_PIDS, slot)] = bytes(8)
         return cls((lock_fd, gate_fd, slot_fd), slot, state, base, stall_timeout_s, shared)
 
     @contextmanager
@@ -237,8 +236,7 @@ class CpuLease:
     def _stopped_holder(self) -> int:
         """The pid of another live worker that holds the gate or the lock and is stopped,
         or 0 (a dead worker's pid, left in its slot, is not looked at: its slot is free)."""
-        for i in range(SLOTS):
-            pid = int.from_bytes(self._state[_PIDS + 8 * i : _PIDS + 8 * i + 8], "little")
+        for i, pid in enumerate(_PER_SLOT.unpack_from(self._state, _PIDS)):
             if i != self.slot and pid and _stopped(pid) and self._slot_alive(i):
                 return pid
         return 0
@@ -257,8 +255,7 @@ class CpuLease:
     def holders(self) -> list[int]:
         """The pids of the workers holding the gate or the lock (a worker that died holding
         them may still be named until its slot is taken again)."""
-        pids = (self._state[_PIDS + 8 * i : _PIDS + 8 * i + 8] for i in range(SLOTS))
-        return [pid for pid in (int.from_bytes(p, "little") for p in pids) if pid]
+        return [pid for pid in _PER_SLOT.unpack_from(self._state, _PIDS) if pid]
 
     def _wait_loop(self) -> None:
         while True:
@@ -346,7 +343,7 @@ class CpuLease:
 
     def turns(self) -> int:
         """Turns taken so far by every worker of the lease."""
-        return sum(_COUNTS.unpack_from(self._state, _TURNS))
+        return sum(_PER_SLOT.unpack_from(self._state, _TURNS))
 
 
 def open_lease(path: str | None, device_type: str, shared: bool = False) -> CpuLease | None:
@@ -358,6 +355,13 @@ def open_lease(path: str | None, device_type: str, shared: bool = False) -> CpuL
     if device_type != "cpu":
         raise ValueError(f"cpu_lease: a {device_type} worker does not share CPUs in turns")
     return CpuLease.open(path, shared=shared)
+
+
+def slot_turns(path: str | os.PathLike) -> tuple[int, ...]:
+    """The turns each slot's worker has taken at the lease at `path`, read from outside it
+    (without joining it)."""
+    with open(f"{path}.state", "rb") as f:
+        return _PER_SLOT.unpack_from(f.read(), _TURNS)
 
 
 def turn_of(lease: CpuLease | None) -> AbstractContextManager:
@@ -377,6 +381,11 @@ def _stopped(pid: int) -> bool:
         return False
     state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]  # after "(comm) "
     return state in (b"T", b"t")
+
+
+def _field(offset: int, slot: int) -> slice:
+    """Slot `slot`'s 8 bytes in the per-slot array at `offset` of the state file."""
+    return slice(offset + 8 * slot, offset + 8 * slot + 8)
 
 
 def _claim_slot(base: str) -> tuple[int, int]:
