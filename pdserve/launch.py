@@ -124,6 +124,7 @@ class Cluster:
         prefill_threads: int | None = None,
         decode_threads: int | None = None,
         share_cpus: bool | None = None,
+        router_idle: bool | None = None,
     ) -> None:
         """`worker_args` go to every worker, `prefill_args`/`decode_args` to one role;
         `prefill_tp`/`decode_tp`: each worker of that role is a tensor-parallel group of
@@ -133,7 +134,10 @@ class Cluster:
         span all the CPUs and the workers compute in turns (a CPU lease,
         pdserve/serving/cpu_lease.py; CPU workers only): None (the default) shares when
         the workers compute on the CPU, True insists (ValueError for GPU workers), False
-        splits the CPUs evenly."""
+        splits the CPUs evenly; `router_idle`: the router runs at idle priority, yielding
+        the CPUs to the workers' compute (`serve router --sched-idle`,
+        pdserve/serving/sched.py): None (the default) when the workers compute on the
+        CPU."""
         for name, value in (
             ("prefill_threads", prefill_threads),
             ("decode_threads", decode_threads),
@@ -156,11 +160,13 @@ class Cluster:
             "prefill": [*(worker_args or []), *(prefill_args or [])],
             "decode": [*(worker_args or []), *(decode_args or [])],
         }
-        if share_cpus is not False:
+        if share_cpus is not False or router_idle is None:
             on_cpu = all(computes_on_cpu(a) for a in role_args.values())
             if share_cpus and not on_cpu:
                 raise ValueError("share_cpus: only workers that compute on the CPU take turns")
-            share_cpus = on_cpu
+            share_cpus = on_cpu if share_cpus is None else share_cpus
+            router_idle = on_cpu if router_idle is None else router_idle
+        self.router_idle = bool(router_idle)  # started with --sched-idle
         self.lease_dir = None  # the CPU lease's files, removed by close()
         try:
             if share_cpus:
@@ -170,6 +176,8 @@ class Cluster:
                 router += ["--http-port", str(http_port)]
             if api_key_file is not None:
                 router += ["--api-key-file", api_key_file]
+            if router_idle:
+                router.append("--sched-idle")
             self.address = self._spawn([*router, *(router_args or [])])
             # a restarted router must come back where the workers look for it
             self.argvs[0][self.argvs[0].index("--port") + 1] = self.address.rsplit(":", 1)[1]
@@ -412,6 +420,7 @@ def run_launch(args) -> int:
         prefill_threads=args.prefill_threads,
         decode_threads=args.decode_threads,
         share_cpus=args.share_cpus,
+        router_idle=args.router_idle,
     ) as c:
         print(f"cluster ready: router at {c.address}  (Ctrl-C stops everything)", flush=True)
         if c.http_address:

@@ -189,6 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         help="pdserve launch --share-cpus: each worker on every CPU, computing in turns "
         "(default: as launch does)",
     )
+    ap.add_argument(
+        "--pdserve-router-idle",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pdserve launch --router-idle: the router at idle scheduling priority "
+        "(default: as launch does)",
+    )
     ap.add_argument("--api", choices=["chat", "completions"], default="chat")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
@@ -213,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             decode_args=decode_args,
             decode_threads=args.pdserve_decode_threads,
             share_cpus=args.pdserve_share_cpus,
+            router_idle=args.pdserve_router_idle,
         ) as cluster:
             threads = cluster.threads()
             shared = cluster.lease_dir is not None
@@ -266,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             "decode_args": decode_args,
             "threads": threads,
             "share_cpus": shared,
+            "router_idle": cluster.router_idle,
         },
         machine=machine_info(),
         points=points,

@@ -392,6 +392,9 @@ def test_launch_takes_threads_per_role_and_refuses_zero():
     assert args.share_cpus is True
     args = build_parser().parse_args(["launch", "--model", "m", "--no-share-cpus"])
     assert args.share_cpus is False
+    for flags, want in (([], None), (["--router-idle"], True), (["--no-router-idle"], False)):
+        args = build_parser().parse_args(["launch", "--model", "m", *flags])
+        assert args.router_idle is want, flags
     with pytest.raises(ValueError, match="decode_threads: 0"):
         Cluster("no-such-model", decode_threads=0)  # before any process starts
 

@@ -312,6 +312,7 @@ def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
     from pdserve.client import Unauthorized
     from pdserve.rpc import PROTOCOL_VERSION
     from pdserve.serving import auth
+    from pdserve.serving.sched import thread_policies
 
     keys = tmp_path / "keys"
     keys.write_text("# one per line\nkey-one-abc\nkey-two-def\n")
@@ -348,6 +349,13 @@ def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
         # prefill worker's and the decode worker's (each slot counts its worker's turns)
         turns = cpu_lease.slot_turns(lease)
         assert sum(turns) >= 3 and sum(1 for n in turns if n) == 2, turns
+        # CPU workers: the router (every thread, those its servers started too) yields the
+        # CPUs to them, at idle priority; the workers' threads stay at the normal one
+        assert c.router_idle and "--sched-idle" in c.argvs[0]
+        for name, proc in zip(c.names, c.procs):
+            policies = set(thread_policies(proc.pid).values())
+            idle = name.startswith("router")
+            assert policies == {os.SCHED_IDLE if idle else os.SCHED_OTHER}, (name, policies)
         with Client(c.address) as anonymous:
             with pytest.raises(Unauthorized):
                 anonymous.generate([1, 2, 3], max_tokens=3)
@@ -407,12 +415,19 @@ def test_a_cluster_launched_with_mutual_tls(tmp_path):
     certs = make_certs(tmp_path, ["127.0.0.1"])
     files = TLSFiles(str(certs["member.pem"]), str(certs["member-key.pem"]), str(certs["ca.pem"]))
     # the CPUs split (launch's --no-share-cpus): threads given for one role (launch's
-    # --decode-threads), the even split for the other
+    # --decode-threads), the even split for the other; the router at normal priority
     with Cluster(
-        "tiny-llama", 1, 1, http_port=0, tls=files, decode_threads=3, share_cpus=False
+        "tiny-llama",
+        1,
+        1,
+        http_port=0,
+        tls=files,
+        decode_threads=3,
+        share_cpus=False,
+        router_idle=False,
     ) as c:
         assert c.threads() == {"prefill": worker_threads(1, 1), "decode": 3}
-        assert not any("--cpu-lease" in argv for argv in c.argvs)
+        assert not any("--cpu-lease" in argv or "--sched-idle" in argv for argv in c.argvs)
         member = TLS.from_files(files.cert, files.key, files.ca)
         with Client(c.address, tls=member) as client:
             assert len(client.generate([1, 2, 3], max_tokens=3, temperature=0).token_ids) == 3

@@ -87,6 +87,7 @@ def bench_parity(
     num_kv_blocks: int = 1024,
     seed: int = 0,
     share_cpus: bool | None = None,
+    router_idle: bool | None = None,
 ) -> dict:
     from pdserve import LLM
     from pdserve.launch import Cluster
@@ -110,10 +111,17 @@ def bench_parity(
     points = {c: [] for c in concurrencies}
     decode_args = ["--num-kv-blocks", str(num_kv_blocks)]
     with Cluster(
-        model, 1, 1, decode_args=decode_args, decode_threads=threads, share_cpus=share_cpus
+        model,
+        1,
+        1,
+        decode_args=decode_args,
+        decode_threads=threads,
+        share_cpus=share_cpus,
+        router_idle=router_idle,
     ) as cluster:
         started = cluster.threads()
         shared = cluster.lease_dir is not None
+        idle = cluster.router_idle
         run_cluster(cluster, warm, 4)  # warm-up, as above
         steps = [(r, c) for r in range(rounds) for c in concurrencies]
         for r, c in progress(steps, desc="bench parity", unit="point"):
@@ -150,6 +158,7 @@ def bench_parity(
             "cpus": os.cpu_count(),
         },
         "share_cpus": shared,
+        "router_idle": idle,
         "num_kv_blocks": num_kv_blocks,
         "rounds": rounds,
         "seed": seed,
@@ -172,6 +181,7 @@ def format_table(report: dict) -> str:
     t = report["threads"]
     prefill = f", prefill worker {t['prefill_worker']}" if "prefill_worker" in t else ""
     turns = " (workers in turns: --share-cpus)" if report.get("share_cpus") else ""
+    turns += " (router at idle priority)" if report.get("router_idle") else ""
     lines = [
         f"bench parity: {report['model']}, 1P1D cluster vs in-process engine, "
         f"{t['engine']} threads each{prefill}{turns}, {report['max_tokens']} output tokens",

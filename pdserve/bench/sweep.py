@@ -385,6 +385,7 @@ def bench_sweep(
                 "num_kv_blocks": num_kv_blocks,
                 "block_size": block_size,
                 "share_cpus": any(c.lease_dir for c in clusters.values()),
+                "router_idle": any(c.router_idle for c in clusters.values()),
             },
             "workload": {
                 "kind": workload,

@@ -137,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
         "forward pass each) instead of splitting the CPUs (default: on when the workers "
         "compute on the CPU; --no-share-cpus splits them; docs/benchmarks.md)",
     )
+    launch.add_argument(
+        "--router-idle",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the router runs at Linux's idle scheduling priority, yielding the CPUs to the "
+        "workers' compute (default: on when the workers compute on the CPU; "
+        "docs/benchmarks.md)",
+    )
     launch.add_argument("--port", type=int, default=0)
     launch.add_argument("--transfer", default="nixl", choices=PROCESS_BACKENDS)
     launch.add_argument(

@@ -133,6 +133,7 @@ def cmd_bench_parity(args: argparse.Namespace) -> int:
         threads=args.threads,
         seed=args.seed,
         share_cpus=args.share_cpus,
+        router_idle=args.router_idle,
     )
     return print_report(report, format_table, args.json)
 
@@ -416,6 +417,12 @@ def add_bench_parser(sub) -> None:
         default=None,
         help="the cluster's workers on every CPU, in turns, or (--no-share-cpus) on an even "
         "split (default: as launch does)",
+    )
+    par.add_argument(
+        "--router-idle",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the router at idle scheduling priority (default: as launch does)",
     )
     par.add_argument("--seed", type=int, default=0)
     par.add_argument("--json", default=None)

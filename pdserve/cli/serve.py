@@ -105,6 +105,12 @@ def run_router(args: argparse.Namespace) -> int:
     from pdserve.serving.server import start_server
     from pdserve.weights import resolve
 
+    if args.sched_idle:  # before the servers start: their threads inherit it
+        from pdserve.serving.sched import yield_cpus
+
+        refused = yield_cpus()
+        if refused is not None:
+            print(f"pdserve router: --sched-idle not applied ({refused})", file=sys.stderr)
     security = security_of(args, "router")
     source = resolve(args.model)
     config = RouterConfig(
@@ -317,6 +323,13 @@ def add_serve_parser(sub) -> None:
                 type=int,
                 default=None,
                 help="serve the OpenAI-compatible HTTP API on this port (0: a free one)",
+            )
+            p.add_argument(
+                "--sched-idle",
+                action="store_true",
+                help="run at Linux's idle scheduling priority, yielding the CPUs to workers "
+                "that compute on them on this node (pdserve launch does so for CPU workers; "
+                "docs/benchmarks.md)",
             )
             p.add_argument("--max-queue", type=int, default=256)
             p.add_argument("--queue-timeout", type=float, default=30.0)
