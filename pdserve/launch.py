@@ -211,6 +211,10 @@ class Cluster:
             self.close()
             raise
 
+    def cpus(self) -> dict:
+        """How this cluster uses the node's CPUs (for benchmark reports)."""
+        return {"share_cpus": self.lease_dir is not None, "router_idle": self.router_idle}
+
     def restart(self, index: int) -> None:
         """Starts process `index` again, as it was first started (the router on its port)."""
         old = self.procs[index]

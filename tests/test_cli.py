@@ -86,7 +86,11 @@ def test_bench_transfer_verifies_bytes_and_reports_every_layout(tmp_path):
     assert all(r["layerwise_s"] > 0 and r["after_prefill_s"] > 0 for r in report["ttft"])
 
 
-@pytest.mark.parametrize("load", [["--concurrency", "3"], ["--rate", "20"]])
+# the CPU flags every launching benchmark takes (tiny-llama computes on the CPU here): the
+# default (turns, the router idle) with one load, both turned off with the other
+@pytest.mark.parametrize(
+    "load", [["--concurrency", "3"], ["--rate", "20", "--no-share-cpus", "--no-router-idle"]]
+)
 def test_bench_serve_reports_percentiles_without_errors(tmp_path, load):
     out, traces, png = tmp_path / "serve.json", tmp_path / "t.jsonl", tmp_path / "t.png"
     proc = run_cli(
@@ -114,6 +118,8 @@ def test_bench_serve_reports_percentiles_without_errors(tmp_path, load):
     assert plotted.returncode == 0, plotted.stderr
     assert "prefill.compute" in plotted.stdout and "spans cover" in plotted.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    defaults = "--no-router-idle" not in load
+    assert report["cluster"]["share_cpus"] is report["cluster"]["router_idle"] is defaults
     summary = report["summary"]
     assert summary["requests"] == 10 and summary["errors"] == 0
     assert summary["output_tokens"] == sum(s["output_tokens"] for s in report["samples"]) > 0
@@ -395,6 +401,9 @@ def test_launch_takes_threads_per_role_and_refuses_zero():
     for flags, want in (([], None), (["--router-idle"], True), (["--no-router-idle"], False)):
         args = build_parser().parse_args(["launch", "--model", "m", *flags])
         assert args.router_idle is want, flags
+        for bench in ("parity", "sweep", "serve", "migrate", "chaos", "soak"):
+            args = build_parser().parse_args(["bench", bench, *flags])
+            assert (args.share_cpus, args.router_idle) == (None, want), (bench, flags)
     with pytest.raises(ValueError, match="decode_threads: 0"):
         Cluster("no-such-model", decode_threads=0)  # before any process starts
 

@@ -212,7 +212,14 @@ def scratch_dirs(scratch: str) -> tuple[str, str]:
     return out
 
 
-def chaos_cluster(model: str, num_kv_blocks: int, failpoint_dir: str, spill_root: str):
+def chaos_cluster(
+    model: str,
+    num_kv_blocks: int,
+    failpoint_dir: str,
+    spill_root: str,
+    share_cpus: bool | None = None,
+    router_idle: bool | None = None,
+):
     """2 prefill + 2 decode workers; the decode pools spill straight to disk (no host or
     CXL tier) under `spill_root`, so that spill files exist to leak or corrupt, and admit
     greedily: the default policy learns what parking costs and stops overcommitting when
@@ -230,6 +237,8 @@ def chaos_cluster(model: str, num_kv_blocks: int, failpoint_dir: str, spill_root
             *("--spill-host-blocks", "0", "--spill-cxl-blocks", "0", "--admission", "greedy"),
         ],
         router_args=["--prefill-timeout", str(PREFILL_TIMEOUT_S)],
+        share_cpus=share_cpus,
+        router_idle=router_idle,
     )
 
 
@@ -241,6 +250,8 @@ def bench_chaos(
     max_tokens: int = 48,
     num_kv_blocks: int = 20,
     seed: int = 0,
+    share_cpus: bool | None = None,
+    router_idle: bool | None = None,
 ) -> dict:
     from pdserve.launch import Supervisor
     from pdserve.weights import resolve
@@ -255,7 +266,8 @@ def bench_chaos(
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="pdserve-chaos-") as scratch:
         where = scratch_dirs(scratch)
-        with chaos_cluster(model, num_kv_blocks, *where) as cluster:
+        with chaos_cluster(model, num_kv_blocks, *where, share_cpus, router_idle) as cluster:
+            cpus = cluster.cpus()
             supervisor = Supervisor(cluster, log=lambda line: None)
             for n, fault in enumerate(progress(faults, desc="bench chaos", unit="fault")):
                 if not whole(cluster, supervisor, 2, 2, 180):
@@ -284,6 +296,7 @@ def bench_chaos(
         "max_tokens": max_tokens,
         "decode_num_kv_blocks": num_kv_blocks,
         "seed": seed,
+        "cpus": cpus,
         "faults": rows,
         "wall_s": round(time.monotonic() - started, 1),
     }

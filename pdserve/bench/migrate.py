@@ -37,6 +37,7 @@ from pdserve.progress import progress
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving import auth
+from pdserve.weights import resolve
 
 _SOURCE_METRICS = (
     ("rounds", "pdserve_decode_migration_rounds_sum"),
@@ -133,6 +134,8 @@ def bench_migrate(
     seed: int = 0,
     cold: int = 2,
     decode_tp: int = 1,
+    share_cpus: bool | None = None,
+    router_idle: bool | None = None,
 ) -> dict:
     """`decode_tp`: each decode worker a tensor-parallel group of that many ranks (every
     rank moves its own KV heads)."""
@@ -143,11 +146,21 @@ def bench_migrate(
     worker_args = ["--num-kv-blocks", str(blocks)]
     points = []
     with (
-        Cluster(model, 1, 2, worker_args=worker_args, decode_tp=decode_tp) as c,
+        Cluster(
+            model,
+            1,
+            2,
+            worker_args=worker_args,
+            decode_tp=decode_tp,
+            share_cpus=share_cpus,
+            router_idle=router_idle,
+        ) as c,
         Client(c.address, security=c.security) as client,
         progress(total=cold + len(contexts) * repeats, desc="bench migrate") as bar,
     ):
-        vocab = 4096  # any ids the model knows (SmolLM2's vocabulary is 49,152)
+        cpus = c.cpus()
+        # any ids the model knows (SmolLM2's vocabulary is 49,152; a test model's 384)
+        vocab = min(4096, resolve(model).config.vocab_size)
         client.generate([5, 6, 7], max_tokens=4, temperature=0)  # warm both roles up
         # the first moves between two workers also make their transfer connections (each
         # way): measured and shown, but apart ("cold"); a cluster makes them once
@@ -162,6 +175,7 @@ def bench_migrate(
         "topology": "1P2D launched on 127.0.0.1 (NIXL over UCX)"
         + (f", decode TP={decode_tp}" if decode_tp > 1 else ""),
         "decode_tp": decode_tp,
+        "cpus": cpus,
         "before": before,
         "after": after,
         "repeats": repeats,

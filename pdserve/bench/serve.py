@@ -219,6 +219,8 @@ def bench_serve(
     time_scale: float = 1.0,
     trace_path: str | None = None,
     slo: SLO | None = None,
+    share_cpus: bool | None = None,
+    router_idle: bool | None = None,
 ) -> dict:
     """`replay`: the trace's first `requests` requests, in order, at their recorded arrival
     times divided by `time_scale` (lengths scaled as in the workload). `trace_path`: write
@@ -246,7 +248,14 @@ def bench_serve(
         work = make_workload(requests, vocab, seed, workload)
     cluster = None
     if address is None:
-        cluster = Cluster(model, prefill, decode, worker_args=worker_args)
+        cluster = Cluster(
+            model,
+            prefill,
+            decode,
+            worker_args=worker_args,
+            share_cpus=share_cpus,
+            router_idle=router_idle,
+        )
         address = cluster.address
     try:
         samples, elapsed = asyncio.run(_drive(address, work, concurrency, rate, seed, arrivals))
@@ -262,7 +271,12 @@ def bench_serve(
     return {
         "benchmark": "serve",
         "model": model,
-        "cluster": {"prefill": prefill, "decode": decode, "address": address},
+        "cluster": {
+            "prefill": prefill,
+            "decode": decode,
+            "address": address,
+            **(cluster.cpus() if cluster is not None else {}),
+        },
         "load": {
             "requests": len(work.prompts),
             "concurrency": None if (rate or replay) else concurrency,

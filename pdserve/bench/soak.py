@@ -42,6 +42,8 @@ def bench_soak(
     max_tokens: int = 16,
     num_kv_blocks: int = 64,
     seed: int = 0,
+    share_cpus: bool | None = None,
+    router_idle: bool | None = None,
 ) -> dict:
     """`requests` requests at `concurrency`; every `kill_every` completions a decode or a
     prefill worker (the first of each role, in turn) is SIGKILLed and restarted."""
@@ -54,9 +56,12 @@ def bench_soak(
     started = time.monotonic()
     with (
         tempfile.TemporaryDirectory(prefix="pdserve-soak-") as scratch,
-        chaos_cluster(model, num_kv_blocks, *scratch_dirs(scratch)) as cluster,
+        chaos_cluster(
+            model, num_kv_blocks, *scratch_dirs(scratch), share_cpus, router_idle
+        ) as cluster,
     ):
         spill_root = os.path.join(scratch, "spill")
+        cpus = cluster.cpus()
         supervisor = Supervisor(cluster, log=lambda line: None)
         load = Load(cluster, max_tokens, "soak")
         samples: list[dict] = []
@@ -111,4 +116,5 @@ def bench_soak(
         },
     )
     return {"benchmark": "soak", "model": model, "concurrency": concurrency,
-            "kill_every": kill_every, "max_tokens": max_tokens, "seed": seed, **row}  # fmt: skip
+            "kill_every": kill_every, "max_tokens": max_tokens, "seed": seed, "cpus": cpus,
+            **row}  # fmt: skip

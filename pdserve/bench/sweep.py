@@ -326,6 +326,7 @@ def bench_sweep(
     requests_per_rate: int = 48,
     skew: str | None = None,
     share_cpus: bool | None = None,
+    router_idle: bool | None = None,
 ) -> dict:
     """`concurrency` (closed-loop clients per point) or `rates` (open-loop arrivals per
     second per point, `requests_per_rate` requests each), not both. `mean_output` defaults
@@ -336,7 +337,8 @@ def bench_sweep(
     TPOT p50, those of the first policy's lowest-load point. `partial_json`: the report so
     far is written there after every point (a sweep stopped midway keeps what it measured).
     `skew`: None (the router spreads the load) or "late-join" (see the module's doc);
-    `share_cpus`: each cluster's workers compute in turns (None: as launch does)."""
+    `share_cpus`: each cluster's workers compute in turns, `router_idle`: its router at idle
+    priority (None: as launch does)."""
     from pdserve.launch import Cluster
     from pdserve.weights import resolve
 
@@ -429,6 +431,7 @@ def bench_sweep(
                     + router_flags(policy),
                     decode_args=decode_args,
                     share_cpus=share_cpus,
+                    router_idle=router_idle,
                 )
             )
         skewed = {p: LateJoin(c) for p, c in clusters.items()} if skew else {}

@@ -58,6 +58,8 @@ def cmd_bench_migrate(args: argparse.Namespace) -> int:
         args.seed,
         args.cold,
         args.decode_tp,
+        share_cpus=args.share_cpus,
+        router_idle=args.router_idle,
     )
     return print_report(report, format_table, args.json)
 
@@ -95,6 +97,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         time_scale=args.time_scale,
         trace_path=args.trace,
         slo=args.slo,
+        share_cpus=args.share_cpus,
+        router_idle=args.router_idle,
     )
     if args.trace:
         print(f"wrote per-request traces to {args.trace} (plot: pdserve trace {args.trace} --plot)")
@@ -177,6 +181,8 @@ def cmd_bench_chaos(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         max_tokens=args.max_tokens,
         seed=args.seed,
+        share_cpus=args.share_cpus,
+        router_idle=args.router_idle,
     )
     print_report(report, format_table, args.json)
     return 0 if ok(report) else 1
@@ -192,6 +198,8 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         kill_every=args.kill_every,
         seed=args.seed,
+        share_cpus=args.share_cpus,
+        router_idle=args.router_idle,
     )
     print_report(report, format_table, args.json)
     return 0 if ok(report) else 1
@@ -266,6 +274,7 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
         requests_per_rate=args.requests_per_rate,
         skew=args.skew,
         share_cpus=args.share_cpus,
+        router_idle=args.router_idle,
     )
     print(format_table(report))
     if args.json:
@@ -313,6 +322,23 @@ def cmd_bench_sim_vs_real(args: argparse.Namespace) -> int:
     return print_report(report, format_table, args.json)
 
 
+def add_cpu_flags(p: argparse.ArgumentParser) -> None:
+    """How a benchmark's launched clusters use this node's CPUs (pdserve launch's flags)."""
+    p.add_argument(
+        "--share-cpus",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the cluster's workers on every CPU, in turns, or (--no-share-cpus) on an even "
+        "split (default: as launch does)",
+    )
+    p.add_argument(
+        "--router-idle",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the router at idle scheduling priority (default: as launch does)",
+    )
+
+
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (JSON out, table to stdout)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -350,6 +376,7 @@ def add_bench_parser(sub) -> None:
         "--decode-tp", type=int, default=1, help="ranks per decode worker (tensor parallel)"
     )
     mig.add_argument("--json", default=None, help="write the report here")
+    add_cpu_flags(mig)
     mig.set_defaults(func=cmd_bench_migrate)
     kern = bench_sub.add_parser("kernels", help="decode/KV kernels against the memory roofline")
     kern.add_argument("--quick", action="store_true", help="a small sweep (CPU-sized)")
@@ -384,6 +411,7 @@ def add_bench_parser(sub) -> None:
     srv.add_argument(
         "--slo", type=slo_arg, default=None, help="ttft=SECONDS,tpot=SECONDS (default 2, 0.1)"
     )
+    add_cpu_flags(srv)
     srv.set_defaults(func=cmd_bench_serve)
 
     oai = bench_sub.add_parser(
@@ -411,19 +439,7 @@ def add_bench_parser(sub) -> None:
     par.add_argument("--max-tokens", type=int, default=128)
     par.add_argument("--rounds", type=int, default=2, help="interleaved A/B rounds")
     par.add_argument("--threads", type=int, default=None, help="torch threads (default: CPUs)")
-    par.add_argument(
-        "--share-cpus",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the cluster's workers on every CPU, in turns, or (--no-share-cpus) on an even "
-        "split (default: as launch does)",
-    )
-    par.add_argument(
-        "--router-idle",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the router at idle scheduling priority (default: as launch does)",
-    )
+    add_cpu_flags(par)
     par.add_argument("--seed", type=int, default=0)
     par.add_argument("--json", default=None)
     par.set_defaults(func=cmd_bench_parity)
@@ -471,6 +487,7 @@ def add_bench_parser(sub) -> None:
     ch.add_argument("--max-tokens", type=int, default=48)
     ch.add_argument("--seed", type=int, default=0)
     ch.add_argument("--json", default=None)
+    add_cpu_flags(ch)
     ch.set_defaults(func=cmd_bench_chaos)
 
     so = bench_sub.add_parser(
@@ -482,6 +499,7 @@ def add_bench_parser(sub) -> None:
     so.add_argument("--kill-every", type=int, default=200, help="requests between kills")
     so.add_argument("--seed", type=int, default=0)
     so.add_argument("--json", default=None)
+    add_cpu_flags(so)
     so.set_defaults(func=cmd_bench_soak)
 
     ti = bench_sub.add_parser("tiers", help="spill/reload throughput per tier vs raw moves")
@@ -536,13 +554,7 @@ def add_bench_parser(sub) -> None:
         "a decode worker runs when given no policy flags (default greedy+recompute,"
         "greedy+tiered,default; --quick: greedy+recompute,default)",
     )
-    sw.add_argument(
-        "--share-cpus",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="each cluster's workers on every CPU, in turns, or (--no-share-cpus) on an "
-        "even split (default: as launch does)",
-    )
+    add_cpu_flags(sw)
     sw.add_argument(
         "--skew",
         default=None,
