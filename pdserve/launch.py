@@ -72,11 +72,35 @@ def _read_ready(stream, lines: queue.Queue) -> None:
     _forward(stream)
 
 
-def _lease_dir() -> str:
+LEASE_PREFIX = "pdserve-cpus-"
+
+
+def _lease_dir(shm: str = "/dev/shm") -> str:
     """A fresh directory for a cluster's CPU lease: memory-backed where the machine has one
-    (the lease's state is read at every turn), else the temporary directory."""
-    shm = "/dev/shm"
-    return tempfile.mkdtemp(prefix="pdserve-cpus-", dir=shm if os.access(shm, os.W_OK) else None)
+    (the lease's state is read at every turn), else the temporary directory. Its name holds
+    the launcher's pid: one left by a launcher that was killed (SIGKILL: close() never ran)
+    is removed here, by the next launch."""
+    where = shm if os.access(shm, os.W_OK) else tempfile.gettempdir()
+    _remove_orphaned_leases(where)
+    return tempfile.mkdtemp(prefix=f"{LEASE_PREFIX}{os.getpid()}-", dir=where)
+
+
+def _remove_orphaned_leases(where: str) -> None:
+    """Removes the lease directories in `where` whose launcher is gone."""
+    try:
+        names = os.listdir(where)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(LEASE_PREFIX) :].split("-", 1)[0]
+        if not (name.startswith(LEASE_PREFIX) and pid.isdigit()):
+            continue  # not ours, or from before names held a pid
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(where, name), ignore_errors=True)
+        except OSError:
+            pass  # alive (another user's): not ours to judge
 
 
 def worker_threads(prefill: int, decode: int, prefill_tp: int = 1, decode_tp: int = 1) -> int:

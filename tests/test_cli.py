@@ -423,3 +423,31 @@ def test_workers_share_the_cpus_only_when_they_compute_on_them(monkeypatch):
     # insisting on turns for GPU workers fails in the launcher, before any process starts
     with pytest.raises(ValueError, match="share_cpus: only workers that compute on the CPU"):
         Cluster("no-such-model", decode_args=["--device", "cuda"], share_cpus=True)
+
+
+def test_a_killed_launchers_lease_directory_goes_at_the_next_launch(tmp_path):
+    """A lease directory is named for its launcher's pid; the next launch removes those whose
+    launcher is gone (SIGKILL: its close() never ran) and leaves every other one alone."""
+    import os
+    import subprocess
+    import sys
+
+    from pdserve import launch
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"{launch.LEASE_PREFIX}{gone.pid}-abc"
+    stale.mkdir()
+    (stale / "cpu").write_bytes(b"state")
+    kept = [
+        tmp_path / f"{launch.LEASE_PREFIX}{os.getpid()}-def",  # its launcher is alive
+        tmp_path / f"{launch.LEASE_PREFIX}1-ghi",  # alive (init), whoever's it is
+        tmp_path / f"{launch.LEASE_PREFIX}xyz",  # no pid in its name
+        tmp_path / "something-else",
+    ]
+    for d in kept:
+        d.mkdir()
+    made = launch._lease_dir(shm=str(tmp_path))
+    assert os.path.dirname(made) == str(tmp_path)
+    assert os.path.basename(made).startswith(f"{launch.LEASE_PREFIX}{os.getpid()}-")
+    assert not stale.exists() and all(d.exists() for d in kept)
