@@ -11,6 +11,7 @@ act as cluster members). TLS files and API keys are passed on as paths.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import queue
 import secrets
@@ -73,34 +74,68 @@ def _read_ready(stream, lines: queue.Queue) -> None:
 
 
 LEASE_PREFIX = "pdserve-cpus-"
+LEASE_OWNER = "launcher"  # the file the launcher holds locked while its cluster lives
+ORPHAN_AGE_S = 60.0  # a lease directory younger than this is never judged orphaned
 
 
-def _lease_dir(shm: str = "/dev/shm") -> str:
-    """A fresh directory for a cluster's CPU lease: memory-backed where the machine has one
-    (the lease's state is read at every turn), else the temporary directory. Its name holds
-    the launcher's pid: one left by a launcher that was killed (SIGKILL: close() never ran)
-    is removed here, by the next launch."""
+def _lease_dir(shm: str = "/dev/shm"):
+    """A fresh directory for a cluster's CPU lease -> (its path, the open owner file that
+    the launcher holds locked until close()). Memory-backed where the machine has it (the
+    lease's state is read at every turn), else the temporary directory. The next launch
+    removes one whose launcher was killed (SIGKILL: its close() never ran)."""
     where = shm if os.access(shm, os.W_OK) else tempfile.gettempdir()
     _remove_orphaned_leases(where)
-    return tempfile.mkdtemp(prefix=f"{LEASE_PREFIX}{os.getpid()}-", dir=where)
+    path = tempfile.mkdtemp(prefix=f"{LEASE_PREFIX}{os.getpid()}-", dir=where)
+    owner = open(os.path.join(path, LEASE_OWNER), "w")  # noqa: SIM115 - held until close()
+    fcntl.flock(owner, fcntl.LOCK_EX)
+    return path, owner
 
 
-def _remove_orphaned_leases(where: str) -> None:
-    """Removes the lease directories in `where` whose launcher is gone."""
+def _remove_orphaned_leases(where: str, min_age_s: float = ORPHAN_AGE_S) -> None:
+    """Removes the lease directories in `where` that nobody uses: the launcher pid in the
+    name is not running here, and no file in it is locked (the launcher holds its owner
+    file, every worker the file of its slot: flock holds across pid namespaces, where a
+    launcher in another container sharing /dev/shm has a pid we cannot see), and it is
+    older than `min_age_s` (a launcher may not have locked its owner file yet)."""
     try:
         names = os.listdir(where)
     except OSError:
         return
+    now = time.time()
     for name in names:
         pid = name[len(LEASE_PREFIX) :].split("-", 1)[0]
         if not (name.startswith(LEASE_PREFIX) and pid.isdigit()):
             continue  # not ours, or from before names held a pid
+        path = os.path.join(where, name)
         try:
             os.kill(int(pid), 0)
+            continue  # its launcher runs
         except ProcessLookupError:
-            shutil.rmtree(os.path.join(where, name), ignore_errors=True)
+            pass
         except OSError:
-            pass  # alive (another user's): not ours to judge
+            continue  # alive (another user's): not ours to judge
+        try:
+            if now - os.stat(path).st_mtime < min_age_s or _any_locked(path):
+                continue
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _any_locked(path: str) -> bool:
+    """Whether any file in directory `path` is flock-held by someone."""
+    for name in os.listdir(path):
+        try:
+            fd = os.open(os.path.join(path, name), os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # (lets go of the lock if it was taken)
+    return False
 
 
 def worker_threads(prefill: int, decode: int, prefill_tp: int = 1, decode_tp: int = 1) -> int:
@@ -189,12 +224,14 @@ class Cluster:
             if share_cpus and not on_cpu:
                 raise ValueError("share_cpus: only workers that compute on the CPU take turns")
             share_cpus = on_cpu if share_cpus is None else share_cpus
-            router_idle = on_cpu if router_idle is None else router_idle
+            if router_idle is None:  # (SCHED_IDLE: Linux)
+                router_idle = on_cpu and hasattr(os, "SCHED_IDLE")
         self.router_idle = bool(router_idle)  # started with --sched-idle
         self.lease_dir = None  # the CPU lease's files, removed by close()
+        self._lease_owner = None  # held locked while the cluster lives (_lease_dir)
         try:
             if share_cpus:
-                self.lease_dir = _lease_dir()
+                self.lease_dir, self._lease_owner = _lease_dir()
             router = ["serve", "router", "--model", model, "--port", str(port), *member]
             if http_port is not None:
                 router += ["--http-port", str(http_port)]
@@ -236,8 +273,18 @@ class Cluster:
             raise
 
     def cpus(self) -> dict:
-        """How this cluster uses the node's CPUs (for benchmark reports)."""
-        return {"share_cpus": self.lease_dir is not None, "router_idle": self.router_idle}
+        """How this cluster uses the node's CPUs (for benchmark reports), while it runs:
+        `router_idle` is whether the router's threads are at idle priority, as read from
+        /proc (False where the platform refused it, or has no /proc)."""
+        from pdserve.serving.sched import thread_policies
+
+        idle = False
+        if self.router_idle and self.procs:
+            try:
+                idle = set(thread_policies(self.procs[0].pid).values()) == {os.SCHED_IDLE}
+            except (OSError, AttributeError):
+                idle = False
+        return {"share_cpus": self.lease_dir is not None, "router_idle": idle}
 
     def restart(self, index: int) -> None:
         """Starts process `index` again, as it was first started (the router on its port)."""
@@ -354,6 +401,9 @@ class Cluster:
         self.names.clear()
         if self.lease_dir is not None:
             shutil.rmtree(self.lease_dir, ignore_errors=True)
+        if self._lease_owner is not None:
+            self._lease_owner.close()  # (lets go of its lock)
+            self._lease_owner = None
 
     def __enter__(self) -> Cluster:
         return self

@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         ) as cluster:
             threads = cluster.threads()
             shared = cluster.lease_dir is not None
+            router_idle = cluster.cpus()["router_idle"]
             urls = {"vllm": vllm_url, "pdserve": f"http://{cluster.http_address}"}
             names = {"vllm": wait_ready(vllm_url, vllm, log, READY_TIMEOUT_S)}
             names["pdserve"] = get_json(f"{urls['pdserve']}/v1/models")["data"][0]["id"]
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             "decode_args": decode_args,
             "threads": threads,
             "share_cpus": shared,
-            "router_idle": cluster.router_idle,
+            "router_idle": router_idle,
         },
         machine=machine_info(),
         points=points,

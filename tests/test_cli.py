@@ -86,8 +86,8 @@ def test_bench_transfer_verifies_bytes_and_reports_every_layout(tmp_path):
     assert all(r["layerwise_s"] > 0 and r["after_prefill_s"] > 0 for r in report["ttft"])
 
 
-# the CPU flags every launching benchmark takes (tiny-llama computes on the CPU here): the
-# default (turns, the router idle) with one load, both turned off with the other
+# the CPU flags every launching benchmark takes: the default (turns, the router idle, for
+# CPU workers) with one load, both turned off with the other
 @pytest.mark.parametrize(
     "load", [["--concurrency", "3"], ["--rate", "20", "--no-share-cpus", "--no-router-idle"]]
 )
@@ -118,7 +118,10 @@ def test_bench_serve_reports_percentiles_without_errors(tmp_path, load):
     assert plotted.returncode == 0, plotted.stderr
     assert "prefill.compute" in plotted.stdout and "spans cover" in plotted.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    defaults = "--no-router-idle" not in load
+    import torch
+
+    # (with CUDA, tiny-llama's workers compute on it: then neither is on by default)
+    defaults = "--no-router-idle" not in load and not torch.cuda.is_available()
     assert report["cluster"]["share_cpus"] is report["cluster"]["router_idle"] is defaults
     summary = report["summary"]
     assert summary["requests"] == 10 and summary["errors"] == 0
@@ -426,8 +429,11 @@ def test_workers_share_the_cpus_only_when_they_compute_on_them(monkeypatch):
 
 
 def test_a_killed_launchers_lease_directory_goes_at_the_next_launch(tmp_path):
-    """A lease directory is named for its launcher's pid; the next launch removes those whose
-    launcher is gone (SIGKILL: its close() never ran) and leaves every other one alone."""
+    """A lease directory is named for its launcher's pid; the next launch removes those that
+    nobody uses (their launcher was SIGKILLed: its close() never ran) and leaves alone any
+    whose launcher runs, any with a locked file (a launcher or worker in another pid
+    namespace sharing /dev/shm), any too young to judge and anything else."""
+    import fcntl
     import os
     import subprocess
     import sys
@@ -436,18 +442,32 @@ def test_a_killed_launchers_lease_directory_goes_at_the_next_launch(tmp_path):
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    stale = tmp_path / f"{launch.LEASE_PREFIX}{gone.pid}-abc"
-    stale.mkdir()
-    (stale / "cpu").write_bytes(b"state")
+    old = launch.ORPHAN_AGE_S + 10
+
+    def lease(name: str, age_s: float = old):
+        d = tmp_path / f"{launch.LEASE_PREFIX}{name}"
+        d.mkdir()
+        (d / "cpu.slot0").write_bytes(b"")
+        os.utime(d, (os.path.getmtime(d) - age_s,) * 2)
+        return d
+
+    stale = lease(f"{gone.pid}-abc")
+    held = lease(f"{gone.pid}-def")
     kept = [
-        tmp_path / f"{launch.LEASE_PREFIX}{os.getpid()}-def",  # its launcher is alive
-        tmp_path / f"{launch.LEASE_PREFIX}1-ghi",  # alive (init), whoever's it is
-        tmp_path / f"{launch.LEASE_PREFIX}xyz",  # no pid in its name
+        held,
+        lease(f"{gone.pid}-ghi", age_s=0),  # just made
+        lease(f"{os.getpid()}-jkl"),  # its launcher is alive
+        lease("1-mno"),  # alive (init), whoever's it is
+        lease("xyz"),  # no pid in its name
         tmp_path / "something-else",
     ]
-    for d in kept:
-        d.mkdir()
-    made = launch._lease_dir(shm=str(tmp_path))
+    kept[-1].mkdir()
+    with open(held / "cpu.slot0") as slot:
+        fcntl.flock(slot, fcntl.LOCK_SH)  # a worker we cannot see by its pid
+        made, owner = launch._lease_dir(shm=str(tmp_path))
+    assert not stale.exists() and all(d.exists() for d in kept)
     assert os.path.dirname(made) == str(tmp_path)
     assert os.path.basename(made).startswith(f"{launch.LEASE_PREFIX}{os.getpid()}-")
-    assert not stale.exists() and all(d.exists() for d in kept)
+    assert launch._any_locked(made)  # its owner file, until the launcher lets go
+    owner.close()
+    assert not launch._any_locked(made) and not launch._any_locked(str(held))

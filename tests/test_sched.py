@@ -21,8 +21,11 @@ from pdserve.serving.sched import thread_policies, yield_cpus
 hold = threading.Event()
 before = threading.Thread(target=hold.wait)
 before.start()
-assert set(thread_policies(os.getpid()).values()) == {os.SCHED_OTHER}
-assert yield_cpus() is None
+assert set(thread_policies(os.getpid()).values()) == {os.sched_getscheduler(0)}
+refused = yield_cpus()
+if refused is not None:
+    hold.set()
+    raise SystemExit("refused: " + refused)
 after = threading.Thread(target=hold.wait)  # started later: inherits it
 after.start()
 policies = thread_policies(os.getpid())
@@ -32,10 +35,13 @@ print(len(policies), sorted(set(policies.values())))
 
 
 def test_every_thread_now_and_later_runs_at_idle_priority():
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60, check=True
-    ).stdout.split(maxsplit=1)
-    assert out == ["3", f"[{os.SCHED_IDLE}]\n"]  # main, before, after
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60
+    )
+    if child.stderr.startswith("refused: "):
+        pytest.skip(child.stderr.strip())  # a sandbox that refuses scheduling calls
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split(maxsplit=1) == ["3", f"[{os.SCHED_IDLE}]\n"]  # main, before, after
 
 
 def test_thread_policies_reads_each_thread():

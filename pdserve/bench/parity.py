@@ -121,7 +121,7 @@ def bench_parity(
     ) as cluster:
         started = cluster.threads()
         shared = cluster.lease_dir is not None
-        idle = cluster.router_idle
+        idle = cluster.cpus()["router_idle"]
         run_cluster(cluster, warm, 4)  # warm-up, as above
         steps = [(r, c) for r in range(rounds) for c in concurrencies]
         for r, c in progress(steps, desc="bench parity", unit="point"):

@@ -257,6 +257,7 @@ def bench_serve(
             router_idle=router_idle,
         )
         address = cluster.address
+    cpus = cluster.cpus() if cluster is not None else {}
     try:
         samples, elapsed = asyncio.run(_drive(address, work, concurrency, rate, seed, arrivals))
     finally:
@@ -275,7 +276,7 @@ def bench_serve(
             "prefill": prefill,
             "decode": decode,
             "address": address,
-            **(cluster.cpus() if cluster is not None else {}),
+            **cpus,
         },
         "load": {
             "requests": len(work.prompts),

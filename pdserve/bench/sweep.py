@@ -376,6 +376,7 @@ def bench_sweep(
     vocab = resolve(model).config.vocab_size
     points: list[dict] = []
     clusters: dict = {}  # policy -> its cluster
+    cpus: dict = {}  # policy -> how its cluster uses the CPUs (read once it is up)
 
     def report(points: list[dict]) -> dict:
         return {
@@ -386,8 +387,8 @@ def bench_sweep(
                 "decode": decode,
                 "num_kv_blocks": num_kv_blocks,
                 "block_size": block_size,
-                "share_cpus": any(c.lease_dir for c in clusters.values()),
-                "router_idle": any(c.router_idle for c in clusters.values()),
+                "share_cpus": any(c["share_cpus"] for c in cpus.values()),
+                "router_idle": any(c["router_idle"] for c in cpus.values()),
             },
             "workload": {
                 "kind": workload,
@@ -434,6 +435,7 @@ def bench_sweep(
                     router_idle=router_idle,
                 )
             )
+            cpus[policy] = clusters[policy].cpus()
         skewed = {p: LateJoin(c) for p, c in clusters.items()} if skew else {}
         for i, (c, rate) in enumerate(loads):
             n = max(min_requests, requests_per_client * c) if c else requests_per_rate

@@ -3,12 +3,13 @@
 On a CPU node the router does no model compute: per token it wakes to relay a chunk from a
 decode worker to a client. Each such wake-up under the default scheduling policy preempts a
 worker's compute thread in the middle of a parallel region, and the step waits at its next
-barrier for the preempted thread (~880 preemptions a second of the decode worker's compute
-threads at 32 streams, docs/benchmarks.md). Under Linux's SCHED_IDLE the router runs when a
-CPU would otherwise idle, or on the small share the kernel gives idle-class threads when
-none does: two busy loops on this VM's 2 CPUs delayed an idle-class thread's 10 ms sleep by
-2 ms at the median, 4 ms at p99, 22 ms at worst (a normal one's: 0.1 / 1 / 4 ms), so
-its deadlines (seconds) are not at risk.
+barrier for the preempted thread (~880 involuntary switches a second of the decode
+worker's compute threads at 32 streams; docs/benchmarks.md, "The router at idle
+priority"). Under Linux's SCHED_IDLE the router runs when a CPU would otherwise idle, or on
+the small share the kernel gives idle-class threads when none does: two busy loops on this
+VM's 2 CPUs delayed an idle-class thread's 10 ms sleep by 2 ms at the median, 4 ms at p99,
+22 ms at worst (a normal one's: 0.1 / 1 / 4 ms), so its deadlines (seconds) are not at
+risk.
 
 Only for a process that does no compute: a worker's own gRPC threads measured slower at
 idle (the turn its lease asks for, the tokens its streams hand over wait behind compute).
