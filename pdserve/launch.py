@@ -162,6 +162,16 @@ def computes_on_cpu(args: list[str]) -> bool:
     return device == "cpu"
 
 
+def router_idles(on_cpu: bool, decode_threads_per_rank: int) -> bool:
+    """Whether a local cluster's router runs at idle priority by default. A wake-up of the
+    router preempts one thread of a decode rank's OpenMP team and the others wait for it at
+    the next barrier; at idle priority it waits for a free CPU instead. That pays off only
+    where a rank computes on several threads (1P1D on 2 CPUs, decode on both: 1.03-1.10x at
+    32 clients); with one thread per decode worker the router's own delay is the larger
+    cost (1P2D on 2 CPUs: 0.87-0.97x; docs/benchmarks.md). SCHED_IDLE is Linux's."""
+    return on_cpu and decode_threads_per_rank > 1 and hasattr(os, "SCHED_IDLE")
+
+
 class Cluster:
     def __init__(
         self,
@@ -195,8 +205,7 @@ class Cluster:
         the workers compute on the CPU, True insists (ValueError for GPU workers), False
         splits the CPUs evenly; `router_idle`: the router runs at idle priority, yielding
         the CPUs to the workers' compute (`serve router --sched-idle`,
-        pdserve/serving/sched.py): None (the default) when the workers compute on the
-        CPU."""
+        pdserve/serving/sched.py): None (the default) as router_idles() decides."""
         for name, value in (
             ("prefill_threads", prefill_threads),
             ("decode_threads", decode_threads),
@@ -224,8 +233,20 @@ class Cluster:
             if share_cpus and not on_cpu:
                 raise ValueError("share_cpus: only workers that compute on the CPU take turns")
             share_cpus = on_cpu if share_cpus is None else share_cpus
-            if router_idle is None:  # (SCHED_IDLE: Linux)
-                router_idle = on_cpu and hasattr(os, "SCHED_IDLE")
+        per_rank = worker_threads(prefill, decode, prefill_tp, decode_tp)
+        # in turns, a prefill worker's ranks split every CPU and the decode workers' steps
+        # (which overlap) split them between them
+        cpus = os.cpu_count() or 1
+        in_turns = {"prefill": cpus, "decode": max(1, cpus // max(1, decode))}
+        threads_of = {
+            role: given or (in_turns[role] if share_cpus else per_rank * tp)
+            for role, given, tp in (
+                ("prefill", prefill_threads, prefill_tp),
+                ("decode", decode_threads, decode_tp),
+            )
+        }
+        if router_idle is None:
+            router_idle = router_idles(on_cpu, threads_of["decode"] // decode_tp)
         self.router_idle = bool(router_idle)  # started with --sched-idle
         self.lease_dir = None  # the CPU lease's files, removed by close()
         self._lease_owner = None  # held locked while the cluster lives (_lease_dir)
@@ -246,23 +267,17 @@ class Cluster:
                 at = self.argvs[0].index("--http-port") + 1
                 self.argvs[0][at] = self.http_address.rsplit(":", 1)[1]
             common = ["--model", model, "--router", self.address, "--transfer", transfer, *member]
-            per_rank = worker_threads(prefill, decode, prefill_tp, decode_tp)
-            # in turns, a prefill worker's ranks split every CPU and the decode workers'
-            # steps (which overlap) split them between them
-            cpus = os.cpu_count() or 1
-            in_turns = {"prefill": cpus, "decode": max(1, cpus // max(1, decode))}
             if self.lease_dir is not None:
                 common += ["--cpu-lease", os.path.join(self.lease_dir, "cpu")]
             # every worker starts at once (each loads the model and opens its transfer agent:
             # seconds apiece), then each READY line is read in turn
             started = []
-            for role, count, tp, threads in (
-                ("prefill", prefill, prefill_tp, prefill_threads),
-                ("decode", decode, decode_tp, decode_threads),
+            for role, count, tp in (
+                ("prefill", prefill, prefill_tp),
+                ("decode", decode, decode_tp),
             ):
                 for _ in range(count):
-                    n = threads or (in_turns[role] if self.lease_dir else per_rank * tp)
-                    own = ["--threads", str(n), "--tp", str(tp)]
+                    own = ["--threads", str(threads_of[role]), "--tp", str(tp)]
                     argv = ["serve", role, *common, *own, *role_args[role]]
                     started.append((self._start(argv), argv))
             for proc, argv in started:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -120,9 +121,11 @@ def test_bench_serve_reports_percentiles_without_errors(tmp_path, load):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import torch
 
-    # (with CUDA, tiny-llama's workers compute on it: then neither is on by default)
+    # (with CUDA, tiny-llama's workers compute on it: then neither is on by default; the
+    # router idles when the decode worker computes on several threads: every CPU, in turns)
     defaults = "--no-router-idle" not in load and not torch.cuda.is_available()
-    assert report["cluster"]["share_cpus"] is report["cluster"]["router_idle"] is defaults
+    assert report["cluster"]["share_cpus"] is defaults
+    assert report["cluster"]["router_idle"] is (defaults and os.cpu_count() > 1)
     summary = report["summary"]
     assert summary["requests"] == 10 and summary["errors"] == 0
     assert summary["output_tokens"] == sum(s["output_tokens"] for s in report["samples"]) > 0
@@ -411,6 +414,14 @@ def test_launch_takes_threads_per_role_and_refuses_zero():
         Cluster("no-such-model", decode_threads=0)  # before any process starts
 
 
+def test_the_router_idles_by_default_only_beside_multithreaded_cpu_decode():
+    from pdserve.launch import router_idles
+
+    assert router_idles(True, 2) and router_idles(True, 16)
+    assert not router_idles(True, 1)  # one thread per decode worker (1P2D on 2 CPUs)
+    assert not router_idles(False, 16)  # GPU workers
+
+
 def test_workers_share_the_cpus_only_when_they_compute_on_them(monkeypatch):
     import torch
 
@@ -434,9 +445,6 @@ def test_a_killed_launchers_lease_directory_goes_at_the_next_launch(tmp_path):
     whose launcher runs, any with a locked file (a launcher or worker in another pid
     namespace sharing /dev/shm), any too young to judge and anything else."""
     import fcntl
-    import os
-    import subprocess
-    import sys
 
     from pdserve import launch
 

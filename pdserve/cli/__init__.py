@@ -142,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="the router runs at Linux's idle scheduling priority, yielding the CPUs to the "
-        "workers' compute (default: on when the workers compute on the CPU; "
-        "docs/benchmarks.md)",
+        "workers' compute (default: on when the workers compute on the CPU, each decode "
+        "rank on more than one thread; docs/benchmarks.md)",
     )
     launch.add_argument("--port", type=int, default=0)
     launch.add_argument("--transfer", default="nixl", choices=PROCESS_BACKENDS)
