@@ -11,6 +11,7 @@ act as cluster members). TLS files and API keys are passed on as paths.
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import os
 import queue
@@ -147,14 +148,16 @@ def worker_threads(prefill: int, decode: int, prefill_tp: int = 1, decode_tp: in
 
 
 def computes_on_cpu(args: list[str]) -> bool:
-    """Whether a worker started with `args` computes on the CPU: its last --device, and
-    "auto" (the default) as a worker resolves it (CUDA when torch has it)."""
-    device = "auto"
-    for i, arg in enumerate(args):
-        if arg == "--device" and i + 1 < len(args):
-            device = args[i + 1]
-        elif arg.startswith("--device="):
-            device = arg.split("=", 1)[1]
+    """Whether a worker started with `args` computes on the CPU: its --device read as the
+    worker's argparse reads it (the last one wins, `--device=X` and abbreviations such as
+    `--dev X` count), and "auto" (the default) as a worker resolves it (CUDA when torch has
+    it). Arguments the worker would refuse count as "auto": it will not start anyway."""
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    parser.add_argument("--device", default="auto")
+    try:
+        device = parser.parse_known_args(args)[0].device
+    except (argparse.ArgumentError, SystemExit):  # e.g. --device without a value
+        device = "auto"
     if device == "auto":
         import torch  # only here: the launcher itself computes nothing
 

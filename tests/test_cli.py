@@ -430,10 +430,13 @@ def test_workers_share_the_cpus_only_when_they_compute_on_them(monkeypatch):
     assert computes_on_cpu(["--device", "cpu"])
     assert not computes_on_cpu(["--device", "cuda:1"])
     assert not computes_on_cpu(["--device", "cpu", "--device=cuda"])  # the last one counts
+    assert computes_on_cpu(["--threads", "2", "--dev", "cpu"])  # argparse's abbreviation
+    assert not computes_on_cpu(["--device", "cpu", "--dev=cuda:0"])
     for cuda in (False, True):  # "auto" (the default) as a worker resolves it
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
         assert computes_on_cpu(["--threads", "2"]) is not cuda
         assert computes_on_cpu(["--device", "auto"]) is not cuda
+        assert computes_on_cpu(["--device"]) is not cuda  # refused by the worker: "auto"
     # insisting on turns for GPU workers fails in the launcher, before any process starts
     with pytest.raises(ValueError, match="share_cpus: only workers that compute on the CPU"):
         Cluster("no-such-model", decode_args=["--device", "cuda"], share_cpus=True)
