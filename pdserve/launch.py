@@ -12,7 +12,6 @@ act as cluster members). TLS files and API keys are passed on as paths.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import os
 import queue
 import secrets
@@ -20,7 +19,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving import auth
 from pdserve.serving.auth import TLS, Security
+from pdserve.serving.lease_dir import make_lease_dir
 
 _CREDENTIAL_ENV = frozenset({auth.CLUSTER_SECRET_ENV, auth.API_KEY_ENV})
 
@@ -72,71 +71,6 @@ def _read_ready(stream, lines: queue.Queue) -> None:
         lines.put("")
         return
     _forward(stream)
-
-
-LEASE_PREFIX = "pdserve-cpus-"
-LEASE_OWNER = "launcher"  # the file the launcher holds locked while its cluster lives
-ORPHAN_AGE_S = 60.0  # a lease directory younger than this is never judged orphaned
-
-
-def _lease_dir(shm: str = "/dev/shm"):
-    """A fresh directory for a cluster's CPU lease -> (its path, the open owner file that
-    the launcher holds locked until close()). Memory-backed where the machine has it (the
-    lease's state is read at every turn), else the temporary directory. The next launch
-    removes one whose launcher was killed (SIGKILL: its close() never ran)."""
-    where = shm if os.access(shm, os.W_OK) else tempfile.gettempdir()
-    _remove_orphaned_leases(where)
-    path = tempfile.mkdtemp(prefix=f"{LEASE_PREFIX}{os.getpid()}-", dir=where)
-    owner = open(os.path.join(path, LEASE_OWNER), "w")  # noqa: SIM115 - held until close()
-    fcntl.flock(owner, fcntl.LOCK_EX)
-    return path, owner
-
-
-def _remove_orphaned_leases(where: str, min_age_s: float = ORPHAN_AGE_S) -> None:
-    """Removes the lease directories in `where` that nobody uses: the launcher pid in the
-    name is not running here, and no file in it is locked (the launcher holds its owner
-    file, every worker the file of its slot: flock holds across pid namespaces, where a
-    launcher in another container sharing /dev/shm has a pid we cannot see), and it is
-    older than `min_age_s` (a launcher may not have locked its owner file yet)."""
-    try:
-        names = os.listdir(where)
-    except OSError:
-        return
-    now = time.time()
-    for name in names:
-        pid = name[len(LEASE_PREFIX) :].split("-", 1)[0]
-        if not (name.startswith(LEASE_PREFIX) and pid.isdigit()):
-            continue  # not ours, or from before names held a pid
-        path = os.path.join(where, name)
-        try:
-            os.kill(int(pid), 0)
-            continue  # its launcher runs
-        except ProcessLookupError:
-            pass
-        except OSError:
-            continue  # alive (another user's): not ours to judge
-        try:
-            if now - os.stat(path).st_mtime < min_age_s or _any_locked(path):
-                continue
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _any_locked(path: str) -> bool:
-    """Whether any file in directory `path` is flock-held by someone."""
-    for name in os.listdir(path):
-        try:
-            fd = os.open(os.path.join(path, name), os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)  # (lets go of the lock if it was taken)
-    return False
 
 
 def worker_threads(prefill: int, decode: int, prefill_tp: int = 1, decode_tp: int = 1) -> int:
@@ -255,7 +189,7 @@ class Cluster:
         self._lease_owner = None  # held locked while the cluster lives (_lease_dir)
         try:
             if share_cpus:
-                self.lease_dir, self._lease_owner = _lease_dir()
+                self.lease_dir, self._lease_owner = make_lease_dir()
             router = ["serve", "router", "--model", model, "--port", str(port), *member]
             if http_port is not None:
                 router += ["--http-port", str(http_port)]

@@ -223,8 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             router_idle=args.pdserve_router_idle,
         ) as cluster:
             threads = cluster.threads()
-            shared = cluster.lease_dir is not None
-            router_idle = cluster.cpus()["router_idle"]
+            cpus = cluster.cpus()
             urls = {"vllm": vllm_url, "pdserve": f"http://{cluster.http_address}"}
             names = {"vllm": wait_ready(vllm_url, vllm, log, READY_TIMEOUT_S)}
             names["pdserve"] = get_json(f"{urls['pdserve']}/v1/models")["data"][0]["id"]
@@ -274,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             "topology": "1P1D",
             "decode_args": decode_args,
             "threads": threads,
-            "share_cpus": shared,
-            "router_idle": router_idle,
+            **cpus,
         },
         machine=machine_info(),
         points=points,

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from pdserve.serving import cpu_lease
-from pdserve.serving.cpu_lease import CpuLease, LeaseUnavailable, open_lease
+from pdserve.serving import cpu_lease, lease_dir
+from pdserve.serving.cpu_lease import CpuLease, LeaseUnavailable, is_locked, open_lease
 
 DEADLINE_S = 30.0
 
@@ -358,3 +358,43 @@ def test_an_interrupted_wait_leaves_no_flag_up_and_close_is_final(tmp_path):
         lease.close()  # a second close does nothing
     with pytest.raises(RuntimeError, match="closed"):
         lease.acquire()
+
+
+def test_a_killed_launchers_lease_directory_goes_at_the_next_launch(tmp_path):
+    """A lease directory is named for its launcher's pid; the next launch removes those that
+    nobody uses (their launcher was SIGKILLed: its close() never ran) and leaves alone any
+    whose launcher runs, any with a locked file (a launcher or worker in another pid
+    namespace sharing /dev/shm), any too young to judge and anything else."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    old = lease_dir.ORPHAN_AGE_S + 10
+
+    def lease(name: str, age_s: float = old):
+        d = tmp_path / f"{lease_dir.PREFIX}{name}"
+        d.mkdir()
+        (d / "cpu.slot0").write_bytes(b"")
+        os.utime(d, (os.path.getmtime(d) - age_s,) * 2)
+        return d
+
+    stale = lease(f"{gone.pid}-abc")
+    held = lease(f"{gone.pid}-def")
+    kept = [
+        held,
+        lease(f"{gone.pid}-ghi", age_s=0),  # just made
+        lease(f"{os.getpid()}-jkl"),  # its launcher is alive
+        lease("1-mno"),  # alive (init), whoever's it is
+        lease("xyz"),  # no pid in its name
+        tmp_path / "something-else",
+    ]
+    kept[-1].mkdir()
+    with open(held / "cpu.slot0") as slot:
+        fcntl.flock(slot, fcntl.LOCK_SH)  # a worker we cannot see by its pid
+        made, owner = lease_dir.make_lease_dir(shm=str(tmp_path))
+    assert not stale.exists() and all(d.exists() for d in kept)
+    assert os.path.dirname(made) == str(tmp_path)
+    assert os.path.basename(made).startswith(f"{lease_dir.PREFIX}{os.getpid()}-")
+    owner_file = os.path.join(made, lease_dir.OWNER)
+    assert is_locked(owner_file)  # until the launcher lets go
+    owner.close()
+    assert not is_locked(owner_file) and not is_locked(str(held / "cpu.slot0"))
+    assert not is_locked(str(tmp_path / "no-such-file"))

@@ -120,8 +120,7 @@ def bench_parity(
         router_idle=router_idle,
     ) as cluster:
         started = cluster.threads()
-        shared = cluster.lease_dir is not None
-        idle = cluster.cpus()["router_idle"]
+        cpus = cluster.cpus()
         run_cluster(cluster, warm, 4)  # warm-up, as above
         steps = [(r, c) for r in range(rounds) for c in concurrencies]
         for r, c in progress(steps, desc="bench parity", unit="point"):
@@ -157,8 +156,7 @@ def bench_parity(
             "prefill_worker": started["prefill"],
             "cpus": os.cpu_count(),
         },
-        "share_cpus": shared,
-        "router_idle": idle,
+        **cpus,
         "num_kv_blocks": num_kv_blocks,
         "rounds": rounds,
         "seed": seed,

@@ -309,16 +309,7 @@ class CpuLease:
 
     def _slot_alive(self, i: int) -> bool:
         """Whether a live worker holds slot i (its lock on the slot's file)."""
-        fd = _open(f"{self._base}.slot{i}")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        else:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return False
-        finally:
-            os.close(fd)
+        return is_locked(f"{self._base}.slot{i}")
 
     def close(self) -> None:
         """Leave the lease (a turn still held is given up; a second close does nothing).
@@ -367,6 +358,22 @@ def slot_turns(path: str | os.PathLike) -> tuple[int, ...]:
 def turn_of(lease: CpuLease | None) -> AbstractContextManager:
     """A turn of `lease`; nothing to wait for without one."""
     return lease.turn() if lease is not None else nullcontext()
+
+
+def is_locked(path: str) -> bool:
+    """Whether someone holds a flock on the file at `path` (False when there is none). A
+    worker holds its slot's file locked as long as it lives, in any pid namespace."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # (lets go of the lock if it was taken)
+    return False
 
 
 def _stopped(pid: int) -> bool:
