@@ -3,7 +3,9 @@
 pdserve_decode_tpot_seconds, pdserve_decode_inter_token_seconds, pdserve_decode_running,
 pdserve_decode_kv_usage_ratio, pdserve_transfer_bytes_total{direction="received"},
 pdserve_transfer_seconds{direction="received"} (reserve -> KV arrived),
-pdserve_decode_preemptions_total, pdserve_decode_recomputed_tokens_total,
+pdserve_decode_preemptions_total, pdserve_decode_rotations_total (parked requests brought
+back by parking running ones: each counts its victims as preemptions too),
+pdserve_decode_recomputed_tokens_total,
 pdserve_decode_admission_refused_total, pdserve_decode_spilled_bytes_total{tier},
 pdserve_decode_reloaded_bytes_total{tier}, pdserve_decode_spill_used_blocks{tier},
 pdserve_decode_reservations{state="held"|"fenced"} (reservations waiting for their push, and
@@ -21,7 +23,7 @@ not measured yet): pdserve_decode_policy_step_seconds,
 pdserve_decode_policy_recompute_seconds_per_token,
 pdserve_decode_policy_park_seconds_per_block{tier}, pdserve_decode_policy_overcommit_blocks
 (R), pdserve_decode_policy_demand_blocks (D_peak), pdserve_decode_policy_demand_sd_blocks,
-pdserve_decode_policy_tier_free_blocks, pdserve_decode_policy_stall_limit_steps,
+pdserve_decode_policy_tier_free_blocks, pdserve_decode_policy_rotation_steps_per_block,
 pdserve_decode_policy_longest_stall_steps.
 """
 
@@ -55,6 +57,11 @@ class DecodeMetrics:
         self.transfer_bytes, self.transfer_seconds = transfer_metrics(r)
         self.preemptions = Counter(
             "pdserve_decode_preemptions", "running requests preempted", registry=r
+        )
+        self.rotations = Counter(
+            "pdserve_decode_rotations",
+            "parked requests brought back by parking running ones (their turn)",
+            registry=r,
         )
         self.recomputed = Counter(
             "pdserve_decode_recomputed_tokens",
@@ -107,6 +114,7 @@ class DecodeMetrics:
         self.running.set(stats.running)
         self.kv_usage.set(pool.used_blocks / pool.num_blocks)
         self._totals.advance(self.preemptions, stats.preemptions)
+        self._totals.advance(self.rotations, stats.rotations)
         self._totals.advance(self.recomputed, stats.recomputed_tokens)
         if pool.offloaded is None:
             return
@@ -143,7 +151,11 @@ class DecodeMetrics:
                 ("demand_blocks", "demand_blocks", "projected demand of the held requests"),
                 ("demand_sd_blocks", "demand_sd_blocks", "its standard deviation"),
                 ("tier_free_blocks", "tier_free_blocks", "free blocks in the spill tiers"),
-                ("stall_limit_steps", "stall_limit_steps", "new requests wait past this stall"),
+                (
+                    "rotation_steps_per_block",
+                    "rotation_steps_per_block",
+                    "steps a request runs per block it holds before it can rotate out",
+                ),
                 (
                     "longest_stall_steps",
                     "longest_stall_steps",

@@ -76,6 +76,7 @@ class DecodeState:
         self.admission = ADMISSION[config.admission](
             core, self.estimator, config.admission_margin, self.costs
         )
+        core.rotate_by(self.admission.rotation())
         self.reservations = Reservations()
 
     def reserve(

@@ -28,7 +28,7 @@ class Pool:
         self.block_size = alloc.block_size
         self.tiers = tiers or {}  # name -> TierStats-like dict (OffloadStats.tiers)
         self.parks_victims = parks_victims and bool(self.tiers)
-        self.stall = 0  # steps the longest-waiting preempted request has waited
+        self.stall = 0  # steps the longest-waiting preempted request has waited (a gauge)
         self.waiting = False  # whether a preempted request waits for room
 
     def longest_preempted_wait(self) -> int:
@@ -146,19 +146,23 @@ def test_greedy_admits_while_blocks_are_free_now():
     assert "2 KV blocks needed, 1 free" in adm.check([1] * 8, 10, [])
 
 
-def test_greedy_and_kv_aware_let_no_one_ahead_of_a_preempted_request():
+def test_no_policy_lets_anyone_ahead_of_a_preempted_request():
     alloc = BlockAllocator(10, 4, enable_prefix_caching=False)
-    for adm in (greedy(alloc), kv_aware(alloc, sixteen(), 0.0)):
+    for adm in (
+        greedy(alloc),
+        kv_aware(alloc, sixteen(), 0.0),
+        cost_aware(alloc, sixteen(), {"host": tier(100)}, step_s=0.05),
+    ):
         adm.pool.waiting = True  # room for the prompt, but a preempted request waits
         assert adm.check([1] * 4, 16, []) == (
             "a preempted request is waiting for room (first come, first served)"
         )
         adm.pool.waiting = False
         assert adm.check([1] * 4, 16, []) is None
-    # cost-aware has its own bound on how long a preempted request waits (the stall bound)
-    adm = cost_aware(alloc, sixteen(), {"host": tier(100)}, step_s=0.05)
-    adm.pool.waiting = True
-    assert adm.check([1] * 4, 16, []) is None
+    adm.pool.waiting = True  # cost-aware offers the router no room meanwhile either
+    assert adm.headroom([]) == 0
+    adm.pool.waiting = False
+    assert adm.headroom([]) > 0
 
 
 def test_kv_aware_counts_expected_growth_of_everyone_held():
@@ -365,17 +369,28 @@ def test_cost_aware_keeps_the_tail_of_the_demand_in_the_tiers():
     assert adm.headroom(held) == 18 - 2 - 24
 
 
-def test_cost_aware_lets_no_one_in_while_a_preempted_request_waits_too_long():
+def test_cost_aware_rotates_parked_requests_by_what_a_round_trip_costs():
     alloc = BlockAllocator(20, 4, enable_prefix_caching=False)
-    adm = cost_aware(alloc, sixteen(), {"host": tier(100)}, step_s=0.05)
-    held = [Held(4, 0, 64)]
-    adm.pool.stall = 4  # STALL * 16 steps = 4: still fine
-    assert adm.check([1] * 8, 64, held) is None
-    adm.pool.stall = 5
-    assert adm.check([1] * 8, 64, held) == (
-        "a preempted request has waited 5 steps for room (more than 4; cost-aware admission)"
-    )
-    assert adm.inputs.stall_limit_steps == 4
+    # 10 blocks moved both ways in 0.02 + 0.03 s: 5 ms a block; a decode step of 50 ms,
+    # of which parking may take 5%: 2.5 ms a step, so a block's round trip is paid for by
+    # two steps of running
+    moved = tier(100, moved_blocks=10, spill_s=0.02, reload_s=0.03)
+    adm = cost_aware(alloc, sixteen(), {"host": moved}, step_s=0.05)
+    assert adm.rotation() is not None
+    assert adm.rotation()() == pytest.approx(2.0)
+    adm.headroom([])
+    assert adm.inputs.rotation_steps_per_block == pytest.approx(2.0)
+    # a full tier is passed over for the next one parks go to
+    adm = cost_aware(alloc, sixteen(), {"host": tier(10, used=10), "disk": moved}, step_s=0.05)
+    assert adm.rotation_steps_per_block() == pytest.approx(2.0)
+    # not measured yet: one step
+    assert cost_aware(alloc, sixteen(), {"host": tier(100)}, step_s=0.05).rotation()() == 0.0
+    assert cost_aware(alloc, sixteen(), {"host": moved}).rotation()() == 0.0
+    # nothing to park into, or recompute preemption: no rotation; nor for the other policies
+    assert cost_aware(alloc, sixteen()).rotation() is None
+    assert cost_aware(alloc, sixteen(), {"host": moved}, parks=False).rotation() is None
+    assert greedy(alloc).rotation() is None
+    assert kv_aware(alloc, sixteen(), 0.1).rotation() is None
 
 
 def test_preemption_costs_learn_from_steps():

@@ -204,6 +204,7 @@ def test_bench_sweep_writes_every_point_and_the_plots(tmp_path):
         "tpot_p50_s",
         "tpot_p99_s",
         "preemptions",
+        "rotations",
         "recomputed_tokens",
         "generated_tokens",
         "spilled_bytes",
@@ -230,7 +231,7 @@ def test_bench_sweep_writes_every_point_and_the_plots(tmp_path):
     assert points[0]["goodput_req_s"] > 0
     # the default policy's inputs were exported as gauges and scraped: a measured step time
     inputs = points[-1]["policy_inputs"][0]
-    assert inputs["step_seconds"] > 0 and inputs["stall_limit_steps"] >= 0
+    assert inputs["step_seconds"] > 0 and inputs["rotation_steps_per_block"] >= 0
     assert {"overcommit_blocks", "demand_blocks", "park_seconds_per_block"} <= set(inputs)
     assert points[0]["policy_inputs"] == [{}]  # greedy exports none
     # the sweep itself asserts that every block and spill tier drained after each point

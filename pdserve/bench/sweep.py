@@ -49,6 +49,7 @@ DEFAULT_POLICIES = ("greedy+recompute", "greedy+tiered", DEFAULT_POLICY)
 COUNTERS = MappingProxyType(
     {
         "preemptions": "pdserve_decode_preemptions_total",
+        "rotations": "pdserve_decode_rotations_total",
         "recomputed_tokens": "pdserve_decode_recomputed_tokens_total",
         "spilled_bytes": "pdserve_decode_spilled_bytes_total",
         "refused": "pdserve_decode_admission_refused_total",

@@ -21,7 +21,7 @@ and overcommits the pool by what parking costs on this deployment (pdserve/engin
 measures it):
 
     admit when  the prompt's blocks are free now,
-                no preempted request has waited more than STALL * L steps, and
+                no preempted request waits for room (first come, first served), and
                 D_peak  <=  (1 - margin) * pool blocks + R
 
     R = ROOM - min(Z * D_sd, D_worst - D_peak),
@@ -46,9 +46,12 @@ inside the pool, when the tiers cannot hold that much). When parking is impossib
 ROOM = 0 and the policy admits only while the expected peak plus Z sd fits the pool. A
 worker holding nothing admits whatever fits (else a request alone, whose cap fits, could be
 refused for its spread forever).
-The stall bound keeps the tail short: no new request is let in while someone preempted has
-waited STALL of a typical lifetime, so a parked request comes back (oldest first, the
-scheduler's rule) within about that, and its TPOT grows by about STALL at worst.
+The tail is kept short by rotation, which this policy installs in the scheduler when it
+parks victims (pdserve/engine/scheduler.py, Scheduler._rotate): a parked request whose
+slowdown (steps per generated token, its stalls counted) reaches twice a running one's
+takes that one's turn, so no request's TPOT is left to grow while shorter-stalled ones run.
+A runner leaves only after it has run `rotation_steps_per_block()` steps per block it holds:
+then the extra round trip through the tier costs at most PARK_OVERHEAD of the steps it ran.
 
 Every policy answers in one unit, blocks of headroom: `headroom(held)` is what a new
 request could still count on (what the router routes on) and `cost(prompt, max_tokens)` is
@@ -59,7 +62,7 @@ heartbeat).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Protocol
@@ -113,7 +116,7 @@ class PolicyInputs:
     overcommit_blocks: int = 0  # R
     demand_blocks: int = 0  # D_peak of the held requests
     demand_sd_blocks: float = 0.0
-    stall_limit_steps: int = 0
+    rotation_steps_per_block: float = 0.0  # how long a request runs before it can rotate out
     longest_stall_steps: int = 0
 
 
@@ -173,6 +176,11 @@ class GreedyAdmission:
     def cost(self, prompt: list[int], max_tokens: int) -> int:
         return self.pool.blocks_needed(len(prompt)) - len(self.pool.shared_blocks(prompt))
 
+    def rotation(self) -> Callable[[], float] | None:
+        """What the scheduler rotates parked requests by (Scheduler.rotation), or None: each
+        preempted request waits for room, the victim the most recently admitted."""
+        return None
+
     def check(self, prompt: list[int], max_tokens: int, held: Sequence[HeldRequest]) -> str | None:
         """None when the request may be admitted, else why not. First come, first served,
         as vLLM's and SGLang's schedulers do: while a preempted request waits for room, a
@@ -226,7 +234,6 @@ class CostAwareAdmission(KVAwareAdmission):
 
     PARK_OVERHEAD = 0.05  # parking may take this fraction of decode time
     Z = 1.0  # the tail the tiers must hold: demand this many standard deviations up
-    STALL = 0.25  # of a typical lifetime, the longest a preempted request waits for new ones
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -289,26 +296,38 @@ class CostAwareAdmission(KVAwareAdmission):
             overcommit_blocks=r,
             demand_blocks=demand,
             demand_sd_blocks=peak.sd_blocks,
-            stall_limit_steps=int(self.STALL * lifetime),
+            rotation_steps_per_block=self.rotation_steps_per_block(),
             longest_stall_steps=self.pool.longest_preempted_wait(),
         )
         return demand, self.budget + r
 
     def headroom(self, held: Sequence[HeldRequest]) -> int:
+        if self.pool.preempted_waiting():
+            return 0  # nothing new gets in while a preempted request waits
         demand, limit = self._limit(held, max((h.max_tokens for h in held), default=1))
         return limit - demand
 
+    def rotation(self) -> Callable[[], float] | None:
+        return self.rotation_steps_per_block if self.pool.parks_victims else None
+
+    def rotation_steps_per_block(self) -> float:
+        """Steps a running request runs, per block it holds, before a parked request may
+        take its turn (the scheduler's rotation): then the extra round trip through the
+        tier it would park in costs at most PARK_OVERHEAD of the steps it ran. 0 until the
+        tier has moved a block both ways and a decode step was timed."""
+        step_s = self.costs.step_s
+        if not step_s:
+            return 0.0
+        for t in self.pool.tier_stats().values():
+            if t["used_blocks"] < t["capacity"]:  # the tier the next park goes to
+                c = self.costs.park_s_per_block(t)
+                return 0.0 if c is None else c / (self.PARK_OVERHEAD * step_s)
+        return 0.0
+
     def check(self, prompt: list[int], max_tokens: int, held: Sequence[HeldRequest]) -> str | None:
-        refused = self.prompt_fits(prompt)  # no FCFS rule: the stall bound below instead
+        refused = GreedyAdmission.check(self, prompt, max_tokens, held)  # first come, first served
         if refused is not None:
             return refused
-        stall = self.pool.longest_preempted_wait()
-        limit_steps = self.STALL * self._lifetime(max_tokens)
-        if stall > limit_steps:
-            return (
-                f"a preempted request has waited {stall} steps for room "
-                f"(more than {limit_steps:.0f}; cost-aware admission)"
-            )
         if not held:  # a worker holding nothing takes what fits (else it could wait forever)
             return None
         # one pass over everyone held, the new request included (its spread counts too)

@@ -319,6 +319,10 @@ class EngineCore:
         """Whether a preempted request waits for room (new ones must wait behind it)."""
         return self.scheduler.preempted_waiting()
 
+    def rotate_by(self, rotation: Callable[[], float] | None) -> None:
+        """Let parked requests take turns with running ones (Scheduler.rotation), or not."""
+        self.scheduler.rotation = rotation
+
     def longest_preempted_wait(self) -> int:
         """Steps the longest-waiting preempted request has waited for room (0: none)."""
         return self.scheduler.longest_preempted_wait()
@@ -467,6 +471,7 @@ class EngineCore:
             waiting=len(s.waiting),
             parked=len(s.parked),
             preemptions=s.preemptions,
+            rotations=s.rotations,
             recomputed_tokens=s.recomputed_tokens,
             pool=self.kv.stats(),
         )

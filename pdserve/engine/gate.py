@@ -35,7 +35,9 @@ def make_admission(
     cls = ADMISSION[policy]
     if not issubclass(cls, KVAwareAdmission):
         return None
-    return cls(core, OutputLengthEstimator(), margin, PreemptionCosts())
+    admission = cls(core, OutputLengthEstimator(), margin, PreemptionCosts())
+    core.rotate_by(admission.rotation())
+    return admission
 
 
 class AdmissionGate:

@@ -93,6 +93,7 @@ class EngineStats:
     preemptions: int  # ever
     recomputed_tokens: int  # ever: KV dropped at preemptions and computed again
     pool: PoolStats
+    rotations: int = 0  # ever: parked requests brought back by parking running ones
 
     @property
     def spilled_bytes(self) -> int:

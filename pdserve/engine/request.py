@@ -42,6 +42,10 @@ class Request:
     hold_at: int | None = None
     # the scheduler step of its last preemption, until it runs again
     preempted_at_step: int | None = None
+    # steps it has waited preempted so far (the current wait not included), and the step it
+    # last started running (admitted, or brought back): what rotation reads
+    stalled_steps: int = 0
+    running_since: int = 0
     # prefix caching: the chain hashes of its full blocks (by content, kept across
     # preemptions) and how many leading blocks of block_ids are registered or were hits
     block_hashes: list[int] = field(default_factory=list)

@@ -21,9 +21,11 @@ plain data (`ScheduledChunk`), never the scheduler's own objects.
 
 from __future__ import annotations
 
+import heapq
+import math
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
@@ -62,6 +64,12 @@ class Scheduler:
         self.preemptions = 0
         self.recomputed_tokens = 0
         self.steps = 0  # schedule() calls: the clock preemption stalls are counted on
+        # rotation (_rotate): the steps a running request runs, per block it holds, before a
+        # parked one may take its turn (at least one step); None: no rotation, each parked
+        # request waits for room and the victim is the most recently admitted (vLLM's way).
+        # The cost-aware admission policy installs it (pdserve/engine/admission.py).
+        self.rotation: Callable[[], float] | None = None
+        self.rotations = 0
 
     # -- requests -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -72,8 +80,16 @@ class Scheduler:
         """A request whose computed tokens' KV is already in its blocks joins the batch."""
         assert request.block_ids, "a running request holds its blocks"
         request.status = RequestStatus.RUNNING
+        request.running_since = self.steps
+        if request.preempted_at_step is None:
+            self.running.append(request)
+            return
+        request.stalled_steps += self.steps - request.preempted_at_step
         request.preempted_at_step = None
-        self.running.append(request)
+        if self.rotation is not None:  # back from a stall: the last to be a victim again
+            self.running.insert(0, request)
+        else:
+            self.running.append(request)
 
     @property
     def has_unfinished(self) -> bool:
@@ -96,6 +112,8 @@ class Scheduler:
         # the hot loop, one pass per request (the simulator runs it millions of times, so
         # its lookups are bound once). A preemption pops victims off the list's tail, which
         # ends the iteration before them.
+        if self.parked and self.rotation is not None:
+            self._rotate(batch)
         grow, add = self.kv.grow, self._add_chunk
         for req in self.running:
             if budget <= 0:
@@ -153,6 +171,70 @@ class Scheduler:
         since += [r.preempted_at_step for r in self.waiting if r.preempted_at_step is not None]
         return self.steps - min(since) if since else 0
 
+    ROTATE_RATIO = 2.0  # a parked request takes a turn at this many times a runner's slowdown
+
+    def slowdown(self, req: Request) -> float:
+        """Steps per generated token it has lived, its stalls counted: 1 for a request that
+        never waited, growing by 1/tokens for each step it waits now (its TPOT against an
+        unstalled one's, in steps)."""
+        stalled = req.stalled_steps
+        if req.preempted_at_step is not None:
+            stalled += self.steps - req.preempted_at_step
+        return 1.0 + stalled / max(1, req.num_output_tokens)
+
+    def _rotate(self, batch: ScheduledBatch) -> None:
+        """Give the most slowed-down parked request p a turn when it has waited too long
+        relative to its length: park running requests whose slowdown is under
+        slowdown(p) / ROTATE_RATIO, least slowed first, each having run its rotation steps
+        since it came in, when their blocks make room for p (and for the others' growth
+        this step); p comes back now, first in line."""
+        slowdown = self.slowdown
+        p = max(self.parked, key=slowdown)
+        limit = slowdown(p) / self.ROTATE_RATIO
+        if limit <= 1.0:
+            return  # nobody runs below slowdown 1: not owed a turn yet
+        need = self.kv.blocks_needed(p.num_tokens)
+        free = self.kv.num_free_blocks
+        if need <= free:
+            return  # _unpark brings it back
+        now, per_block = self.steps, self.rotation()
+        heap = [
+            (s, i, r)
+            for i, r in enumerate(self.running)
+            if (s := slowdown(r)) < limit
+            and r.num_output_tokens
+            and r.hold_at is None
+            and now - r.running_since >= max(1, math.ceil(per_block * len(r.block_ids)))
+        ]
+        heapq.heapify(heap)
+        victims: list[Request] = []
+        while heap and free < need + self._growth(victims):
+            r = heapq.heappop(heap)[2]
+            victims.append(r)
+            free += self.kv.exclusive_blocks(r.block_ids)
+        if free < need + self._growth(victims):
+            return
+        if sum(self.kv.blocks_needed(v.num_computed_tokens) for v in victims) > self.kv.park_room():
+            return  # the tiers cannot take them all: no turn bought with a recompute
+        gone = set(map(id, victims))
+        self.running = [r for r in self.running if id(r) not in gone]
+        for v in victims:
+            self._preempt(v, batch)
+        self.rotations += 1
+        self.parked.remove(p)
+        self._bring_back(p, batch)
+
+    def _growth(self, leaving: list[Request]) -> int:
+        """Blocks the running requests but `leaving` need this step to grow (a decode
+        step: one token each)."""
+        gone = set(map(id, leaving))
+        need = self.kv.blocks_needed
+        return sum(
+            need(r.num_tokens) - len(r.block_ids)
+            for r in self.running
+            if id(r) not in gone and need(r.num_tokens) > len(r.block_ids)
+        )
+
     def _make_room(self, req: Request, n: int, batch: ScheduledBatch) -> tuple | None:
         """Preempt from the tail until `req` can grow by n tokens -> its copy-on-write
         pairs, or None if req itself was the victim."""
@@ -172,16 +254,8 @@ class Scheduler:
             if self.kv.blocks_needed(req.num_tokens) > self.kv.num_free_blocks:
                 break
             self.parked.popleft()
-            blocks = self.kv.allocate_fresh(self.kv.blocks_needed(req.num_computed_tokens))
-            if not self.kv.unpark(req.request_id, blocks):
-                self.kv.free(blocks)
-                self._drop_kv(req)
-                self.waiting.appendleft(req)
+            if not self._bring_back(req, batch):
                 continue
-            req.block_ids = blocks
-            req.committed_blocks = 0  # fresh blocks: registered again as they are committed
-            self.admit_running(req)
-            batch.unparked.append(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             copies = self.kv.grow(req.block_ids, req.num_computed_tokens, n)
             assert copies is not None, "a parked request comes back only when its blocks fit"
@@ -189,6 +263,21 @@ class Scheduler:
             self._add_chunk(batch, req, n)
             budget -= n
         return budget
+
+    def _bring_back(self, req: Request, batch: ScheduledBatch) -> bool:
+        """A request taken out of `parked` -> whether it runs again, its KV unpacked into
+        fresh blocks; else (lost, corrupt) it waits to be computed again."""
+        blocks = self.kv.allocate_fresh(self.kv.blocks_needed(req.num_computed_tokens))
+        if not self.kv.unpark(req.request_id, blocks):
+            self.kv.free(blocks)
+            self._drop_kv(req)
+            self.waiting.appendleft(req)
+            return False
+        req.block_ids = blocks
+        req.committed_blocks = 0  # fresh blocks: registered again as they are committed
+        self.admit_running(req)
+        batch.unparked.append(req)
+        return True
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         req.metrics.preemptions += 1

@@ -98,6 +98,13 @@ class BlockAllocator:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
+    def exclusive(self, block_ids: Sequence[int]) -> int:
+        """How many of `block_ids` one owner alone holds: what freeing them frees."""
+        if not self.num_shared:
+            return len(block_ids)
+        refs = self.ref_counts
+        return sum(refs[b] == 1 for b in block_ids)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

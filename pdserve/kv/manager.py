@@ -82,6 +82,10 @@ class KVManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return self.allocator.blocks_needed(num_tokens)
 
+    def exclusive_blocks(self, block_ids: Sequence[int]) -> int:
+        """How many of a sequence's blocks freeing it frees (the others are shared)."""
+        return self.allocator.exclusive(block_ids)
+
     def can_allocate(self, token_ids: Sequence[int], hashes: list[int] | None = None) -> bool:
         """`hashes`: the sequence's known chain hashes (pdserve/kv/block_allocator.py)."""
         return self.allocator.can_allocate(token_ids, hashes=hashes)
@@ -175,6 +179,10 @@ class KVManager:
 
     def parked_blocks(self, request_id: str) -> int:
         return self.offload.parked_blocks(request_id) if self.offload is not None else 0
+
+    def park_room(self) -> int:
+        """Blocks the spill tiers can still take (0 without tiers)."""
+        return self.offload.room_blocks() if self.offload is not None else 0
 
     def copy_parked(self, request_id: str, into: torch.Tensor) -> bool:
         return self.offload is not None and self.offload.copy_parked(request_id, into)

@@ -90,6 +90,8 @@ class OffloadStore(Protocol):
 
     def parked_blocks(self, request_id: str) -> int: ...
 
+    def room_blocks(self) -> int: ...
+
     def copy_parked(self, request_id: str, into: torch.Tensor) -> bool: ...
 
     def keep_prefix(self, block: int, h: int) -> None: ...
@@ -155,6 +157,10 @@ class OffloadedKV:
         """How many blocks a parked request's entry holds (0: none)."""
         entry = self._entries.get(Parked(request_id))
         return entry.blocks if entry is not None else 0
+
+    def room_blocks(self) -> int:
+        """Blocks the tiers can still take before a park has to drop offloaded prefixes."""
+        return sum(t.capacity_blocks - t.used_blocks for t in self.tiers)
 
     def copy_parked(self, request_id: str, into: torch.Tensor) -> bool:
         """Unpack a parked request's blocks into `into` (shaped like the pool with exactly

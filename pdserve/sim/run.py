@@ -181,6 +181,7 @@ def simulate(
         sim_steps_per_s=steps / wall if wall else 0.0,
         num_kv_blocks=blocks,
         preemptions=sum(s.preemptions for s in stats),
+        rotations=sum(s.rotations for s in stats),
         recomputed_tokens=sum(s.recomputed_tokens for s in stats),
         migrations=moves,
         spilled_bytes=sum(s.spilled_bytes for s in stats),
