@@ -159,8 +159,9 @@ def test_no_policy_lets_anyone_ahead_of_a_preempted_request():
         )
         adm.pool.waiting = False
         assert adm.check([1] * 4, 16, []) is None
-    adm.pool.waiting = True  # cost-aware offers the router no room meanwhile either
+    adm.pool.waiting, adm.pool.stall = True, 7  # cost-aware offers the router no room either
     assert adm.headroom([]) == 0
+    assert adm.inputs.longest_stall_steps == 7  # and its gauges still tell why
     adm.pool.waiting = False
     assert adm.headroom([]) > 0
 

@@ -14,6 +14,7 @@ from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
 from pdserve.engine.core import EngineCore
 from pdserve.engine.gate import make_admission
+from pdserve.engine.scheduler import ScheduledBatch
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPTS = {"a": [5] * 12, "b": [6] * 12}  # 3 blocks of 4 each; 36 tokens = 9 blocks at the end
@@ -102,18 +103,79 @@ def test_no_turn_is_bought_with_a_recompute(expected):
     core.close()
 
 
-def test_a_request_back_from_a_stall_is_the_last_to_be_a_victim():
-    core = engine(preemption="swap")
+def decoding(core: EngineCore, prompts: dict[str, list[int]]) -> dict:
+    """Add the requests and step until each has its first token -> id -> request."""
+    reqs = {rid: core.make_request(p, PARAMS, request_id=rid) for rid, p in prompts.items()}
+    for req in reqs.values():
+        core.add(req)
+    while any(not r.num_output_tokens for r in reqs.values()):
+        core.step()
+    return reqs
+
+
+@pytest.mark.parametrize("rotates", [True, False])
+def test_a_decoding_request_back_from_a_stall_joins_the_front_of_the_batch(rotates):
+    core = engine(blocks=64, preemption="swap")
+    if rotates:
+        core.rotate_by(lambda: 0.0)
+    s = core.scheduler
+    reqs = decoding(core, {"a": [5] * 12, "b": [6] * 12, "c": [7] * 12})
+    for rid in ("c", "b"):  # out of the batch, their KV kept where it is (for the books)
+        s.running.remove(reqs[rid])
+        core.kv.free(reqs[rid].block_ids)
+    c, b = reqs["c"], reqs["b"]
+    c.block_ids = core.kv.allocate_fresh(core.kv.blocks_needed(c.num_computed_tokens))
+    c.preempted_at_step = s.steps - 3
+    s.admit_running(c)  # decoding: only its next token to compute
+    assert c.stalled_steps == 3 and c.running_since == s.steps
+    b.block_ids = core.kv.allocate_fresh(core.kv.blocks_needed(b.num_tokens))
+    b.num_computed_tokens = 0  # dropped: to be computed again, prompt and all
+    b.preempted_at_step = s.steps
+    s.admit_running(b)
+    ids = [r.request_id for r in s.running]
+    # rotating: c first (the last victim), b still to prefill at the end; without: the end
+    assert ids == (["c", "a", "b"] if rotates else ["a", "c", "b"])
+
+
+def test_an_owed_request_that_fits_comes_back_before_an_older_one_that_does_not():
+    core = engine(blocks=64, preemption="swap")
     core.rotate_by(lambda: 0.0)
-    s, order = core.scheduler, []
-    for rid, prompt in PROMPTS.items():
-        core.add(core.make_request(prompt, PARAMS, request_id=rid))
+    s = core.scheduler
+    reqs = decoding(core, {"a": [5] * 12, "big": [6] * 120, "c": [7] * 12})
+    for rid in ("big", "c"):  # big parked first, then c
+        s.running.remove(reqs[rid])
+        s._preempt(reqs[rid], ScheduledBatch())
+    assert [r.request_id for r in s.parked] == ["big", "c"]
+    hold = core.kv.allocate_fresh(core.kv.num_free_blocks - 8)  # room for c (4), not big (31)
+    reqs["c"].preempted_at_step = s.steps - 10  # 10 steps for its 1 token: slowdown 11
+    out = core.step()
+    assert out.unparked == ("c",)
+    assert [r.request_id for r in s.parked] == ["big"]
+    core.kv.free(hold)
+    finish = {}
     while core.has_unfinished:
-        out = core.step()
-        if out.unparked:
-            order.append([r.request_id for r in s.running])
-    assert order[0][0] == "b"  # brought back at the front: LIFO victims come from the tail
+        finish.update((d.request_id, d) for d in core.step().finished)
+        core.check_integrity()
+    assert set(finish) == {"a", "big", "c"}
     core.close()
+
+
+def test_the_tiers_take_a_park_whole_in_the_first_tier_with_room(tmp_path):
+    core = engine(
+        preemption="tiered",
+        spill_dir=str(tmp_path),
+        spill_host_blocks=5,
+        spill_cxl_blocks=10,
+        spill_disk_blocks=0,
+    )
+    kv = core.kv
+    assert kv.tiers_take([5, 10])
+    assert kv.tiers_take([6])  # not in host: whole in CXL
+    assert not kv.tiers_take([6, 6])  # 5 + 4 left: neither takes the second whole
+    assert not kv.tiers_take([11])
+    assert kv.tiers_take([])
+    core.close()
+    assert not engine(preemption="recompute").kv.tiers_take([1])  # no tiers at all
 
 
 @pytest.mark.parametrize(

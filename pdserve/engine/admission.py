@@ -302,9 +302,10 @@ class CostAwareAdmission(KVAwareAdmission):
         return demand, self.budget + r
 
     def headroom(self, held: Sequence[HeldRequest]) -> int:
+        # the inputs are recorded (the gauges) whether or not anything may get in
+        demand, limit = self._limit(held, max((h.max_tokens for h in held), default=1))
         if self.pool.preempted_waiting():
             return 0  # nothing new gets in while a preempted request waits
-        demand, limit = self._limit(held, max((h.max_tokens for h in held), default=1))
         return limit - demand
 
     def rotation(self) -> Callable[[], float] | None:

@@ -7,6 +7,10 @@ blocks allow. A running request that cannot get a block preempts the most recent
 one (the victim: it has made the least progress since admission, and LIFO keeps the oldest
 requests moving).
 
+With a rotation installed (`rotation`, by the cost-aware admission policy), a step first
+gives the most slowed-down parked request a turn (`_rotate`), and a decoding request back
+from a stall joins the front of the batch instead of its end: the last to be a victim again.
+
 What happens to the victim's KV is the preemption policy (`SchedulerConfig.preemption`):
 `recompute` drops it and the request waits to be computed again (from its prefix-cache hits
 where they survive, on the device or offloaded to the tiers); `swap`/`tiered` park its
@@ -70,6 +74,8 @@ class Scheduler:
         # The cost-aware admission policy installs it (pdserve/engine/admission.py).
         self.rotation: Callable[[], float] | None = None
         self.rotations = 0
+        self._turn_backoff = 1  # steps between tries while no turn can be made
+        self._next_turn_try = 0
 
     # -- requests -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -86,7 +92,10 @@ class Scheduler:
             return
         request.stalled_steps += self.steps - request.preempted_at_step
         request.preempted_at_step = None
-        if self.rotation is not None:  # back from a stall: the last to be a victim again
+        # back from a stall with only its next token to compute: the last to be a victim
+        # again. One still to prefill (recomputed, or parked mid-prompt) keeps to the end:
+        # at the front it would take the step's token budget before the decoding requests.
+        if self.rotation is not None and request.num_tokens - request.num_computed_tokens <= 1:
             self.running.insert(0, request)
         else:
             self.running.append(request)
@@ -114,6 +123,8 @@ class Scheduler:
         # ends the iteration before them.
         if self.parked and self.rotation is not None:
             self._rotate(batch)
+        elif not self.parked:
+            self._turn_backoff, self._next_turn_try = 1, 0
         grow, add = self.kv.grow, self._add_chunk
         for req in self.running:
             if budget <= 0:
@@ -183,20 +194,32 @@ class Scheduler:
         return 1.0 + stalled / max(1, req.num_output_tokens)
 
     def _rotate(self, batch: ScheduledBatch) -> None:
-        """Give the most slowed-down parked request p a turn when it has waited too long
-        relative to its length: park running requests whose slowdown is under
-        slowdown(p) / ROTATE_RATIO, least slowed first, each having run its rotation steps
-        since it came in, when their blocks make room for p (and for the others' growth
-        this step); p comes back now, first in line."""
+        """Give the most slowed-down parked request p (one that has generated a token: its
+        TPOT is what slowdown measures) a turn when its slowdown is more than ROTATE_RATIO
+        times some runners': when p fits now, it goes to the front of the parked line (so
+        _unpark brings it back first); else runners under slowdown(p) / ROTATE_RATIO are
+        parked, least slowed first, each having run its rotation steps since it came in,
+        when their blocks (and seats, under max_num_seqs) make room for p and for the
+        others' growth this step, and the tiers can take them all; p comes back at once.
+        While no turn can be made, tries come at doubling intervals (up to 16 steps)."""
+        if self.steps < self._next_turn_try:
+            return
         slowdown = self.slowdown
-        p = max(self.parked, key=slowdown)
+        owed = [r for r in self.parked if r.num_output_tokens]
+        if not owed:
+            return
+        p = max(owed, key=slowdown)
         limit = slowdown(p) / self.ROTATE_RATIO
         if limit <= 1.0:
             return  # nobody runs below slowdown 1: not owed a turn yet
         need = self.kv.blocks_needed(p.num_tokens)
         free = self.kv.num_free_blocks
-        if need <= free:
-            return  # _unpark brings it back
+        seats = len(self.running) + 1 - self.config.max_num_seqs  # runners to leave for one
+        if need <= free and seats <= 0:
+            if self.parked[0] is not p:
+                self.parked.remove(p)
+                self.parked.appendleft(p)
+            return
         now, per_block = self.steps, self.rotation()
         heap = [
             (s, i, r)
@@ -207,33 +230,32 @@ class Scheduler:
             and now - r.running_since >= max(1, math.ceil(per_block * len(r.block_ids)))
         ]
         heapq.heapify(heap)
+        growth = sum(map(self._growth, self.running))
         victims: list[Request] = []
-        while heap and free < need + self._growth(victims):
+        while heap and (free < need + growth or len(victims) < seats):
             r = heapq.heappop(heap)[2]
             victims.append(r)
             free += self.kv.exclusive_blocks(r.block_ids)
-        if free < need + self._growth(victims):
+            growth -= self._growth(r)
+        blocks = [self.kv.blocks_needed(v.num_computed_tokens) for v in victims]
+        if free < need + growth or len(victims) < seats or not self.kv.tiers_take(blocks):
+            # no turn now (and none bought with a recompute: the tiers must take them all)
+            self._next_turn_try = self.steps + self._turn_backoff
+            self._turn_backoff = min(16, 2 * self._turn_backoff)
             return
-        if sum(self.kv.blocks_needed(v.num_computed_tokens) for v in victims) > self.kv.park_room():
-            return  # the tiers cannot take them all: no turn bought with a recompute
+        self._turn_backoff = 1
         gone = set(map(id, victims))
         self.running = [r for r in self.running if id(r) not in gone]
         for v in victims:
             self._preempt(v, batch)
-        self.rotations += 1
         self.parked.remove(p)
-        self._bring_back(p, batch)
+        if self._bring_back(p, batch):
+            self.rotations += 1
 
-    def _growth(self, leaving: list[Request]) -> int:
-        """Blocks the running requests but `leaving` need this step to grow (a decode
-        step: one token each)."""
-        gone = set(map(id, leaving))
-        need = self.kv.blocks_needed
-        return sum(
-            need(r.num_tokens) - len(r.block_ids)
-            for r in self.running
-            if id(r) not in gone and need(r.num_tokens) > len(r.block_ids)
-        )
+    def _growth(self, req: Request) -> int:
+        """Blocks a running request needs this step to grow (decoding: its next token)."""
+        short = self.kv.blocks_needed(req.num_tokens) - len(req.block_ids)
+        return short if short > 0 else 0
 
     def _make_room(self, req: Request, n: int, batch: ScheduledBatch) -> tuple | None:
         """Preempt from the tail until `req` can grow by n tokens -> its copy-on-write

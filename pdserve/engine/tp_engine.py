@@ -107,8 +107,8 @@ class TPOffload:
     def parked_blocks(self, request_id: str) -> int:
         return self.local.parked_blocks(request_id)  # every rank parks all or none
 
-    def room_blocks(self) -> int:
-        return self.local.room_blocks()  # every rank's tiers are alike and park alike
+    def can_take(self, sizes: list[int]) -> bool:
+        return self.local.can_take(sizes)  # every rank's tiers are alike and park alike
 
     def copy_parked(self, request_id: str, into) -> bool:
         """Rank 0's shard only: a live migration has each other rank stage its own where it

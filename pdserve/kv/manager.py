@@ -180,9 +180,9 @@ class KVManager:
     def parked_blocks(self, request_id: str) -> int:
         return self.offload.parked_blocks(request_id) if self.offload is not None else 0
 
-    def park_room(self) -> int:
-        """Blocks the spill tiers can still take (0 without tiers)."""
-        return self.offload.room_blocks() if self.offload is not None else 0
+    def tiers_take(self, sizes: list[int]) -> bool:
+        """Whether the spill tiers would take parks of these many blocks, in order."""
+        return self.offload is not None and self.offload.can_take(sizes)
 
     def copy_parked(self, request_id: str, into: torch.Tensor) -> bool:
         return self.offload is not None and self.offload.copy_parked(request_id, into)

@@ -90,7 +90,7 @@ class OffloadStore(Protocol):
 
     def parked_blocks(self, request_id: str) -> int: ...
 
-    def room_blocks(self) -> int: ...
+    def can_take(self, sizes: list[int]) -> bool: ...
 
     def copy_parked(self, request_id: str, into: torch.Tensor) -> bool: ...
 
@@ -158,9 +158,17 @@ class OffloadedKV:
         entry = self._entries.get(Parked(request_id))
         return entry.blocks if entry is not None else 0
 
-    def room_blocks(self) -> int:
-        """Blocks the tiers can still take before a park has to drop offloaded prefixes."""
-        return sum(t.capacity_blocks - t.used_blocks for t in self.tiers)
+    def can_take(self, sizes: list[int]) -> bool:
+        """Whether parks of these many blocks, in order, would each find a tier with room
+        (each entry goes whole to the first tier that has it: transfer/tiers/store.py place)
+        without dropping offloaded prefixes."""
+        room = [t.capacity_blocks - t.used_blocks for t in self.tiers]
+        for n in sizes:
+            k = next((i for i, free in enumerate(room) if free >= n), None)
+            if k is None:
+                return False
+            room[k] -= n
+        return True
 
     def copy_parked(self, request_id: str, into: torch.Tensor) -> bool:
         """Unpack a parked request's blocks into `into` (shaped like the pool with exactly
