@@ -186,7 +186,7 @@ class Cluster:
             router_idle = router_idles(on_cpu, threads_of["decode"] // decode_tp)
         self.router_idle = bool(router_idle)  # started with --sched-idle
         self.lease_dir = None  # the CPU lease's files, removed by close()
-        self._lease_owner = None  # held locked while the cluster lives (_lease_dir)
+        self._lease_owner = None  # held locked while the cluster lives (make_lease_dir)
         try:
             if share_cpus:
                 self.lease_dir, self._lease_owner = make_lease_dir()

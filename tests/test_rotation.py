@@ -135,6 +135,7 @@ def test_a_decoding_request_back_from_a_stall_joins_the_front_of_the_batch(rotat
     ids = [r.request_id for r in s.running]
     # rotating: c first (the last victim), b still to prefill at the end; without: the end
     assert ids == (["c", "a", "b"] if rotates else ["a", "c", "b"])
+    core.close()
 
 
 def test_an_owed_request_that_fits_comes_back_before_an_older_one_that_does_not():

@@ -255,14 +255,20 @@ class CostAwareAdmission(KVAwareAdmission):
         # fits the pool at its cap is never refused for its spread
         return demand, min(self.Z * peak.sd_blocks, max(0, peak.worst_blocks - demand)), peak
 
+    def _tiers(self) -> tuple[dict[str, float | None], dict[str, int]]:
+        """(park_s per tier, free blocks per tier), in the order parks fill the tiers."""
+        tiers = self.pool.tier_stats()
+        park_s = {name: self.costs.park_s_per_block(t) for name, t in tiers.items()}
+        free = {name: max(0, t["capacity"] - t["used_blocks"]) for name, t in tiers.items()}
+        return park_s, free
+
     def _room(self, lifetime: float) -> tuple[float, dict[str, float | None], dict[str, int]]:
         """(ROOM, park_s per tier, free blocks per tier). The tiers are filled in the order
         parks use them, each while the parking-time budget (PARK_OVERHEAD * L * step_s)
         lasts; a tier that has not moved a block yet costs nothing until it has, one slower
         than recomputing the block ends the walk."""
-        costs, tiers = self.costs, self.pool.tier_stats()
-        park_s = {name: costs.park_s_per_block(t) for name, t in tiers.items()}
-        free = {name: max(0, t["capacity"] - t["used_blocks"]) for name, t in tiers.items()}
+        costs = self.costs
+        park_s, free = self._tiers()
         if not self.pool.parks_victims:
             return 0.0, park_s, free
         budget_s = (
@@ -296,7 +302,7 @@ class CostAwareAdmission(KVAwareAdmission):
             overcommit_blocks=r,
             demand_blocks=demand,
             demand_sd_blocks=peak.sd_blocks,
-            rotation_steps_per_block=self.rotation_steps_per_block(),
+            rotation_steps_per_block=self._steps_per_block(park_s, free),
             longest_stall_steps=self.pool.longest_preempted_wait(),
         )
         return demand, self.budget + r
@@ -316,14 +322,14 @@ class CostAwareAdmission(KVAwareAdmission):
         take its turn (the scheduler's rotation): then the extra round trip through the
         tier it would park in costs at most PARK_OVERHEAD of the steps it ran. 0 until the
         tier has moved a block both ways and a decode step was timed."""
+        return self._steps_per_block(*self._tiers())
+
+    def _steps_per_block(self, park_s: dict[str, float | None], free: dict[str, int]) -> float:
         step_s = self.costs.step_s
-        if not step_s:
+        tier = next((name for name, room in free.items() if room), None)  # where parks go next
+        if not step_s or tier is None or park_s[tier] is None:
             return 0.0
-        for t in self.pool.tier_stats().values():
-            if t["used_blocks"] < t["capacity"]:  # the tier the next park goes to
-                c = self.costs.park_s_per_block(t)
-                return 0.0 if c is None else c / (self.PARK_OVERHEAD * step_s)
-        return 0.0
+        return park_s[tier] / (self.PARK_OVERHEAD * step_s)
 
     def check(self, prompt: list[int], max_tokens: int, held: Sequence[HeldRequest]) -> str | None:
         refused = GreedyAdmission.check(self, prompt, max_tokens, held)  # first come, first served

@@ -121,10 +121,11 @@ class Scheduler:
         # the hot loop, one pass per request (the simulator runs it millions of times, so
         # its lookups are bound once). A preemption pops victims off the list's tail, which
         # ends the iteration before them.
-        if self.parked and self.rotation is not None:
-            self._rotate(batch)
-        elif not self.parked:
-            self._turn_backoff, self._next_turn_try = 1, 0
+        if self.rotation is not None:
+            if self.parked:
+                self._rotate(batch)
+            elif self._next_turn_try:  # nothing parked: the next stall starts afresh
+                self._turn_backoff, self._next_turn_try = 1, 0
         grow, add = self.kv.grow, self._add_chunk
         for req in self.running:
             if budget <= 0:
@@ -205,10 +206,9 @@ class Scheduler:
         if self.steps < self._next_turn_try:
             return
         slowdown = self.slowdown
-        owed = [r for r in self.parked if r.num_output_tokens]
-        if not owed:
+        p = max((r for r in self.parked if r.num_output_tokens), key=slowdown, default=None)
+        if p is None:
             return
-        p = max(owed, key=slowdown)
         limit = slowdown(p) / self.ROTATE_RATIO
         if limit <= 1.0:
             return  # nobody runs below slowdown 1: not owed a turn yet
