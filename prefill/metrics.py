@@ -1,6 +1,7 @@
 """The prefill worker's Prometheus metrics (its own registry).
 
 pdserve_prefill_seconds, pdserve_prefill_queued_tokens, pdserve_prefill_batch_tokens,
+pdserve_prefill_turn_budget_tokens (under a CPU lease: prefill/turns.py),
 pdserve_transfer_bytes_total{direction="sent"}, pdserve_transfer_seconds{direction="sent"}
 """
 
@@ -22,6 +23,12 @@ class PrefillMetrics:
             "pdserve_prefill_batch_tokens",
             "prompt tokens per batch",
             buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.turn_budget_tokens = Gauge(
+            "pdserve_prefill_turn_budget_tokens",
+            "prompt tokens the next batch may take so that its turn at shared CPUs lasts "
+            "--turn-s (0 when the worker does not compute in turns)",
             registry=r,
         )
         self.transfer_bytes, self.transfer_seconds = transfer_metrics(r)

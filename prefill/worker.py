@@ -32,6 +32,7 @@ from prefill.batcher import Batcher, PrefillJob, reserve_batch
 from prefill.config import PrefillConfig
 from prefill.metrics import PrefillMetrics
 from prefill.push import BatchPush, PushTarget
+from prefill.turns import TurnBudget
 from transfer import TransferAgent, TransferFailed, notification
 from transfer.writes import Peers, pool_side
 
@@ -70,6 +71,12 @@ class PrefillWorker:
         self.queued_tokens = 0
         self.lock = threading.Lock()  # queued_tokens (submit and heartbeats vs the loop)
         self.cpu_lease = open_lease(config.cpu_lease, core.kv_pool.device.type)
+        # in turns at shared CPUs, batches sized by time (prefill/turns.py)
+        self.turns = (
+            TurnBudget(config.turn_s, core.token_budget)
+            if self.cpu_lease is not None and config.turn_s > 0
+            else None
+        )
         self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
         self._thread.start()
 
@@ -136,7 +143,7 @@ class PrefillWorker:
         """The loop outlives any one batch: a loop that died with one (the first wave's
         did, on an exception class it did not expect) left a worker that heartbeated and
         never completed another prompt."""
-        while (batch := self.batcher.next_batch()) is not None:
+        while (batch := self._next_batch()) is not None:
             try:
                 self._prefill(batch)
             except Exception as e:  # noqa: BLE001 - fail the batch, keep the worker
@@ -144,6 +151,12 @@ class PrefillWorker:
                 for job in batch:
                     if not job.done.done():
                         job.done.set_exception(e)
+
+    def _next_batch(self) -> list[PrefillJob] | None:
+        if self.turns is not None:
+            self.batcher.budget = self.turns.tokens()
+            self.metrics.turn_budget_tokens.set(self.batcher.budget)
+        return self.batcher.next_batch()
 
     def _late(self, batch: list[PrefillJob]) -> list[PrefillJob]:
         """Fail the jobs whose deadline passed while they queued -> the others."""
@@ -189,6 +202,8 @@ class PrefillWorker:
                     [j.request for j in runnable], on_layer_done=on_layer, rank_work=work
                 )
             computed, computed_wall = time.monotonic(), now()
+            if self.turns is not None:
+                self.turns.observe(sum(j.tokens for j in runnable), computed - started)
             if not self.layerwise:  # every layer in one WRITE per request
                 post(range(num_layers))
             push.wait(self.config.push_timeout_s, self.config.push_poll_s)

@@ -54,8 +54,16 @@ class Sample:
             "e2e_s": self.e2e_s,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
+            "max_gap_s": self.max_gap_s,
             "error": self.error,
         }
+
+    @property
+    def max_gap_s(self) -> float | None:
+        """The longest wait between two of its tokens (a stall: a preemption, a prefill turn)
+        -> seconds; None when fewer than two token times were seen."""
+        t = self.token_times
+        return max((b - a for a, b in zip(t, t[1:])), default=None)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -207,6 +207,7 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
             kv_push=args.kv_push,
             failpoints=Failpoints(args.failpoints),
             cpu_lease=args.cpu_lease,
+            turn_s=args.turn_s,
         )
         worker = PrefillWorker.build(args.model, engine_args(args), config, agent)
         service = PrefillService(worker)
@@ -304,7 +305,7 @@ def add_security_flags(p: argparse.ArgumentParser, role: str) -> None:
 def add_serve_parser(sub) -> None:
     from pdserve.config import DEFAULT_PREEMPTION, PREEMPTION
     from pdserve.engine.admission import ADMISSION, DEFAULT_ADMISSION
-    from prefill.config import KV_PUSH
+    from prefill.config import KV_PUSH, PrefillConfig
     from transfer import PROCESS_BACKENDS
 
     serve = sub.add_parser("serve", help="run one role (router, prefill or decode)")
@@ -443,5 +444,14 @@ def add_serve_parser(sub) -> None:
                     choices=KV_PUSH,
                     help="push each layer as it is computed, or all after the forward pass "
                     "(auto: layer-wise on CUDA)",
+                )
+                p.add_argument(
+                    "--turn-s",
+                    type=float,
+                    default=PrefillConfig.turn_s,
+                    help="with --cpu-lease: size each batch so that its turn at the shared "
+                    "CPUs lasts about this long, the longest wait it puts between two tokens "
+                    "of a decoding request (0: --max-num-batched-tokens alone; "
+                    "prefill/turns.py)",
                 )
         p.set_defaults(func=func)

@@ -1,0 +1,54 @@
+"""How many prompt tokens a prefill batch may take when the worker computes in turns.
+
+On a CPU node whose workers share the cores (pdserve/serving/cpu_lease.py), a prefill batch
+holds every core for its whole forward pass and the decode workers' steps wait for it: a
+2,048-token batch of SmolLM2 on 2 cores is about a second, so a request that is decoding
+then sees a gap of a second between two tokens, several times over while a burst of prompts
+is worked through (a short request's TPOT is set by them). Bounding the batch by *time*
+bounds that gap, the way chunked prefill's token budget does inside one engine, on any
+machine: the worker learns its seconds per prompt token from the batches it ran and sizes
+the next batch so that its turn lasts about `turn_s`.
+
+    budget = TurnBudget(turn_s=0.25, cap_tokens=2048)
+    tokens = budget.tokens()          # before a batch is formed
+    budget.observe(tokens, seconds)   # after its forward pass
+
+Tokens are the batch's prompt tokens, cached prefixes included (the units the batcher
+counts), so the rate is per batched token. Until a batch has been measured the budget is
+one prompt (a batch always takes at least one). The total work is the same either way: the
+prompts are computed in more, shorter turns, with decode steps between them.
+"""
+
+from __future__ import annotations
+
+# weight of the newest batch in the running rate (a burst's batches differ in size and in
+# their prompts' lengths; a few batches settle it)
+SMOOTHING = 0.3
+
+
+class TurnBudget:
+    def __init__(self, turn_s: float, cap_tokens: int) -> None:
+        if turn_s <= 0:
+            raise ValueError(f"turn_s: must be > 0, got {turn_s}")
+        if cap_tokens < 1:
+            raise ValueError(f"cap_tokens: must be >= 1, got {cap_tokens}")
+        self.turn_s = turn_s
+        self.cap = cap_tokens
+        self.s_per_token: float | None = None  # learned from the batches run
+
+    def tokens(self) -> int:
+        """The next batch's token budget: what `turn_s` buys at the learned rate, at most
+        the configured cap; 1 (one prompt) before anything was measured."""
+        if self.s_per_token is None:
+            return 1
+        return max(1, min(self.cap, int(self.turn_s / self.s_per_token)))
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A batch of `tokens` prompt tokens took `seconds` of forward pass."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = seconds / tokens
+        if self.s_per_token is None:
+            self.s_per_token = rate
+        else:
+            self.s_per_token += SMOOTHING * (rate - self.s_per_token)
