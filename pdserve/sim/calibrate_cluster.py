@@ -11,6 +11,8 @@ of 1-16 clients; every request comes back with its trace (pdserve/trace.py), fro
     link             the push: `transfer.tail` against the bytes each batch pushed
     handoff          medians of the router's calls: `decode.reserve`, `rpc.prefill` plus
                      `rpc.prefill_reply`, `rpc.start`, and `router.stream` per request
+    shares_cpus      whether its workers took turns at the CPUs (launch's default on CPU):
+                     the simulated cluster then does too (pdserve/sim/cluster.py)
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ def calibrate_cluster(model: str, num_kv_blocks: int = 256, seed: int = 0) -> di
     with Cluster(
         model, 1, 1, worker_args=["--num-kv-blocks", str(num_kv_blocks), "--block-size", "16"]
     ) as cluster:
+        shares_cpus = cluster.lease_dir is not None  # its workers took turns at the CPUs
         for i, (clients, prompt, output) in enumerate(
             progress(LOADS, desc="calibrate cluster", unit="load")
         ):
@@ -128,4 +131,5 @@ def calibrate_cluster(model: str, num_kv_blocks: int = 256, seed: int = 0) -> di
             "per_token_s": _median_span(traces, "router.stream"),
         },
         "fit": {"cluster": decode_fit, "cluster_prefill": prefill_fit},
+        "shares_cpus": shares_cpus,
     }

@@ -29,6 +29,14 @@ the requests arrived (WorkerRegistry.drain, as `pdserve drain` does), as in the 
 The handoff's calls cost what the profile's `handoff` says (reserve, the prefill call's
 transit, start); the decode worker's steps and the prefill batches cost what its `cluster`
 and `cluster_prefill` coefficients (or the roofline) say.
+
+With a profile whose workers share the CPUs (`shares_cpus`: measured on a cluster launched
+in turns, pdserve/serving/cpu_lease.py) the workers take turns as the lease makes them: a
+prefill batch's forward pass holds every CPU alone, decode steps overlap one another; a
+decode step does not start while a prefill batch waits (the lease's gate), the waiting
+decode workers step once before the next prefill batch (its handover), and a prefill
+worker sizes its batches by time as the real one does (prefill/turns.py). A step's cost
+starts when its turn does.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 
 from decode.config import DecodeConfig
@@ -56,6 +65,8 @@ from pdserve.sim.engine import SimEngine, sim_engine
 from pdserve.sim.load import Arrivals, Record, Series
 from pdserve.sim.migrate import SimMigrations
 from prefill.batcher import Batcher, PrefillJob, reserve_batch
+from prefill.config import PrefillConfig
+from prefill.turns import TurnBudget
 
 
 @dataclass
@@ -65,6 +76,7 @@ class _Decode:
     state: DecodeState
     busy: bool = False
     series: Series = field(default_factory=Series)
+    waiting: StepPlan | None = None  # its next step, planned, waiting for a CPU turn
 
 
 @dataclass
@@ -75,6 +87,18 @@ class _Prefill:
     queued: int = 0  # prompt tokens waiting (what its heartbeat reports)
     jobs: int = 0  # jobs in the batcher
     busy: bool = False
+    turns: TurnBudget | None = None  # batches sized by time, in turns at shared CPUs
+    waiting: tuple | None = None  # its formed batch waiting for a CPU turn
+
+
+@dataclass
+class _CpuTurns:
+    """Who computes at a node's shared CPUs (pdserve/serving/cpu_lease.py's rules)."""
+
+    prefill: _Prefill | None = None  # holding every CPU for a batch
+    decoding: int = 0  # decode steps running side by side
+    prefill_line: deque = field(default_factory=deque)  # prefill workers waiting
+    decode_line: list = field(default_factory=list)  # decode workers waiting
 
 
 @dataclass
@@ -130,7 +154,12 @@ class ClusterSim:
             eng = sim_engine(
                 setup.config, prefill_args, setup.cost("prefill"), setup.profile, blocks, topo.tp
             )
-            self.prefills.append(_Prefill(f"prefill-{j}", eng, Batcher(eng.core.token_budget)))
+            p = _Prefill(f"prefill-{j}", eng, Batcher(eng.core.token_budget))
+            if self.profile.shares_cpus:
+                p.turns = TurnBudget(PrefillConfig.turn_s, eng.core.token_budget)
+            self.prefills.append(p)
+        # the workers take turns at the node's CPUs (one node: launch's cluster)
+        self.cpu = _CpuTurns() if self.profile.shares_cpus else None
         self.layerwise = self.profile.kind == "roofline"  # pdserve's --kv-push auto
         self.block_bytes = (
             self.decodes[0].engine.core.kv.cache.nbytes // blocks
@@ -261,6 +290,9 @@ class ClusterSim:
                     self._submit(now, *payload)
                 elif kind == "prefilled":
                     self._prefilled(now, *payload)
+                elif kind == "prefill-turn-end":
+                    self.cpu.prefill = None
+                    self._next_turns(now, handover=True)
                 elif kind == "start":
                     self._start(now, payload[0], payload[1], flights, records, ended)
                 elif kind == "step":
@@ -343,13 +375,30 @@ class ClusterSim:
     def _prefill_batch(self, now: float, p: _Prefill) -> None:
         if not p.jobs:
             return
+        if p.turns is not None:
+            p.batcher.budget = p.turns.tokens()
         batch = p.batcher.next_batch()
         core = p.engine.core
         runnable = reserve_batch(core, batch, p.batcher)
         p.jobs -= len(runnable)
         p.queued -= sum(j.tokens for j in runnable)
+        p.busy = True
+        if self.cpu is not None:  # its forward pass waits for its turn
+            p.waiting = (runnable,)
+            self.cpu.prefill_line.append(p)
+            self._next_turns(now)
+            return
+        self._prefill_compute(now, p, runnable)
+
+    def _prefill_compute(self, now: float, p: _Prefill, runnable: list[PrefillJob]) -> None:
+        core = p.engine.core
         tokens = core.prefill([j.request for j in runnable])
         compute = p.engine.runner.last_seconds
+        if p.turns is not None:
+            p.turns.observe(sum(j.tokens for j in runnable), compute)
+        if self.cpu is not None:
+            self.cpu.prefill = p
+            self._at(now + compute, "prefill-turn-end")
         pushed = sum(len(j.dest.block_ids) - j.dest.cached_blocks for j in runnable)
         link = self.profile.link
         total = pushed * self.block_bytes / link.bytes_s
@@ -359,7 +408,6 @@ class ClusterSim:
             if self.layerwise
             else total
         )
-        p.busy = True
         self._at(now + compute + tail, "prefilled", p, runnable, tokens)
 
     def _prefilled(
@@ -403,9 +451,40 @@ class ClusterSim:
         plan = eng.core.begin_step()
         if plan is None:
             return
-        result = eng.core.run(plan)
         d.busy = True
+        cpu = self.cpu
+        if cpu is not None and (cpu.prefill is not None or cpu.prefill_line):
+            d.waiting = plan  # a prefill batch holds the CPUs, or waits at the gate
+            cpu.decode_line.append(d)
+            return
+        self._step_run(now, d, plan)
+
+    def _step_run(self, now: float, d: _Decode, plan: StepPlan) -> None:
+        eng = d.engine
+        eng.clock.now = max(eng.clock.now, now)
+        result = eng.core.run(plan)
+        if self.cpu is not None:
+            self.cpu.decoding += 1
         self._at(now + eng.runner.last_seconds, "step", d, plan, result, now)
+
+    def _next_turns(self, now: float, handover: bool = False) -> None:
+        """Whoever's turn it is at the shared CPUs starts. `handover`: a prefill batch's
+        turn just ended, and the decode workers that waited for it step first (side by
+        side); otherwise a waiting prefill batch goes once no decode step runs, and decode
+        steps wait behind it (the gate)."""
+        cpu = self.cpu
+        if cpu.prefill is not None:
+            return
+        if cpu.decode_line and (handover or not cpu.prefill_line):
+            line, cpu.decode_line = cpu.decode_line, []
+            for d in line:
+                plan, d.waiting = d.waiting, None
+                self._step_run(now, d, plan)
+            return
+        if cpu.prefill_line and cpu.decoding == 0:
+            p = cpu.prefill_line.popleft()
+            (runnable,), p.waiting = p.waiting, None
+            self._prefill_compute(now, p, runnable)
 
     def _step_end(
         self,
@@ -419,6 +498,8 @@ class ClusterSim:
     ) -> None:
         eng = d.engine
         eng.clock.now = now
+        if self.cpu is not None:
+            self.cpu.decoding -= 1
         out = eng.core.end_step(plan, result)
         d.state.observe_step(plan, now - began)
         self.steps += 1
@@ -433,6 +514,8 @@ class ClusterSim:
         if self.migrations is not None:
             self.migrations.step_boundary(now, d)
         self._step_start(now, d)
+        if self.cpu is not None:
+            self._next_turns(now)
 
     def _finished(self, now: float, d: _Decode, done) -> None:
         d.state.observe(done)

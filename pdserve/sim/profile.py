@@ -77,6 +77,9 @@ class Profile:
     engine: dict[str, float] = field(default_factory=dict)  # the in-process engine
     cluster: dict[str, float] = field(default_factory=dict)  # a decode worker of a cluster
     cluster_prefill: dict[str, float] = field(default_factory=dict)  # a prefill worker
+    # a cluster's workers take turns at the same CPUs (`pdserve launch --share-cpus`, its
+    # default on CPU): a prefill batch's forward pass holds them all, decode steps wait
+    shares_cpus: bool = False
     fit: dict[str, dict] = field(default_factory=dict)  # how well each fitted model fits
     sources: dict[str, str] = field(default_factory=dict)
 
