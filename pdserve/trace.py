@@ -10,7 +10,9 @@ Top-level stages tile a request's life from arrival at the router to its last to
     router.queue        arrival -> a decode worker is asked to reserve (waits for room)
     decode.reserve      the Reserve call (blocks leased on the decode worker)
     rpc.prefill         router sends the prompt -> the prefill worker has it
-    prefill.queue       the prefill worker has the prompt -> its batch starts
+    prefill.queue       the prefill worker has the prompt -> its batch's (last) pass starts
+                        (in turns at shared CPUs: the wait for its turn, and the parts of a
+                        long prompt computed in earlier turns)
     prefill.compute     the batch's forward pass (KV pushed layer by layer meanwhile)
     transfer.tail       last layer computed -> every layer's push complete
     rpc.prefill_reply   push complete -> the router has the first token
@@ -24,7 +26,8 @@ the worker's spans inside it: RPC transit, serialisation and (first call) connec
 
 Detail spans sit inside those and are not part of the tiling: `push.layer` (one per layer:
 the write posted -> seen complete; `push.all` when every layer goes in one write after the
-forward pass), `decode.step` (each step the request took part in) and
+forward pass), `prefill.part` (a part of a long prompt computed in a turn of its own,
+prefill/turns.py), `decode.step` (each step the request took part in) and
 `decode.preempted` (preempted -> running again). What is left between top-level spans is
 thread hand-offs inside the router; `coverage` measures how much of the request is spanned.
 """

@@ -1,4 +1,5 @@
-"""Prompts in arrival order, cut into batches under a token budget.
+"""Prompts in arrival order, cut into batches under a token budget (a batch holds at most
+the budget's tokens, or one prompt alone; the prompt that would cross it opens the next).
 
 A prompt whose blocks were not free when its batch ran is carried: it goes first in the
 next batch (every batch frees its blocks once its push is done, so it fits then). `close()`
@@ -49,25 +50,33 @@ class Batcher:
         self._jobs.put(None)
 
     def carry(self, job: PrefillJob) -> None:
-        self._carried.append(job)
+        """`job` goes in the next batch, before every later arrival carried too."""
+        i = len(self._carried)
+        while i and self._carried[i - 1].enqueued > job.enqueued:
+            i -= 1
+        self._carried.insert(i, job)
 
     def next_batch(self) -> list[PrefillJob] | None:
-        """Blocks until there is a job -> carried jobs first, then queued ones, while the
-        token budget lasts (at least one job); None once closed."""
+        """Blocks until there is a job -> carried jobs first, then queued ones, in order,
+        as many as the token budget holds (at least one job: a prompt longer than the budget
+        goes alone); None once closed."""
         first = self._carried.popleft() if self._carried else self._jobs.get()
         if first is None:
             return None
         batch, tokens = [first], first.tokens
-        while self._carried and tokens < self.budget:
+        while self._carried and tokens + self._carried[0].tokens <= self.budget:
             batch.append(self._carried.popleft())
             tokens += batch[-1].tokens
-        while tokens < self.budget:
+        while tokens < self.budget and not self._carried:
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 break
             if job is None:
                 self._jobs.put(None)  # closed: the next call answers None
+                break
+            if tokens + job.tokens > self.budget:
+                self.carry(job)  # it opens the next batch
                 break
             batch.append(job)
             tokens += job.tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pdserve.failpoints import NO_FAILPOINTS, Failpoints
@@ -28,9 +29,10 @@ class PrefillConfig:
     # the node's CPU lease (pdserve/serving/cpu_lease.py): a batch's forward pass runs only
     # in its turns; None: this worker's threads have their CPUs to themselves
     cpu_lease: str | None = None
-    # under a CPU lease, a batch is sized so that its turn at the cores lasts about this long
-    # (seconds per prompt token learned from the batches run; prefill/turns.py): the longest
-    # wait it puts between two tokens of a decoding request. 0: the token budget alone
+    # under a CPU lease, a batch's turn at the cores lasts about this long (seconds per
+    # prompt token learned from the passes run; a lone prompt longer than that goes in parts,
+    # a turn each; prefill/turns.py): about the longest wait it puts between two tokens of
+    # a decoding request. 0: batches by the token budget alone, a prompt in one pass
     turn_s: float = 0.25
 
     def __post_init__(self) -> None:
@@ -39,5 +41,7 @@ class PrefillConfig:
         for name in ("push_timeout_s", "push_poll_s", "default_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        if self.turn_s < 0:
-            raise ValueError(f"turn_s: must be >= 0 (0: no bound), got {self.turn_s}")
+        if not (math.isfinite(self.turn_s) and self.turn_s >= 0):
+            raise ValueError(
+                f"turn_s: must be a finite number >= 0 (0: no bound), got {self.turn_s}"
+            )

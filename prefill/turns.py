@@ -15,11 +15,16 @@ the next batch so that its turn lasts about `turn_s`.
 
 Tokens are the batch's prompt tokens, cached prefixes included (the units the batcher
 counts), so the rate is per batched token. Until a batch has been measured the budget is
-one prompt (a batch always takes at least one). The total work is the same either way: the
-prompts are computed in more, shorter turns, with decode steps between them.
+one prompt (a batch always takes at least one). A lone prompt longer than a turn buys is
+computed a part per turn (`part`: at least a block each; its KV stays in its blocks between
+the parts, the last part samples and pushes), once a rate is known. The total work is the
+same either way: the prompts are computed in more, shorter turns, with decode steps
+between them.
 """
 
 from __future__ import annotations
+
+import math
 
 # weight of the newest batch in the running rate (a burst's batches differ in size and in
 # their prompts' lengths; a few batches settle it)
@@ -28,8 +33,8 @@ SMOOTHING = 0.3
 
 class TurnBudget:
     def __init__(self, turn_s: float, cap_tokens: int) -> None:
-        if turn_s <= 0:
-            raise ValueError(f"turn_s: must be > 0, got {turn_s}")
+        if not (math.isfinite(turn_s) and turn_s > 0):
+            raise ValueError(f"turn_s: must be a finite number > 0, got {turn_s}")
         if cap_tokens < 1:
             raise ValueError(f"cap_tokens: must be >= 1, got {cap_tokens}")
         self.turn_s = turn_s
@@ -42,6 +47,15 @@ class TurnBudget:
         if self.s_per_token is None:
             return 1
         return max(1, min(self.cap, int(self.turn_s / self.s_per_token)))
+
+    def part(self, left: int, floor: int) -> int:
+        """How much of a lone prompt with `left` tokens still to compute one turn takes
+        (at least `floor`), or 0: the rest fits one turn, or no rate is known yet (a prompt
+        goes whole until one is)."""
+        if self.s_per_token is None:
+            return 0
+        budget = max(floor, self.tokens())
+        return budget if left > budget else 0
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A batch of `tokens` prompt tokens took `seconds` of forward pass."""

@@ -180,7 +180,7 @@ class PrefillWorker:
             return
         self._dequeued(runnable)
         self.metrics.batch_tokens.observe(sum(j.tokens for j in runnable))
-        started, started_wall = time.monotonic(), now()
+        started = time.monotonic()
         num_layers = self.core.model_config.num_layers
         push = None
         work_sent = False
@@ -197,13 +197,16 @@ class PrefillWorker:
 
             on_layer = (lambda i: post(range(i, i + 1))) if self.layerwise else None
             work_sent = work is not None  # sent first thing: its answers must be read
+            parts, part_spans = self._parts(runnable) if work is None else (0, [])
             with turn_of(self.cpu_lease):
+                began, began_wall = time.monotonic(), now()  # the pass, not its wait
                 tokens = self.core.prefill(
                     [j.request for j in runnable], on_layer_done=on_layer, rank_work=work
                 )
+                took = time.monotonic() - began
             computed, computed_wall = time.monotonic(), now()
             if self.turns is not None:
-                self.turns.observe(sum(j.tokens for j in runnable), computed - started)
+                self.turns.observe(sum(j.tokens for j in runnable) - parts, took)
             if not self.layerwise:  # every layer in one WRITE per request
                 post(range(num_layers))
             push.wait(self.config.push_timeout_s, self.config.push_poll_s)
@@ -218,7 +221,8 @@ class PrefillWorker:
                     nbytes += answer["nbytes"]
             pushed, pushed_wall = time.monotonic(), now()
             shared = [
-                Span("prefill.compute", started_wall, computed_wall, self.worker_id),
+                *part_spans,
+                Span("prefill.compute", began_wall, computed_wall, self.worker_id),
                 Span("transfer.tail", computed_wall, pushed_wall, self.worker_id),
                 *push.spans(),
             ]
@@ -239,7 +243,7 @@ class PrefillWorker:
                         transfer_s=pushed - computed,
                         transfer_bytes=nbytes // len(runnable),
                         spans=(
-                            Span("prefill.queue", job.enqueued_wall, started_wall, self.worker_id),
+                            Span("prefill.queue", job.enqueued_wall, began_wall, self.worker_id),
                             *shared,
                         ),
                     )
@@ -260,6 +264,25 @@ class PrefillWorker:
                 push.release()  # never raises (transfer/nixl_backend.py)
             for job in runnable:  # COMPUTED -> FREE (computed blocks stay in the prefix cache)
                 self.core.release(job.request)
+
+    def _parts(self, runnable: list[PrefillJob]) -> tuple[int, list[Span]]:
+        """A lone prompt longer than a turn buys is computed a part per turn before its
+        last pass, which samples and pushes (prefill/turns.py; not under tensor
+        parallelism, whose ranks take their work with the last pass) -> the tokens so
+        computed, and a `prefill.part` span for each part."""
+        if self.turns is None or len(runnable) != 1:
+            return 0, []
+        req, done, spans = runnable[0].request, 0, []
+        while part := self.turns.part(
+            req.num_tokens - req.num_computed_tokens, self.core.block_size
+        ):
+            with turn_of(self.cpu_lease):
+                began, began_wall = time.monotonic(), now()
+                computed = self.core.prefill_part(req, part)
+                self.turns.observe(computed, time.monotonic() - began)
+                spans.append(Span("prefill.part", began_wall, now(), self.worker_id))
+            done += computed
+        return done, spans
 
     def _failpoint(self, point: str, jobs: list[PrefillJob]) -> None:
         if self.config.failpoints.directory is None:

@@ -298,6 +298,7 @@ def bench_serve(
         "trace_coverage": {f"p{q}": percentile(coverage, q) for q in (0, 50, 100)},
         "samples": [
             {k: v for k, v in s.__dict__.items() if k not in ("trace", "token_times")}
+            | {"max_gap_s": s.max_gap_s}
             for s in samples
         ],
     }

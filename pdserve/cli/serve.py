@@ -449,9 +449,9 @@ def add_serve_parser(sub) -> None:
                     "--turn-s",
                     type=float,
                     default=PrefillConfig.turn_s,
-                    help="with --cpu-lease: size each batch so that its turn at the shared "
-                    "CPUs lasts about this long, the longest wait it puts between two tokens "
-                    "of a decoding request (0: --max-num-batched-tokens alone; "
-                    "prefill/turns.py)",
+                    help="with --cpu-lease: each turn at the shared CPUs lasts about this long "
+                    "(batches sized by the learned rate, a longer prompt in parts, a turn "
+                    "each): about the longest wait it puts between two tokens of a decoding "
+                    "request (0: batches by --max-num-batched-tokens alone; prefill/turns.py)",
                 )
         p.set_defaults(func=func)

@@ -189,6 +189,26 @@ class EngineCore:
             req.num_computed_tokens = req.num_tokens
         return result.tokens
 
+    def prefill_part(self, request: Request, tokens: int) -> int:
+        """The next `tokens` of a reserved prompt computed, nothing sampled (a prompt split
+        over several passes; prefill() computes the rest and samples) -> the tokens computed,
+        at least one always left for prefill()."""
+        start = request.num_computed_tokens
+        end = min(start + tokens, request.num_tokens - 1)
+        if end <= start:
+            return 0
+        chunk = ScheduledChunk(
+            token_ids=request.token_ids[start:end],
+            start=start,
+            block_ids=request.block_ids,
+            sample=False,
+            params=request.params,
+            generator=request.generator,
+        )
+        self.runner.execute([chunk])
+        request.num_computed_tokens = end
+        return end - start
+
     def admit_prefilled(self, request: Request, first_token: int) -> FinishedRequest | None:
         """The prompt's KV is in the request's (reserved) blocks and its first token was
         sampled elsewhere: it joins the running batch, or finishes at once (-> the output)."""
