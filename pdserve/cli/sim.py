@@ -67,6 +67,7 @@ def setup_from_args(args: argparse.Namespace):
         args.slo or SLO(),
         args.seed,
         skew=args.skew,
+        turn_s=args.turn_s,
     )
     setup.num_blocks()  # weights that leave no room for KV: say so before anything runs
     return setup, load
@@ -141,6 +142,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def add_sim_parser(sub) -> None:
+    from prefill.config import PrefillConfig
+
     sim = sub.add_parser("sim", help="the real scheduler on a virtual clock (SIMULATED figures)")
     sim.add_argument("--model", default=None, help="preset, checkpoint dir or config.json")
     sim.add_argument("--profile", default="h200", help="h100 | h200 | a profile JSON file")
@@ -179,6 +182,13 @@ def add_sim_parser(sub) -> None:
     sim.add_argument("--no-prefix-caching", action="store_true")
     sim.add_argument("--max-num-seqs", type=int, default=256)
     sim.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sim.add_argument(
+        "--turn-s",
+        type=float,
+        default=PrefillConfig.turn_s,
+        help="with a profile whose cluster shares the CPUs: a prefill batch's turn, as "
+        "`serve prefill --turn-s` (0: batches by tokens alone)",
+    )
     sim.add_argument("--max-model-len", type=int, default=None)
     sim.add_argument("--weight-dtype", default="bf16", choices=["bf16", "fp8"])
     sim.add_argument("--slo", type=slo_arg, default=None, help="ttft=SECONDS,tpot=SECONDS")

@@ -8,6 +8,8 @@ of 1-16 clients; every request comes back with its trace (pdserve/trace.py), fro
                      that step); a step's cost is its cycle, start to the next step's start
                      when the worker ran back to back; fitted as the engine is
     cluster_prefill  prefill batches: the `prefill.compute` span of a batch and its prompts
+                     (the pass itself, inside its turn at the CPUs; batches are not cut by
+                     time here, `--turn-s 0`)
     link             the push: `transfer.tail` against the bytes each batch pushed
     handoff          medians of the router's calls: `decode.reserve`, `rpc.prefill` plus
                      `rpc.prefill_reply`, `rpc.start`, and `router.stream` per request
@@ -92,7 +94,13 @@ def calibrate_cluster(model: str, num_kv_blocks: int = 256, seed: int = 0) -> di
     config = model_config(model)
     traces: list[dict] = []
     with Cluster(
-        model, 1, 1, worker_args=["--num-kv-blocks", str(num_kv_blocks), "--block-size", "16"]
+        model,
+        1,
+        1,
+        worker_args=["--num-kv-blocks", str(num_kv_blocks), "--block-size", "16"],
+        # whole batches as the budget forms them, however long their turn: what a batch
+        # costs is fitted here, how turns cut them is the simulator's (prefill/turns.py)
+        prefill_args=["--turn-s", "0"],
     ) as cluster:
         shares_cpus = cluster.lease_dir is not None  # its workers took turns at the CPUs
         for i, (clients, prompt, output) in enumerate(

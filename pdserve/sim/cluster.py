@@ -35,8 +35,12 @@ in turns, pdserve/serving/cpu_lease.py) the workers take turns as the lease make
 prefill batch's forward pass holds every CPU alone, decode steps overlap one another; a
 decode step does not start while a prefill batch waits (the lease's gate), the waiting
 decode workers step once before the next prefill batch (its handover), and a prefill
-worker sizes its batches by time as the real one does (prefill/turns.py). A step's cost
-starts when its turn does.
+worker sizes its batches by time as the real one does, a lone prompt longer than a turn a
+part per turn (prefill/turns.py; `Setup.turn_s`). A step's cost starts when its turn does.
+Not modelled: a decode step's cost is the profile's whatever the number of decode workers
+sharing the CPUs (calibrated on 1P1D, where the decode worker's threads span every CPU; in
+a launched 1P2D each has half), and a shared turn's release waits up to 50 ms for a
+waiting prefill batch to take the lease (the real step's tokens go out after it).
 """
 
 from __future__ import annotations
@@ -65,7 +69,6 @@ from pdserve.sim.engine import SimEngine, sim_engine
 from pdserve.sim.load import Arrivals, Record, Series
 from pdserve.sim.migrate import SimMigrations
 from prefill.batcher import Batcher, PrefillJob, reserve_batch
-from prefill.config import PrefillConfig
 from prefill.turns import TurnBudget
 
 
@@ -88,7 +91,8 @@ class _Prefill:
     jobs: int = 0  # jobs in the batcher
     busy: bool = False
     turns: TurnBudget | None = None  # batches sized by time, in turns at shared CPUs
-    waiting: tuple | None = None  # its formed batch waiting for a CPU turn
+    waiting: list[PrefillJob] | None = None  # its formed batch waiting for a CPU turn
+    parts: int = 0  # tokens of its lone prompt computed in earlier turns
 
 
 @dataclass
@@ -97,8 +101,8 @@ class _CpuTurns:
 
     prefill: _Prefill | None = None  # holding every CPU for a batch
     decoding: int = 0  # decode steps running side by side
-    prefill_line: deque = field(default_factory=deque)  # prefill workers waiting
-    decode_line: list = field(default_factory=list)  # decode workers waiting
+    prefill_line: deque[_Prefill] = field(default_factory=deque)  # prefill workers waiting
+    decode_line: list[_Decode] = field(default_factory=list)  # decode workers waiting
 
 
 @dataclass
@@ -155,8 +159,8 @@ class ClusterSim:
                 setup.config, prefill_args, setup.cost("prefill"), setup.profile, blocks, topo.tp
             )
             p = _Prefill(f"prefill-{j}", eng, Batcher(eng.core.token_budget))
-            if self.profile.shares_cpus:
-                p.turns = TurnBudget(PrefillConfig.turn_s, eng.core.token_budget)
+            if self.profile.shares_cpus and setup.turn_s > 0:
+                p.turns = TurnBudget(setup.turn_s, eng.core.token_budget)
             self.prefills.append(p)
         # the workers take turns at the node's CPUs (one node: launch's cluster)
         self.cpu = _CpuTurns() if self.profile.shares_cpus else None
@@ -292,6 +296,8 @@ class ClusterSim:
                     self._prefilled(now, *payload)
                 elif kind == "prefill-turn-end":
                     self.cpu.prefill = None
+                    if payload[0] is not None:  # a part of its prompt is left
+                        self.cpu.prefill_line.append(payload[0])
                     self._next_turns(now, handover=True)
                 elif kind == "start":
                     self._start(now, payload[0], payload[1], flights, records, ended)
@@ -384,7 +390,7 @@ class ClusterSim:
         p.queued -= sum(j.tokens for j in runnable)
         p.busy = True
         if self.cpu is not None:  # its forward pass waits for its turn
-            p.waiting = (runnable,)
+            p.waiting = runnable
             self.cpu.prefill_line.append(p)
             self._next_turns(now)
             return
@@ -392,13 +398,26 @@ class ClusterSim:
 
     def _prefill_compute(self, now: float, p: _Prefill, runnable: list[PrefillJob]) -> None:
         core = p.engine.core
+        if p.turns is not None and len(runnable) == 1:  # a part of a lone prompt per turn
+            req = runnable[0].request
+            part = p.turns.part(req.num_tokens - req.num_computed_tokens, core.block_size)
+            if part:
+                computed = core.prefill_part(req, part)
+                seconds = p.engine.runner.last_seconds
+                p.turns.observe(computed, seconds)
+                p.parts += computed
+                p.waiting = runnable
+                self.cpu.prefill = p
+                self._at(now + seconds, "prefill-turn-end", p)  # then it waits again
+                return
         tokens = core.prefill([j.request for j in runnable])
         compute = p.engine.runner.last_seconds
         if p.turns is not None:
-            p.turns.observe(sum(j.tokens for j in runnable), compute)
+            p.turns.observe(sum(j.tokens for j in runnable) - p.parts, compute)
+            p.parts = 0
         if self.cpu is not None:
             self.cpu.prefill = p
-            self._at(now + compute, "prefill-turn-end")
+            self._at(now + compute, "prefill-turn-end", None)
         pushed = sum(len(j.dest.block_ids) - j.dest.cached_blocks for j in runnable)
         link = self.profile.link
         total = pushed * self.block_bytes / link.bytes_s
@@ -483,7 +502,7 @@ class ClusterSim:
             return
         if cpu.prefill_line and cpu.decoding == 0:
             p = cpu.prefill_line.popleft()
-            (runnable,), p.waiting = p.waiting, None
+            runnable, p.waiting = p.waiting, None
             self._prefill_compute(now, p, runnable)
 
     def _step_end(
@@ -538,6 +557,9 @@ def run_cluster(
     engines = [d.engine for d in sim.decodes] + [p.engine for p in sim.prefills]
     for d in sim.decodes:
         d.state.check_integrity()
+    cpu = sim.cpu
+    if cpu is not None and (cpu.prefill or cpu.decoding or cpu.prefill_line or cpu.decode_line):
+        raise AssertionError(f"the simulated CPU turns did not all end: {cpu}")
     series = {d.name: d.series.points for d in sim.decodes}
     moves = sim.migrations.moves if sim.migrations is not None else 0
     return records, sim.steps, engines, series, moves

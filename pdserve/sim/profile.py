@@ -86,6 +86,15 @@ class Profile:
     def __post_init__(self) -> None:
         if self.kind not in ("roofline", "fitted"):
             raise ValueError(f"profile {self.name}: kind: {self.kind!r}; choose roofline, fitted")
+        if not isinstance(self.shares_cpus, bool):
+            raise ValueError(
+                f"profile {self.name}: shares_cpus: true or false, got {self.shares_cpus!r}"
+            )
+        if self.shares_cpus and self.kind == "roofline":
+            raise ValueError(
+                f"profile {self.name}: shares_cpus: GPU workers do not take turns at CPUs "
+                "(a fitted CPU profile's field: pdserve sim calibrate --cluster sets it)"
+            )
         for name in ("memory_bytes", "usable_fraction"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"profile {self.name}: {name}: must be > 0")

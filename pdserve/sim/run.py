@@ -28,6 +28,7 @@ from pdserve.sim.load import summarize
 from pdserve.sim.profile import Profile
 from pdserve.sim.replica import ROUTES, Replica, run_sim
 from pdserve.sim.shape import ModelShape
+from prefill.config import PrefillConfig
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,9 @@ class Setup:
     slo: SLO = SLO()
     seed: int = 0
     skew: str | None = None  # "late-join": decode workers but the first join midway
+    # with a profile whose workers share the CPUs: a prefill batch's turn (prefill/turns.py;
+    # `serve prefill --turn-s`, 0: batches by tokens alone)
+    turn_s: float = PrefillConfig.turn_s
 
     def shape(self) -> ModelShape:
         kv = 4 if self.profile.dtype == "float32" else (1 if self.profile.dtype == "fp8" else 2)
