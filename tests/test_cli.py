@@ -244,10 +244,12 @@ def test_bench_sweep_runs_an_open_loop_at_each_arrival_rate(tmp_path):
     proc = run_cli(
         "bench", "sweep", "--model", "tiny-llama", "--rate", "2,8", "--requests-per-rate", "4",
         "--num-kv-blocks", "16", "--policy", "default", "--json", str(out), "--plot", str(plots),
+        "--prefill-args", "--turn-s 0",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert report["workload"]["loop"] == "open" and report["workload"]["requests_per_rate"] == 4
+    assert report["cluster"]["prefill_args"] == ["--turn-s", "0"]
     points = report["points"]
     assert [(p["rate"], p["concurrency"]) for p in points] == [(2.0, None), (8.0, None)]
     for p in points:
@@ -256,6 +258,9 @@ def test_bench_sweep_runs_an_open_loop_at_each_arrival_rate(tmp_path):
         sent = sorted(r["sent_s"] for r in p["requests"])
         assert sent[0] == 0 and sent[-1] > 0
         assert sum(r["output_tokens"] for r in p["requests"]) == p["generated_tokens"]
+        for r in p["requests"]:  # the longest wait between two tokens, when there were two
+            assert (r["max_gap_s"] is None) == (r["output_tokens"] < 2)
+            assert r["max_gap_s"] is None or 0 <= r["max_gap_s"] <= r["e2e_s"]
     assert report["slo"]["unloaded_from"]["rate"] == 2.0
     assert report["analysis"]["default"]["knee_rate"] in (2.0, 8.0)
     assert "2/s" in proc.stdout and "8/s" in proc.stdout

@@ -328,6 +328,7 @@ def bench_sweep(
     skew: str | None = None,
     share_cpus: bool | None = None,
     router_idle: bool | None = None,
+    prefill_args: list[str] | None = None,
 ) -> dict:
     """`concurrency` (closed-loop clients per point) or `rates` (open-loop arrivals per
     second per point, `requests_per_rate` requests each), not both. `mean_output` defaults
@@ -339,7 +340,8 @@ def bench_sweep(
     far is written there after every point (a sweep stopped midway keeps what it measured).
     `skew`: None (the router spreads the load) or "late-join" (see the module's doc);
     `share_cpus`: each cluster's workers compute in turns, `router_idle`: its router at idle
-    priority (None: as launch does)."""
+    priority (None: as launch does); `prefill_args`: flags for every prefill worker (e.g.
+    `--turn-s 0`), recorded in the report."""
     from pdserve.launch import Cluster
     from pdserve.weights import resolve
 
@@ -390,6 +392,7 @@ def bench_sweep(
                 "block_size": block_size,
                 "share_cpus": any(c["share_cpus"] for c in cpus.values()),
                 "router_idle": any(c["router_idle"] for c in cpus.values()),
+                "prefill_args": list(prefill_args or []),
             },
             "workload": {
                 "kind": workload,
@@ -432,6 +435,7 @@ def bench_sweep(
                     router_args=["--queue-timeout", "3600", "--max-queue", "4096"]
                     + router_flags(policy),
                     decode_args=decode_args,
+                    prefill_args=prefill_args,
                     share_cpus=share_cpus,
                     router_idle=router_idle,
                 )

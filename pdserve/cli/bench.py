@@ -4,6 +4,7 @@ states the machine and the comparison it ran in the same process (docs/benchmark
 from __future__ import annotations
 
 import argparse
+import shlex
 from types import MappingProxyType
 
 from pdserve.bench.slo import DEFAULT_SWEEP_SLO
@@ -275,6 +276,7 @@ def cmd_bench_sweep(args: argparse.Namespace) -> int:
         skew=args.skew,
         share_cpus=args.share_cpus,
         router_idle=args.router_idle,
+        prefill_args=shlex.split(args.prefill_args),
     )
     print(format_table(report))
     if args.json:
@@ -600,6 +602,13 @@ def add_bench_parser(sub) -> None:
         "--requests-per-rate", type=int, default=48, help="open loop: requests per point"
     )
     sw.add_argument("--spill-dir", default=None)
+    sw.add_argument(
+        "--prefill-args",
+        default="",
+        metavar="FLAGS",
+        help="flags for every prefill worker, one string (e.g. --prefill-args='--turn-s 0'); "
+        "recorded in the JSON",
+    )
     sw.add_argument(
         "--quick",
         action="store_true",
