@@ -15,7 +15,12 @@ from pdserve.serving.metrics import TOKEN_BUCKETS, latency, transfer_metrics
 class PrefillMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.prefill = latency(r, "pdserve_prefill_seconds", "prompt forward pass per batch")
+        self.prefill = latency(
+            r,
+            "pdserve_prefill_seconds",
+            "a batch from its start to its first tokens (in turns at shared CPUs: its waits "
+            "for turns and its parts included)",
+        )
         self.queued_tokens = Gauge(
             "pdserve_prefill_queued_tokens", "prompt tokens waiting", registry=r
         )

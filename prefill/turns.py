@@ -50,8 +50,9 @@ class TurnBudget:
 
     def part(self, left: int, floor: int) -> int:
         """How much of a lone prompt with `left` tokens still to compute one turn takes
-        (at least `floor`), or 0: the rest fits one turn, or no rate is known yet (a prompt
-        goes whole until one is)."""
+        (what `tokens()` says: at most the cap, so a prompt longer than the batch budget is
+        split whatever the turn; at least `floor`), or 0: the rest fits one turn, or no
+        rate is known yet (a prompt goes whole until one is)."""
         if self.s_per_token is None:
             return 0
         budget = max(floor, self.tokens())

@@ -196,8 +196,9 @@ class PrefillWorker:
                     self._failpoint("prefill.posted", runnable)
 
             on_layer = (lambda i: post(range(i, i + 1))) if self.layerwise else None
-            work_sent = work is not None  # sent first thing: its answers must be read
-            parts, part_spans = self._parts(runnable) if work is None else (0, [])
+            parts, part_spans = self._parts(runnable)  # (tensor parallel: plain passes)
+            self._check_deadline(runnable)
+            work_sent = work is not None  # sent with the last pass: its answers must be read
             with turn_of(self.cpu_lease):
                 began, began_wall = time.monotonic(), now()  # the pass, not its wait
                 tokens = self.core.prefill(
@@ -238,8 +239,8 @@ class PrefillWorker:
                 job.done.set_result(
                     PrefillResult(
                         first_token=token,
-                        queue_s=started - job.enqueued,
-                        prefill_s=computed - started,
+                        queue_s=began - job.enqueued,  # as the spans: to the last pass
+                        prefill_s=computed - began,
                         transfer_s=pushed - computed,
                         transfer_bytes=nbytes // len(runnable),
                         spans=(
@@ -249,7 +250,7 @@ class PrefillWorker:
                     )
                 )
         except Exception as e:  # every job of the batch fails with it, typed for the edge
-            if not isinstance(e, (TransferFailed, ValueError)):
+            if not isinstance(e, (TransferFailed, ValueError, PrefillDeadline)):
                 log.exception("prefill of a batch of %d failed", len(runnable))
             for job in runnable:
                 if not job.done.done():
@@ -267,15 +268,17 @@ class PrefillWorker:
 
     def _parts(self, runnable: list[PrefillJob]) -> tuple[int, list[Span]]:
         """A lone prompt longer than a turn buys is computed a part per turn before its
-        last pass, which samples and pushes (prefill/turns.py; not under tensor
-        parallelism, whose ranks take their work with the last pass) -> the tokens so
-        computed, and a `prefill.part` span for each part."""
+        last pass, which samples and pushes (prefill/turns.py; under tensor parallelism
+        the parts are plain passes on every rank, the ranks' push work goes with the last)
+        -> the tokens so computed, and a `prefill.part` span for each part. Its deadline
+        is looked at before each part (PrefillDeadline: the batch fails, its blocks go)."""
         if self.turns is None or len(runnable) != 1:
             return 0, []
         req, done, spans = runnable[0].request, 0, []
         while part := self.turns.part(
             req.num_tokens - req.num_computed_tokens, self.core.block_size
         ):
+            self._check_deadline(runnable)
             with turn_of(self.cpu_lease):
                 began, began_wall = time.monotonic(), now()
                 computed = self.core.prefill_part(req, part)
@@ -283,6 +286,13 @@ class PrefillWorker:
                 spans.append(Span("prefill.part", began_wall, now(), self.worker_id))
             done += computed
         return done, spans
+
+    @staticmethod
+    def _check_deadline(jobs: list[PrefillJob]) -> None:
+        """PrefillDeadline once the last moment to post a lone job's push has passed (a
+        batch of several is looked at before it forms, `_late`, and pushes what it can)."""
+        if len(jobs) == 1 and time.monotonic() >= jobs[0].post_by:
+            raise PrefillDeadline("the caller's deadline passed while its prompt was computed")
 
     def _failpoint(self, point: str, jobs: list[PrefillJob]) -> None:
         if self.config.failpoints.directory is None:

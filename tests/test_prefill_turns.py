@@ -15,8 +15,10 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.serving.cpu_lease import CpuLease, slot_turns
 from prefill.config import PrefillConfig
 from prefill.turns import SMOOTHING, TurnBudget
+from prefill.worker import PrefillDeadline
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+NAMES = ("prefill.queue", "prefill.part", "prefill.compute")
 
 
 def test_one_prompt_until_measured_then_what_the_turn_buys():
@@ -99,11 +101,59 @@ def test_a_long_prompt_takes_a_turn_per_part_and_decodes_as_one_pass(tmp_path):
             assert drain(decode.start(rid, first)) == (expected.token_ids, "length")
         assert turns == [1, 1 + 5]
         assert _batches(prefill) == 2
+        spans = {n: [s for s in result.result().spans if s.name == n] for n in NAMES}
+        (queue,), (compute,) = spans["prefill.queue"], spans["prefill.compute"]
+        assert len(spans["prefill.part"]) == 4  # inside the queue span, in order
+        assert all(queue.start <= p.start <= p.end <= queue.end for p in spans["prefill.part"])
+        assert queue.end == compute.start
         decode.check_integrity()
         prefill.check_integrity()
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_deadline_that_passes_between_parts_stops_the_prompt(tmp_path):
+    """The lease held past a lone prompt's deadline while its first part waits: that part
+    runs, the next look at the deadline fails it (PrefillDeadline), no further turn is
+    taken and every block comes back."""
+    path = str(tmp_path / "cpu")
+    args = EngineArgs(block_size=16, num_kv_blocks=32, enable_prefix_caching=False)
+    prefill = prefill_worker("tiny-llama", "p-late", "nixl", args, cpu_lease=path, turn_s=1e-9)
+    decode = decode_worker("tiny-llama", "d-late", "nixl", args)
+    holder = CpuLease.open(path)
+    try:
+        first = list(range(3, 23))
+        reserved = decode.reserve("a", first, GREEDY, lease_s=60)
+        prefill.submit("a", first, GREEDY, destination(decode, reserved)).result(60)
+        decode.release("a")
+        assert sum(slot_turns(path)) == 1  # the rate is known: the next prompt goes in parts
+        long = list(range(30, 190))  # 10 parts of a block
+        holder.acquire()
+        reserved = decode.reserve("b", long, GREEDY, lease_s=60)
+        future = prefill.submit(
+            "b", long, GREEDY, destination(decode, reserved), deadline=time.monotonic() + 0.4
+        )
+        deadline = time.monotonic() + 30
+        while not holder.others_waiting():  # its first part waits for the lease
+            assert time.monotonic() < deadline, "the prefill worker never waited"
+            time.sleep(0.005)
+        time.sleep(0.5)  # past the prompt's deadline
+        holder.release()
+        with pytest.raises(PrefillDeadline):
+            future.result(60)
+        assert sum(slot_turns(path)) == 1 + 1 + 1  # "a", the holder's, one part of "b"
+        deadline = time.monotonic() + 10
+        while prefill.stats().free_blocks != 32:
+            assert time.monotonic() < deadline, "the prompt's blocks did not come back"
+            time.sleep(0.01)
+        prefill.check_integrity()
+        decode.release("b")
+        decode.check_integrity()
+    finally:
+        prefill.close()
+        decode.close()
+        holder.close()
 
 
 def test_the_rate_is_the_pass_not_the_wait_for_its_turn(tmp_path):

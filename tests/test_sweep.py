@@ -167,6 +167,15 @@ def test_analyze_and_the_slo_use_the_rate_on_open_loop_points():
     assert [p["goodput_req_s"] for p in points] == [0.0, 0.1, 0.1]
 
 
+def test_prefill_args_may_not_change_the_pool_the_report_names():
+    from pdserve.bench.sweep import bench_sweep
+
+    with pytest.raises(ValueError, match="--block-size is the sweep's own"):
+        bench_sweep("tiny-llama", ["default"], [1], prefill_args=["--block-size", "32"])
+    with pytest.raises(ValueError, match="--num-kv-blocks=8 is the sweep's own"):
+        bench_sweep("tiny-llama", ["default"], [1], prefill_args=["--num-kv-blocks=8"])
+
+
 def test_an_output_no_pool_can_hold_is_refused_before_anything_starts():
     from pdserve.bench.sweep import bench_sweep
 

@@ -347,6 +347,11 @@ def bench_sweep(
 
     for p in policies:
         policy_flags(p)
+    for flag in prefill_args or []:
+        if flag.split("=")[0] in ("--num-kv-blocks", "--block-size"):
+            raise ValueError(
+                f"prefill_args: {flag} is the sweep's own (--num-kv-blocks, --block-size)"
+            )
     if bool(concurrency) == bool(rates):
         raise ValueError("load: give concurrency (closed loop) or rates (open loop), one of them")
     if concurrency and min(concurrency) < 1:
