@@ -29,6 +29,12 @@ def _record(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Interval], list[tuple
     passes: list[Interval] = []
     joins: list[tuple] = []
     prefill_batch, step_start = ClusterSim._prefill_batch, ClusterSim._step_start
+    turn_end = ClusterSim._prefill_turn_end
+
+    def rejoin(self, now, again):
+        turn_end(self, now, again)
+        if again is not None:  # a part of its prompt left: it waits for a turn again
+            joins.append((now, again.name))
 
     def decode(self, now, d):
         step_start(self, now, d)
@@ -52,6 +58,7 @@ def _record(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Interval], list[tuple
 
     monkeypatch.setattr(ClusterSim, "_prefill_batch", batch)
     monkeypatch.setattr(ClusterSim, "_step_start", decode)
+    monkeypatch.setattr(ClusterSim, "_prefill_turn_end", rejoin)
     monkeypatch.setattr(ClusterSim, "_prefill_compute", prefill)
     monkeypatch.setattr(ClusterSim, "_step_run", step)
     return passes, joins
@@ -135,6 +142,12 @@ def test_turns_cost_decode_time_while_prompts_compute():
         )
         assert shared["generated_tokens"] == split["generated_tokens"]
         assert shared["tpot_p50_s"] > split["tpot_p50_s"]
+
+
+@pytest.mark.parametrize("turn_s", [-1.0, float("inf"), float("nan")])
+def test_a_turn_that_is_not_a_finite_number_is_refused(turn_s):
+    with pytest.raises(ValueError, match="turn_s"):
+        _setup(True, turn_s=turn_s)
 
 
 def test_the_profile_field_is_checked():

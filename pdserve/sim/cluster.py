@@ -295,10 +295,7 @@ class ClusterSim:
                 elif kind == "prefilled":
                     self._prefilled(now, *payload)
                 elif kind == "prefill-turn-end":
-                    self.cpu.prefill = None
-                    if payload[0] is not None:  # a part of its prompt is left
-                        self.cpu.prefill_line.append(payload[0])
-                    self._next_turns(now, handover=True)
+                    self._prefill_turn_end(now, *payload)
                 elif kind == "start":
                     self._start(now, payload[0], payload[1], flights, records, ended)
                 elif kind == "step":
@@ -485,6 +482,14 @@ class ClusterSim:
         if self.cpu is not None:
             self.cpu.decoding += 1
         self._at(now + eng.runner.last_seconds, "step", d, plan, result, now)
+
+    def _prefill_turn_end(self, now: float, again: _Prefill | None) -> None:
+        """A prefill pass's turn ends; `again`: its worker has a part of its prompt left and
+        waits for another turn, after the decode workers that waited for this one."""
+        self.cpu.prefill = None
+        if again is not None:
+            self.cpu.prefill_line.append(again)
+        self._next_turns(now, handover=True)
 
     def _next_turns(self, now: float, handover: bool = False) -> None:
         """Whoever's turn it is at the shared CPUs starts. `handover`: a prefill batch's

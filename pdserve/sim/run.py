@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -78,6 +79,12 @@ class Setup:
     # with a profile whose workers share the CPUs: a prefill batch's turn (prefill/turns.py;
     # `serve prefill --turn-s`, 0: batches by tokens alone)
     turn_s: float = PrefillConfig.turn_s
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.turn_s) and self.turn_s >= 0):
+            raise ValueError(
+                f"turn_s: must be a finite number >= 0 (0: no bound), got {self.turn_s}"
+            )
 
     def shape(self) -> ModelShape:
         kv = 4 if self.profile.dtype == "float32" else (1 if self.profile.dtype == "fp8" else 2)

@@ -80,7 +80,9 @@ def sim_sweep(
             "name": setup.profile.name,
             "kind": setup.profile.kind,
             "sources": setup.profile.sources,
+            "shares_cpus": setup.profile.shares_cpus,
         },
+        "turn_s": setup.turn_s if setup.profile.shares_cpus else None,
         "topology": dataclasses.asdict(topo),
         "engine_args": {
             "block_size": setup.args.block_size,

@@ -37,6 +37,12 @@ def cluster_points(cmp: Comparison) -> list[dict]:
             router_args=["--queue-timeout", "3600", "--max-queue", "4096"],
             decode_args=decode_args,
         ) as cluster:
+            if (cluster.lease_dir is not None) != cmp.profile.shares_cpus:
+                raise ValueError(
+                    f"profile {cmp.profile.name}: shares_cpus is {cmp.profile.shares_cpus} but "
+                    f"this machine's cluster {'does' if cluster.lease_dir else 'does not'} take "
+                    "turns at the CPUs: calibrate again (pdserve sim calibrate --cluster)"
+                )
             metrics = [a for k, a in cluster.metrics.items() if k.startswith("decode")]
             for c in cmp.concurrencies:
                 specs = cmp.specs(c)
