@@ -14,8 +14,9 @@ the next batch so that its turn lasts about `turn_s`.
     budget.observe(tokens, seconds)   # after its forward pass
 
 Tokens are the batch's prompt tokens, cached prefixes included (the units the batcher
-counts), so the rate is per batched token. Until a batch has been measured the budget is
-one prompt (a batch always takes at least one). A lone prompt longer than a turn buys is
+counts), so the rate is per batched token. Until a batch has been measured (the first
+pass of a worker's life is not: it pays one-time costs) the budget is one prompt (a batch
+always takes at least one). A lone prompt longer than a turn buys is
 computed a part per turn (`part`: at least a block each; its KV stays in its blocks between
 the parts, the last part samples and pushes), once a rate is known. The total work is the
 same either way: the prompts are computed in more, shorter turns, with decode steps
@@ -40,6 +41,7 @@ class TurnBudget:
         self.turn_s = turn_s
         self.cap = cap_tokens
         self.s_per_token: float | None = None  # learned from the batches run
+        self._warm = False  # the first pass was seen (and not learned from)
 
     def tokens(self) -> int:
         """The next batch's token budget: what `turn_s` buys at the learned rate, at most
@@ -59,8 +61,14 @@ class TurnBudget:
         return budget if left > budget else 0
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """A batch of `tokens` prompt tokens took `seconds` of forward pass."""
+        """A batch of `tokens` prompt tokens took `seconds` of forward pass. The first pass
+        of a worker's life is not learned from: it pays one-time costs (allocation, kernel
+        set-up), tens of times a later pass's, and a rate learned from it cut every prompt
+        into blocks until the smoothing caught up."""
         if tokens <= 0 or seconds <= 0:
+            return
+        if not self._warm:
+            self._warm = True
             return
         rate = seconds / tokens
         if self.s_per_token is None:

@@ -24,6 +24,8 @@ NAMES = ("prefill.queue", "prefill.part", "prefill.compute")
 def test_one_prompt_until_measured_then_what_the_turn_buys():
     budget = TurnBudget(turn_s=0.25, cap_tokens=2048)
     assert budget.tokens() == 1  # a batch always takes one prompt: that one is measured
+    budget.observe(5, 1.0)  # the worker's first pass: one-time costs, not learned from
+    assert budget.tokens() == 1 and budget.s_per_token is None
     budget.observe(250, 0.5)  # 2 ms a token
     assert budget.tokens() == 125
     budget.observe(100, 0.1)  # 1 ms a token: the rate moves by SMOOTHING of the gap
@@ -37,9 +39,11 @@ def test_one_prompt_until_measured_then_what_the_turn_buys():
 
 def test_the_cap_and_the_floor():
     budget = TurnBudget(turn_s=10.0, cap_tokens=512)
+    budget.observe(1, 1.0)  # the first pass
     budget.observe(100, 0.01)  # 100 us a token: 100,000 tokens in a turn, capped
     assert budget.tokens() == 512
     slow = TurnBudget(turn_s=0.01, cap_tokens=512)
+    slow.observe(1, 1.0)  # the first pass
     slow.observe(10, 5.0)  # a token takes longer than the turn: still one prompt
     assert slow.tokens() == 1
 
@@ -47,11 +51,14 @@ def test_the_cap_and_the_floor():
 def test_a_lone_prompt_is_split_only_once_a_rate_is_known_and_it_does_not_fit():
     budget = TurnBudget(turn_s=0.25, cap_tokens=2048)
     assert budget.part(5000, 16) == 0  # nothing measured: the prompt goes whole
+    budget.observe(1, 1.0)  # the first pass
+    assert budget.part(5000, 16) == 0
     budget.observe(250, 0.5)  # 125 tokens a turn
     assert budget.part(125, 16) == 0  # the rest fits one turn: the last pass
     assert budget.part(126, 16) == 125
     assert budget.part(126, 200) == 0 and budget.part(300, 200) == 200  # a floor above it
     slow = TurnBudget(turn_s=0.001, cap_tokens=2048)
+    slow.observe(1, 1.0)  # the first pass
     slow.observe(10, 1.0)  # one token is more than a turn: parts of a block
     assert slow.part(40, 16) == 16 and slow.part(16, 16) == 0
 
@@ -91,7 +98,12 @@ def test_a_long_prompt_takes_a_turn_per_part_and_decodes_as_one_pass(tmp_path):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     try:
         turns = []
-        for rid, prompt in (("a", list(range(3, 23))), ("b", list(range(30, 100)))):
+        prompts = (
+            ("w", list(range(5, 15))),
+            ("a", list(range(3, 23))),
+            ("b", list(range(30, 100))),
+        )
+        for rid, prompt in prompts:  # w: the first pass, not learned from
             reserved = decode.reserve(rid, prompt, params, lease_s=60)
             result = prefill.submit(rid, prompt, params, destination(decode, reserved))
             first = result.result(60).first_token
@@ -99,8 +111,8 @@ def test_a_long_prompt_takes_a_turn_per_part_and_decodes_as_one_pass(tmp_path):
             expected = LLM("tiny-llama", block_size=16).generate([prompt], params)[0]
             assert first == expected.token_ids[0]
             assert drain(decode.start(rid, first)) == (expected.token_ids, "length")
-        assert turns == [1, 1 + 5]
-        assert _batches(prefill) == 2
+        assert turns == [1, 2, 2 + 5]
+        assert _batches(prefill) == 3
         spans = {n: [s for s in result.result().spans if s.name == n] for n in NAMES}
         (queue,), (compute,) = spans["prefill.queue"], spans["prefill.compute"]
         assert len(spans["prefill.part"]) == 4  # inside the queue span, in order
@@ -123,11 +135,11 @@ def test_a_deadline_that_passes_between_parts_stops_the_prompt(tmp_path):
     decode = decode_worker("tiny-llama", "d-late", "nixl", args)
     holder = CpuLease.open(path)
     try:
-        first = list(range(3, 23))
-        reserved = decode.reserve("a", first, GREEDY, lease_s=60)
-        prefill.submit("a", first, GREEDY, destination(decode, reserved)).result(60)
-        decode.release("a")
-        assert sum(slot_turns(path)) == 1  # the rate is known: the next prompt goes in parts
+        for rid, first in (("w", list(range(5, 15))), ("a", list(range(3, 23)))):
+            reserved = decode.reserve(rid, first, GREEDY, lease_s=60)
+            prefill.submit(rid, first, GREEDY, destination(decode, reserved)).result(60)
+            decode.release(rid)
+        assert sum(slot_turns(path)) == 2  # the rate is known: the next prompt goes in parts
         long = list(range(30, 190))  # 10 parts of a block
         holder.acquire()
         reserved = decode.reserve("b", long, GREEDY, lease_s=60)
@@ -142,7 +154,7 @@ def test_a_deadline_that_passes_between_parts_stops_the_prompt(tmp_path):
         holder.release()
         with pytest.raises(PrefillDeadline):
             future.result(60)
-        assert sum(slot_turns(path)) == 1 + 1 + 1  # "a", the holder's, one part of "b"
+        assert sum(slot_turns(path)) == 2 + 1 + 1  # "w", "a", the holder's, a part of "b"
         deadline = time.monotonic() + 10
         while prefill.stats().free_blocks != 32:
             assert time.monotonic() < deadline, "the prompt's blocks did not come back"
@@ -165,6 +177,10 @@ def test_the_rate_is_the_pass_not_the_wait_for_its_turn(tmp_path):
     prefill = prefill_worker("tiny-llama", "p-rate", "nixl", args, cpu_lease=path, turn_s=10.0)
     decode = decode_worker("tiny-llama", "d-rate", "nixl", args)
     try:
+        warm = list(range(5, 15))  # the first pass, not learned from
+        reserved = decode.reserve("w", warm, GREEDY, lease_s=60)
+        prefill.submit("w", warm, GREEDY, destination(decode, reserved)).result(60)
+        decode.release("w")
         prompt = list(range(10, 30))
         holder.acquire()
         reserved = decode.reserve("r", prompt, GREEDY, lease_s=60)
@@ -204,7 +220,7 @@ def _batches(prefill) -> int:
 
 @pytest.mark.parametrize(
     ("turn_s", "batches"),
-    [(1e-9, 4), (3600.0, 2), (0.0, 2)],
+    [(1e-9, 4), (3600.0, 3), (0.0, 2)],
     ids=["short-turns", "long-turns", "no-bound"],
 )
 def test_batches_under_a_lease_are_sized_by_the_turn(tmp_path, turn_s, batches):
