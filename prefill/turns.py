@@ -2,12 +2,12 @@
 
 On a CPU node whose workers share the cores (pdserve/serving/cpu_lease.py), a prefill batch
 holds every core for its whole forward pass and the decode workers' steps wait for it: a
-2,048-token batch of SmolLM2 on 2 cores is about a second, so a request that is decoding
-then sees a gap of a second between two tokens, several times over while a burst of prompts
-is worked through (a short request's TPOT is set by them). Bounding the batch by *time*
-bounds that gap, the way chunked prefill's token budget does inside one engine, on any
-machine: the worker learns its seconds per prompt token from the batches it ran and sizes
-the next batch so that its turn lasts about `turn_s`.
+batch of eight 256-token SmolLM2 prompts took 2.6 s on 2 cores (docs/benchmarks.md), so a
+request that is decoding then sees gaps of seconds between two tokens, several times over
+while a burst of prompts is worked through (a short request's TPOT is set by them).
+Bounding the batch by *time* bounds that gap, the way chunked prefill's token budget does
+inside one engine, on any machine: the worker learns its seconds per prompt token from the
+batches it ran and sizes the next batch so that its turn lasts about `turn_s`.
 
     budget = TurnBudget(turn_s=0.25, cap_tokens=2048)
     tokens = budget.tokens()          # before a batch is formed
@@ -16,8 +16,8 @@ the next batch so that its turn lasts about `turn_s`.
 Tokens are the batch's prompt tokens, cached prefixes included (the units the batcher
 counts), so the rate is per batched token. Until a batch has been measured (the first
 pass of a worker's life is not: it pays one-time costs) the budget is one prompt (a batch
-always takes at least one). A lone prompt longer than a turn buys is
-computed a part per turn (`part`: at least a block each; its KV stays in its blocks between
+always takes at least one). A lone prompt longer than a turn buys is computed a part per
+turn (`part`: at least a block each; its KV stays in its blocks between
 the parts, the last part samples and pushes), once a rate is known. The total work is the
 same either way: the prompts are computed in more, shorter turns, with decode steps
 between them.
