@@ -4,7 +4,9 @@
                     pdserve/serving/destination.py, in the pushing agent's terms)
     BatchPush       the WRITEs of one batch: `layers(range)` posts one WRITE per request for
                     those layers (the last carries the request id as its notification),
-                    `wait()` until all are DONE, `spans()` for the trace, `release()`
+                    `wait()` until all are DONE, `spans()` for the trace, `release()`;
+                    a target whose WRITE fails (its decode worker died) is `failed` alone:
+                    the batch's other pushes go on
 
 The WRITEs themselves are transfer/writes.py's. Between tensor-parallel groups of
 different sizes a target carries its head route (transfer/heads.py) and its notification
@@ -49,7 +51,13 @@ class PushTarget:
 class BatchPush:
     """The WRITEs of one batch, with the wall-clock time each push (one layer, or all
     layers at once) was posted and first seen complete (polled at every later layer boundary
-    and while waiting for the tail)."""
+    and while waiting for the tail).
+
+    A target fails alone: a WRITE that cannot be posted, ends FAILED, or is not complete by
+    the target's `done_by` puts the target in `failed` (why, by target) and nothing more is
+    posted for it, while the others go on. One batch often pushes to several decode
+    workers; one of them dying must fail only the requests it held (failing the batch made
+    the router fence the survivors' reserved blocks for a whole push window)."""
 
     def __init__(
         self,
@@ -62,56 +70,83 @@ class BatchPush:
         self.agent, self.local, self.targets = agent, local, targets
         self.num_layers, self.worker = num_layers, worker
         self._runs = [t.runs for t in targets]
-        self._posted: list[tuple[int, float, list[Transfer]]] = []  # (layer or -1 for all, ...)
+        # (layer, or -1 for all; when posted; (target, its WRITE) for each posted)
+        self._posted: list[tuple[int, float, list[tuple[int, Transfer]]]] = []
         self._done_at: dict[int, float] = {}
         self.nbytes = 0
         self.abandoned: set[int] = set()  # targets past their deadline: nothing more posted
+        self.failed: dict[int, str] = {}  # targets whose push failed -> why
 
     def layers(self, layers: range) -> None:
         """Post one WRITE per request for `layers` (none for a request past its deadline,
-        then or before: it is abandoned)."""
+        then or before: it is abandoned; none for a failed one)."""
         last = layers.stop == self.num_layers
         posted = []
         t = time.monotonic()
         for i, (target, runs) in enumerate(zip(self.targets, self._runs)):
+            if i in self.failed:
+                continue
             if i in self.abandoned or target.post_by <= t:
                 self.abandoned.add(i)
                 continue
-            xfer, nbytes = write_layers(
-                self.agent,
-                target.peer,
-                layers,
-                self.local,
-                target.remote,
-                (target.src, target.dst, runs),
-                target.notif if last else b"",
-                target.heads,
-            )
-            posted.append(xfer)
+            try:
+                xfer, nbytes = write_layers(
+                    self.agent,
+                    target.peer,
+                    layers,
+                    self.local,
+                    target.remote,
+                    (target.src, target.dst, runs),
+                    target.notif if last else b"",
+                    target.heads,
+                )
+            except TransferFailed as e:
+                self.failed[i] = f"the push of {_named(layers)} to {target.peer} failed: {e}"
+                continue
+            posted.append((i, xfer))
             self.nbytes += nbytes
         self._posted.append((layers.start if len(layers) == 1 else -1, now(), posted))
         self.poll()
 
     def poll(self) -> bool:
-        """True when every posted write is complete; raises TransferFailed on a failed one."""
+        """True when every posted WRITE of a target not failed is complete; a target whose
+        WRITE ended FAILED joins `failed`."""
         for layer, _, transfers in self._posted:
             if layer in self._done_at:
                 continue
-            states = [t.state() for t in transfers]
-            if XferState.FAILED in states:
-                raise TransferFailed(f"the push of layer {layer} failed")
-            if all(s is XferState.DONE for s in states):
+            complete = True
+            for i, xfer in transfers:
+                if i in self.failed:
+                    continue
+                state = xfer.state()
+                if state is XferState.FAILED:
+                    peer = self.targets[i].peer
+                    self.failed[i] = f"the push of {_named_layer(layer)} to {peer} failed"
+                elif state is not XferState.DONE:
+                    complete = False
+            if complete:
                 self._done_at[layer] = now()
         return len(self._done_at) == len(self._posted)
 
+    def _in_flight(self) -> set[int]:
+        """Targets with a posted WRITE not yet complete (failed ones aside)."""
+        return {
+            i
+            for layer, _, transfers in self._posted
+            if layer not in self._done_at
+            for i, xfer in transfers
+            if i not in self.failed and xfer.state() is not XferState.DONE
+        }
+
     def wait(self, timeout_s: float, poll_s: float) -> None:
-        """Until every posted WRITE is complete: at most `timeout_s`, and never past the
-        `done_by` of a request that has WRITEs in flight (raises TransferFailed)."""
-        posted = [t.done_by for i, t in enumerate(self.targets) if i not in self.abandoned]
-        deadline = min([time.monotonic() + timeout_s, *posted])
+        """Until every posted WRITE is complete or its target failed: a target whose WRITEs
+        are not complete by its `done_by`, or within `timeout_s`, fails then."""
+        give_up = time.monotonic() + timeout_s
         while not self.poll():
-            if time.monotonic() > deadline:
-                raise TransferFailed("KV push not complete by its deadline")
+            t = time.monotonic()
+            for i in self._in_flight():
+                if t > min(give_up, self.targets[i].done_by):
+                    self.failed[i] = "KV push not complete by its deadline"
             time.sleep(poll_s)
 
     def spans(self) -> list[Span]:
@@ -128,5 +163,15 @@ class BatchPush:
 
     def release(self) -> None:
         for _, _, transfers in self._posted:
-            for xfer in transfers:
+            for _, xfer in transfers:
                 xfer.release()
+
+
+def _named(layers: range) -> str:
+    if len(layers) == 1:
+        return _named_layer(layers.start)
+    return f"layers {layers.start}-{layers.stop - 1}"
+
+
+def _named_layer(layer: int) -> str:
+    return "every layer" if layer < 0 else f"layer {layer}"

@@ -53,8 +53,15 @@ class PrefillRank(RankEndpoint):
             self.error = f"{type(e).__name__}: {e}"
         finally:
             push.release()
-        abandoned = sorted({work["targets"][i]["job"] for i in push.abandoned})
-        return {"nbytes": push.nbytes, "abandoned": abandoned, "error": self.error}
+        jobs = [t["job"] for t in work["targets"]]
+        abandoned = sorted({jobs[i] for i in push.abandoned})
+        failed = [(jobs[i], why) for i, why in push.failed.items()]
+        return {
+            "nbytes": push.nbytes,
+            "abandoned": abandoned,
+            "failed": failed,
+            "error": self.error,
+        }
 
     def _post(self, layers: range) -> None:
         if self.error is not None:

@@ -212,6 +212,9 @@ class PrefillWorker:
                 post(range(num_layers))
             push.wait(self.config.push_timeout_s, self.config.push_poll_s)
             abandoned = {owners[i] for i in push.abandoned}
+            # a job whose push failed fails alone (its decode worker died, say): the
+            # batch's other jobs pushed to other workers and go on
+            failed = {owners[i]: why for i, why in push.failed.items()}
             nbytes = push.nbytes
             if work_sent:
                 work_sent = False
@@ -219,6 +222,7 @@ class PrefillWorker:
                     if answer["error"] is not None:
                         raise TransferFailed(f"rank {rank}'s push failed: {answer['error']}")
                     abandoned.update(answer["abandoned"])
+                    failed.update((job, f"rank {rank}: {why}") for job, why in answer["failed"])
                     nbytes += answer["nbytes"]
             pushed, pushed_wall = time.monotonic(), now()
             shared = [
@@ -235,6 +239,9 @@ class PrefillWorker:
                     job.done.set_exception(
                         PrefillDeadline("the caller's deadline passed before the push was done")
                     )
+                    continue
+                if i in failed:
+                    job.done.set_exception(TransferFailed(failed[i]))
                     continue
                 job.done.set_result(
                     PrefillResult(

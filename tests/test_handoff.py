@@ -251,3 +251,78 @@ def test_a_peer_that_disconnects_mid_push_fails_that_batch_only():
         nixl.transfer = post
         prefill.close()
         decode.close()
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "after-prefill"])
+def test_a_dead_decode_worker_fails_only_its_own_requests_of_a_batch(layerwise):
+    """One prefill batch pushes to two decode workers and one of them disconnects (its
+    WRITEs refused at posting, as NIXL refuses them for a peer that went away): only its
+    request fails (TransferFailed, ABORTED at the edge); the other request's KV lands and it
+    decodes the colocated engine's tokens. Failing the whole batch made the router fence the
+    survivor's reserved blocks for a whole push window (182 s by default), which wedged a
+    small pool (the flaky tests/test_survival.py mid-spill test)."""
+    import threading
+
+    from transfer import TransferFailed
+
+    args = EngineArgs(num_kv_blocks=16)
+    prefill = prefill_worker("tiny-llama", "p-split", "nixl", args)
+    prefill.layerwise = layerwise
+    gone = decode_worker("tiny-llama", "d-gone", "nixl", args)
+    alive = decode_worker("tiny-llama", "d-alive", "nixl", args)
+    agent = prefill.endpoint.agent
+    write, write_tiles = agent.write, agent.write_tiles
+    held, release = threading.Event(), threading.Event()
+    prefill_pass, batches = prefill.core.prefill, []
+
+    def refuse(post):
+        def posted(peer, *args):
+            if peer == "d-gone":
+                raise TransferFailed("remote agent 'd-gone' was disconnected")
+            return post(peer, *args)
+
+        return posted
+
+    def hold_first(requests, **kwargs):  # the first pass waits: the next batch holds both
+        batches.append([r.request_id for r in requests])
+        if len(batches) == 1:
+            held.set()
+            assert release.wait(30)
+        return prefill_pass(requests, **kwargs)
+
+    agent.write, agent.write_tiles = refuse(write), refuse(write_tiles)
+    prefill.core.prefill = hold_first
+    try:
+        warm = [3, 4, 5]
+        reserved = alive.reserve("warm", warm, GREEDY, lease_s=30)
+        first = prefill.submit("warm", warm, GREEDY, destination(alive, reserved))
+        assert held.wait(30)
+        a, b = list(range(10, 40)), list(range(50, 75))
+        futures = {}
+        for rid, prompt, decode in (("a", a, gone), ("b", b, alive)):
+            reserved = decode.reserve(rid, prompt, GREEDY, lease_s=30)
+            futures[rid] = prefill.submit(rid, prompt, GREEDY, destination(decode, reserved))
+        release.set()
+        first.result(60)
+        with pytest.raises(TransferFailed, match="to d-gone failed"):
+            futures["a"].result(60)
+        result = futures["b"].result(60)
+        assert batches[1] == ["a", "b"]  # one batch, two destinations
+        expected = LLM("tiny-llama").generate([b], GREEDY)[0].token_ids
+        assert drain(alive.start("b", result.first_token)) == (expected, "length")
+        assert alive.release("warm")
+        assert gone.release("a", unpushed=True)
+        for w in (alive, gone):
+            w.check_integrity()
+            assert w.reservations.fenced == 0
+        deadline = time.monotonic() + 10
+        while prefill.stats().free_blocks != 16:  # freed right after the replies
+            assert time.monotonic() < deadline, "the prefill worker kept blocks"
+            time.sleep(0.01)
+        prefill.check_integrity()
+    finally:
+        release.set()
+        agent.write, agent.write_tiles = write, write_tiles
+        prefill.close()
+        gone.close()
+        alive.close()
