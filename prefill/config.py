@@ -19,7 +19,7 @@ class PrefillConfig:
     # cores and measured no gain, while 30 small WRITEs cost more than one
     # (docs/benchmarks.md, bench transfer).
     kv_push: str = "auto"
-    push_timeout_s: float = 30.0  # every WRITE of a batch done by then, else TransferFailed
+    push_timeout_s: float = 30.0  # a request's WRITEs done by then, else it fails alone
     push_poll_s: float = 0.0001
     # how long Prefill waits for its result when the caller set no gRPC deadline (the
     # router always sets one: pdserve/router/config.py prefill_timeout_s)

@@ -4,9 +4,9 @@
                     pdserve/serving/destination.py, in the pushing agent's terms)
     BatchPush       the WRITEs of one batch: `layers(range)` posts one WRITE per request for
                     those layers (the last carries the request id as its notification),
-                    `wait()` until all are DONE, `spans()` for the trace, `release()`;
-                    a target whose WRITE fails (its decode worker died) is `failed` alone:
-                    the batch's other pushes go on
+                    `wait()` until each is DONE or its target failed, `spans()` for the
+                    trace, `release()`; a target whose WRITE fails (its decode worker
+                    died) is `failed` alone: the batch's other pushes go on
 
 The WRITEs themselves are transfer/writes.py's. Between tensor-parallel groups of
 different sizes a target carries its head route (transfer/heads.py) and its notification
@@ -15,6 +15,7 @@ names its part of the push.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ from transfer import Transfer, TransferAgent, TransferFailed, XferState
 from transfer.writes import HeadRoute, PoolSide, block_runs, write_layers
 
 __all__ = ["BatchPush", "PushTarget"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,11 +56,11 @@ class BatchPush:
     layers at once) was posted and first seen complete (polled at every later layer boundary
     and while waiting for the tail).
 
-    A target fails alone: a WRITE that cannot be posted, ends FAILED, or is not complete by
-    the target's `done_by` puts the target in `failed` (why, by target) and nothing more is
-    posted for it, while the others go on. One batch often pushes to several decode
-    workers; one of them dying must fail only the requests it held (failing the batch made
-    the router fence the survivors' reserved blocks for a whole push window)."""
+    A target fails alone: a WRITE that cannot be posted or ends FAILED puts the target in
+    `failed` (why, by target), its WRITEs are released (NIXL's chance to abort them) and
+    nothing more is posted for it, while the others go on. One batch often pushes to several
+    decode workers; one of them dying must fail only the requests it held (failing the batch
+    made the router fence the survivors' reserved blocks for a whole push window)."""
 
     def __init__(
         self,
@@ -73,6 +76,7 @@ class BatchPush:
         # (layer, or -1 for all; when posted; (target, its WRITE) for each posted)
         self._posted: list[tuple[int, float, list[tuple[int, Transfer]]]] = []
         self._done_at: dict[int, float] = {}
+        self._pending: set[int] = set()  # targets with a WRITE not complete, at the last poll
         self.nbytes = 0
         self.abandoned: set[int] = set()  # targets past their deadline: nothing more posted
         self.failed: dict[int, str] = {}  # targets whose push failed -> why
@@ -101,7 +105,7 @@ class BatchPush:
                     target.heads,
                 )
             except TransferFailed as e:
-                self.failed[i] = f"the push of {_named(layers)} to {target.peer} failed: {e}"
+                self._fail(i, f"the push of {self._named(layers)} to {target.peer} failed: {e}")
                 continue
             posted.append((i, xfer))
             self.nbytes += nbytes
@@ -111,6 +115,7 @@ class BatchPush:
     def poll(self) -> bool:
         """True when every posted WRITE of a target not failed is complete; a target whose
         WRITE ended FAILED joins `failed`."""
+        pending = set()
         for layer, _, transfers in self._posted:
             if layer in self._done_at:
                 continue
@@ -121,33 +126,55 @@ class BatchPush:
                 state = xfer.state()
                 if state is XferState.FAILED:
                     peer = self.targets[i].peer
-                    self.failed[i] = f"the push of {_named_layer(layer)} to {peer} failed"
+                    self._fail(i, f"the push of {_layer_name(layer)} to {peer} failed")
                 elif state is not XferState.DONE:
                     complete = False
+                    pending.add(i)
             if complete:
                 self._done_at[layer] = now()
+        self._pending = pending - set(self.failed)
         return len(self._done_at) == len(self._posted)
 
-    def _in_flight(self) -> set[int]:
-        """Targets with a posted WRITE not yet complete (failed ones aside)."""
-        return {
-            i
-            for layer, _, transfers in self._posted
-            if layer not in self._done_at
-            for i, xfer in transfers
-            if i not in self.failed and xfer.state() is not XferState.DONE
-        }
-
     def wait(self, timeout_s: float, poll_s: float) -> None:
-        """Until every posted WRITE is complete or its target failed: a target whose WRITEs
-        are not complete by its `done_by`, or within `timeout_s`, fails then."""
+        """Until every posted WRITE is complete or its target failed, at most `timeout_s`
+        and never past the `done_by` of a target still in the push (complete or not: its
+        caller stops waiting then). At that limit the targets still in flight fail, the
+        rest stand."""
         give_up = time.monotonic() + timeout_s
         while not self.poll():
-            t = time.monotonic()
-            for i in self._in_flight():
-                if t > min(give_up, self.targets[i].done_by):
-                    self.failed[i] = "KV push not complete by its deadline"
+            standing = [
+                t.done_by
+                for i, t in enumerate(self.targets)
+                if i not in self.abandoned and i not in self.failed
+            ]
+            limit = min([give_up, *standing])
+            if time.monotonic() > limit:
+                why = (
+                    f"within push_timeout_s ({timeout_s:g} s)"
+                    if limit == give_up
+                    else "by the caller's deadline"
+                )
+                for i in sorted(self._pending):
+                    self._fail(i, f"the push to {self.targets[i].peer} was not complete {why}")
+                self.poll()  # every layer now has its end
+                return
             time.sleep(poll_s)
+
+    def _fail(self, i: int, why: str) -> None:
+        """Target i failed: nothing more is posted for it and its WRITEs are let go."""
+        self.failed[i] = why
+        log.warning("%s", why)
+        for _, _, transfers in self._posted:
+            for j, xfer in transfers:
+                if j == i:
+                    xfer.release()
+
+    def _named(self, layers: range) -> str:
+        if len(layers) == self.num_layers:
+            return "every layer"
+        if len(layers) == 1:
+            return _layer_name(layers.start)
+        return f"layers {layers.start}-{layers.stop - 1}"
 
     def spans(self) -> list[Span]:
         return [
@@ -167,11 +194,5 @@ class BatchPush:
                 xfer.release()
 
 
-def _named(layers: range) -> str:
-    if len(layers) == 1:
-        return _named_layer(layers.start)
-    return f"layers {layers.start}-{layers.stop - 1}"
-
-
-def _named_layer(layer: int) -> str:
+def _layer_name(layer: int) -> str:
     return "every layer" if layer < 0 else f"layer {layer}"

@@ -235,13 +235,13 @@ class PrefillWorker:
             self.metrics.transfer_seconds.labels("sent").observe(pushed - computed)
             self.metrics.transfer_bytes.labels("sent").inc(nbytes)
             for i, (job, token) in enumerate(zip(runnable, tokens)):
+                if i in failed:  # ABORTED at the edge: its decode worker, not us
+                    job.done.set_exception(TransferFailed(failed[i]))
+                    continue
                 if i in abandoned:
                     job.done.set_exception(
                         PrefillDeadline("the caller's deadline passed before the push was done")
                     )
-                    continue
-                if i in failed:
-                    job.done.set_exception(TransferFailed(failed[i]))
                     continue
                 job.done.set_result(
                     PrefillResult(

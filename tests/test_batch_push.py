@@ -4,6 +4,8 @@ batch's other pushes land whole and nothing more is posted to the failed one."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -115,8 +117,11 @@ def test_one_dead_peer_fails_only_its_own_target(fabric, layerwise, fault):
     assert notes["b"] == {"a": [b"req-0"]} and notes["d"] == {"a": [b"req-2"]}
     assert "c" not in notes
     assert len(push.spans()) == (LAYERS if layerwise else 1)  # every layer has its end
+    # the failed WRITE was let go when it failed, not when the batch ended
+    assert [x.released for x in a.stuck] == ([] if fault == "post" else [True])
+    if not layerwise:
+        assert "the push of every layer to c failed" in push.failed[1]
     push.release()
-    assert all(x.released for x in a.stuck)
 
 
 def test_every_peer_failing_fails_every_target(fabric):
@@ -136,7 +141,7 @@ def test_a_push_that_never_completes_fails_at_its_deadline_alone(fabric):
     push = BatchPush(a, local, _targets(sides, ["b", "c"]), LAYERS, "w")
     push.layers(range(LAYERS))
     push.wait(timeout_s=0.2, poll_s=0.01)
-    assert push.failed == {1: "KV push not complete by its deadline"}
+    assert push.failed == {1: "the push to c was not complete within push_timeout_s (0.2 s)"}
     assert _landed(src, pools["b"], 0)
 
 
@@ -145,9 +150,28 @@ def test_a_targets_own_done_by_ends_its_wait_before_the_timeout(fabric):
 
     a, local, _, _, sides = fabric
     a.faults["b"] = "hang"
-    push = BatchPush(a, local, _targets(sides, ["b"], done_by=time.monotonic() + 0.1), 3, "w")
+    target = _targets(sides, ["b"], done_by=time.monotonic() + 0.1)
+    push = BatchPush(a, local, target, LAYERS, "w")
     push.layers(range(LAYERS))
     began = time.monotonic()
     push.wait(timeout_s=30.0, poll_s=0.01)
     assert time.monotonic() - began < 5.0
-    assert list(push.failed) == [0]
+    assert push.failed == {0: "the push to b was not complete by the caller's deadline"}
+    assert a.stuck[0].released
+
+
+def test_a_complete_target_is_answered_by_its_own_deadline_whatever_the_others_do(fabric):
+    """Target 0 is complete at once, target 1 hangs with a later deadline: the wait ends
+    at target 0's deadline (its caller stops waiting then), failing only target 1."""
+    import time
+
+    a, local, src, pools, sides = fabric
+    a.faults["c"] = "hang"
+    targets = _targets(sides, ["b", "c"], done_by=time.monotonic() + 30.0)
+    targets[0] = dataclasses.replace(targets[0], done_by=time.monotonic() + 0.2)
+    push = BatchPush(a, local, targets, LAYERS, "w")
+    push.layers(range(LAYERS))
+    began = time.monotonic()
+    push.wait(timeout_s=60.0, poll_s=0.01)
+    assert time.monotonic() - began < 5.0
+    assert list(push.failed) == [1] and _landed(src, pools["b"], 0)

@@ -311,6 +311,8 @@ def test_a_dead_decode_worker_fails_only_its_own_requests_of_a_batch(layerwise):
         expected = LLM("tiny-llama").generate([b], GREEDY)[0].token_ids
         assert drain(alive.start("b", result.first_token)) == (expected, "length")
         assert alive.release("warm")
+        # (a dead worker's reservation goes with it; here its books are cleared by hand,
+        # unpushed: its WRITEs were refused at posting, none can land)
         assert gone.release("a", unpushed=True)
         for w in (alive, gone):
             w.check_integrity()
