@@ -320,6 +320,8 @@ def cmd_bench_sim_vs_real(args: argparse.Namespace) -> int:
         mean_output=args.mean_output,
         seed=args.seed,
         cluster=args.cluster,
+        decode_workers=args.decode_workers,
+        engine=not args.no_engine,
     )
     return print_report(report, format_table, args.json)
 
@@ -637,6 +639,10 @@ def add_bench_parser(sub) -> None:
     svr.add_argument("--requests", type=int, default=16, help="at least, per point")
     svr.add_argument("--mean-output", type=int, default=None)
     svr.add_argument("--cluster", action="store_true", help="also a launched 1P1D cluster")
+    svr.add_argument(
+        "--decode-workers", type=int, default=1, help="of the cluster (2: 1P2D; with --cluster)"
+    )
+    svr.add_argument("--no-engine", action="store_true", help="the cluster half only")
     svr.add_argument("--seed", type=int, default=0)
     svr.add_argument("--json", default=None)
     svr.set_defaults(func=cmd_bench_sim_vs_real)

@@ -7,6 +7,10 @@ of 1-16 clients; every request comes back with its trace (pdserve/trace.py), fro
                      (their count, and each one's context: its prompt plus the tokens before
                      that step); a step's cost is its cycle, start to the next step's start
                      when the worker ran back to back; fitted as the engine is
+    cluster_decodes  the same decode steps on a launched 1P2D cluster (more decode workers:
+                     `decodes`), its clients doubled: the decode workers split the CPUs
+                     there (one thread each on 2 CPUs, stepping side by side), so a step
+                     costs more than a lone decode worker's on every CPU
     cluster_prefill  prefill batches: the `prefill.compute` span of a batch and its prompts
                      (the pass itself, inside its turn at the CPUs; batches are not cut by
                      time here, `--turn-s 0`)
@@ -88,7 +92,10 @@ def _median_span(traces: list[dict], *names: str) -> float:
     return statistics.median(per_request) if per_request else 0.0
 
 
-def calibrate_cluster(model: str, num_kv_blocks: int = 256, seed: int = 0) -> dict:
+def _traces(model: str, decodes: int, num_kv_blocks: int, seed: int) -> tuple[list, bool]:
+    """Serve LOADS (the clients times `decodes`: each decode worker sees the batches a lone
+    one does) on a launched 1P`decodes`D cluster -> (every request's trace, whether its
+    workers took turns at the CPUs)."""
     from pdserve.launch import Cluster
 
     config = model_config(model)
@@ -96,7 +103,7 @@ def calibrate_cluster(model: str, num_kv_blocks: int = 256, seed: int = 0) -> di
     with Cluster(
         model,
         1,
-        1,
+        decodes,
         worker_args=["--num-kv-blocks", str(num_kv_blocks), "--block-size", "16"],
         # whole batches as the budget forms them, however long their turn: what a batch
         # costs is fitted here, how turns cut them is the simulator's (prefill/turns.py)
@@ -104,14 +111,44 @@ def calibrate_cluster(model: str, num_kv_blocks: int = 256, seed: int = 0) -> di
     ) as cluster:
         shares_cpus = cluster.lease_dir is not None  # its workers took turns at the CPUs
         for i, (clients, prompt, output) in enumerate(
-            progress(LOADS, desc="calibrate cluster", unit="load")
+            progress(LOADS, desc=f"calibrate cluster 1P{decodes}D", unit="load")
         ):
+            clients *= decodes
             specs = [RequestSpec(0.0, prompt, output)] * (2 * clients)
             work = Workload(prompts_for(specs, config.vocab_size, seed + i), [output] * len(specs))
             samples, _ = asyncio.run(_drive(cluster.address, work, clients, None, seed))
             for s in samples:
                 if s.error is None and s.trace is not None:
                     traces.append({**s.trace, "prompt_tokens": s.prompt_tokens})
+    return traces, shares_cpus
+
+
+def check_decodes(decodes: tuple[int, ...]) -> None:
+    """ValueError unless `decodes` names 1 and any larger counts of decode workers."""
+    if 1 not in decodes or any(n < 1 for n in decodes):
+        raise ValueError(
+            f"cluster decodes: 1 and any larger counts of decode workers, got "
+            f"{','.join(map(str, decodes))}"
+        )
+
+
+def calibrate_cluster(
+    model: str, num_kv_blocks: int = 256, seed: int = 0, decodes: tuple[int, ...] = (1, 2)
+) -> dict:
+    """The cluster parts of a profile, from a launched 1P1D cluster and, on a CPU node, for
+    each other count in `decodes`, a 1PnD one: its decode steps alone (`cluster_decodes`,
+    where the decode workers split the CPUs and their steps cost more)."""
+    from pdserve.launch import computes_on_cpu
+
+    check_decodes(decodes)
+    config = model_config(model)
+    traces, shares_cpus = _traces(model, 1, num_kv_blocks, seed)
+    more, more_fit = {}, {}
+    # on a GPU node each decode worker of a real deployment has its own GPU: two sharing
+    # the one measured here would not say what a step costs there
+    for n in sorted(set(decodes) - {1}) if computes_on_cpu([]) else ():
+        steps, _ = _steps(_traces(model, n, num_kv_blocks, seed)[0])
+        more[str(n)], more_fit[f"cluster_{n}d"] = fit_steps(steps)
     decode, prefill = _steps(traces)
     decode_coef, decode_fit = fit_steps(decode)
     prefill_coef, prefill_fit = fit_steps(prefill)
@@ -127,6 +164,7 @@ def calibrate_cluster(model: str, num_kv_blocks: int = 256, seed: int = 0) -> di
     (latency, per_byte), *_ = np.linalg.lstsq(x, y, rcond=None)
     return {
         "cluster": decode_coef,
+        "cluster_decodes": more,
         "cluster_prefill": prefill_coef,
         "link": {
             "bytes_s": 1.0 / per_byte if per_byte > 0 else float(np.sum(x[:, 1]) / np.sum(y)),
@@ -138,6 +176,6 @@ def calibrate_cluster(model: str, num_kv_blocks: int = 256, seed: int = 0) -> di
             "start_s": _median_span(traces, "rpc.start"),
             "per_token_s": _median_span(traces, "router.stream"),
         },
-        "fit": {"cluster": decode_fit, "cluster_prefill": prefill_fit},
+        "fit": {"cluster": decode_fit, **more_fit, "cluster_prefill": prefill_fit},
         "shares_cpus": shares_cpus,
     }

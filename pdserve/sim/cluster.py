@@ -37,10 +37,12 @@ decode step does not start while a prefill batch waits (the lease's gate), the w
 decode workers step once before the next prefill batch (its handover), and a prefill
 worker sizes its batches by time as the real one does, a lone prompt longer than a turn a
 part per turn (prefill/turns.py; `Setup.turn_s`). A step's cost starts when its turn does.
-Not modelled: a decode step's cost is the profile's whatever the number of decode workers
-sharing the CPUs (calibrated on 1P1D, where the decode worker's threads span every CPU; in
-a launched 1P2D each has half), and a shared turn's release waits up to 50 ms for a
-waiting prefill batch to take the lease (the real step's tokens go out after it).
+A decode step costs what the profile measured with as many decode workers on the node
+(`Profile.cluster_decode`: a launched 1P2D splits the CPUs between its decode workers, and
+`sim calibrate --cluster` fits its steps apart); whether the other decode worker is
+stepping at the same moment is not modelled (its calibration's steps mostly overlapped).
+Not modelled either: a shared turn's release waits up to 50 ms for a waiting prefill batch
+to take the lease (the real step's tokens go out after it).
 """
 
 from __future__ import annotations

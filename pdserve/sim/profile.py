@@ -76,6 +76,9 @@ class Profile:
     # fitted: seconds per feature of a step (pdserve/sim/cost.py FEATURES)
     engine: dict[str, float] = field(default_factory=dict)  # the in-process engine
     cluster: dict[str, float] = field(default_factory=dict)  # a decode worker of a cluster
+    # a decode worker of a cluster with more decode workers on the node ("2": 1P2D), where
+    # they split its CPUs (pdserve/launch.py): its steps cost more than 1P1D's (`cluster`)
+    cluster_decodes: dict[str, dict[str, float]] = field(default_factory=dict)
     cluster_prefill: dict[str, float] = field(default_factory=dict)  # a prefill worker
     # a cluster's workers take turns at the same CPUs (`pdserve launch --share-cpus`, its
     # default on CPU): a prefill batch's forward pass holds them all, decode steps wait
@@ -95,6 +98,7 @@ class Profile:
                 f"profile {self.name}: shares_cpus: GPU workers do not take turns at CPUs "
                 "(a fitted CPU profile's field: pdserve sim calibrate --cluster sets it)"
             )
+        self._check_cluster_decodes()
         for name in ("memory_bytes", "usable_fraction"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"profile {self.name}: {name}: must be > 0")
@@ -104,6 +108,32 @@ class Profile:
                     raise ValueError(f"profile {self.name}: {name}: a roofline needs it > 0")
         elif not self.engine:
             raise ValueError(f"profile {self.name}: engine: a fitted profile needs coefficients")
+
+    def _check_cluster_decodes(self) -> None:
+        from pdserve.sim.cost import FittedCost  # it imports this module
+
+        where = f"profile {self.name}: cluster_decodes"
+        if not isinstance(self.cluster_decodes, dict):
+            raise ValueError(f"{where}: an object of coefficients by number of decode workers")
+        for count, coefficients in self.cluster_decodes.items():
+            if not (count.isdigit() and str(int(count)) == count and int(count) >= 2):
+                raise ValueError(
+                    f"{where}: keys are numbers of decode workers (2 or more; 1 is `cluster`), "
+                    f"got {count!r}"
+                )
+            if not (isinstance(coefficients, dict) and coefficients):
+                raise ValueError(f"{where}: {count}: coefficients of a fitted step, got none")
+            try:  # unknown features are refused now, not mid-run
+                FittedCost(coefficients)
+            except ValueError as e:
+                raise ValueError(f"{where}: {count}: {e}") from None
+
+    def cluster_decode(self, decodes: int) -> dict[str, float]:
+        """A decode worker's step coefficients in a cluster with `decodes` decode workers:
+        those measured at that count, else at the largest count measured below it (1:
+        `cluster`)."""
+        measured = [int(n) for n in self.cluster_decodes if int(n) <= decodes]
+        return self.cluster_decodes[str(max(measured))] if measured else self.cluster
 
     @property
     def usable_bytes(self) -> float:

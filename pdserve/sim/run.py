@@ -93,7 +93,11 @@ class Setup:
     def cost(self, role: str = "engine") -> CostModel:
         p = self.profile
         if p.kind == "fitted":
-            fitted = {"engine": p.engine, "decode": p.cluster, "prefill": p.cluster_prefill}
+            fitted = {
+                "engine": p.engine,
+                "decode": p.cluster_decode(self.topology.decode),
+                "prefill": p.cluster_prefill,
+            }
             if role not in fitted:
                 raise ValueError(f"cost role: {role!r}; choose one of {', '.join(fitted)}")
             return FittedCost(fitted[role] or p.engine)

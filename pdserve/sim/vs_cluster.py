@@ -1,5 +1,6 @@
-"""The cluster half of `bench sim-vs-real`: a real launched 1P1D cluster against the
-simulator's disaggregated topology, on the same workload, pool and policies.
+"""The cluster half of `bench sim-vs-real`: a real launched cluster (1P1D, or 1P2D with
+`--decode-workers 2`) against the simulator's same disaggregated topology, on the same
+workload, pool and policies (the pool per decode worker).
 
 The real points are `bench sweep`'s (pdserve/bench/sweep.py run_point: closed-loop gRPC
 clients, the decode worker's Prometheus counters before and after); the simulated ones use
@@ -22,6 +23,13 @@ def cluster_points(cmp: Comparison) -> list[dict]:
         raise ValueError(
             f"profile {cmp.profile.name}: no cluster costs; run pdserve sim calibrate --cluster"
         )
+    n = cmp.decode_workers
+    if n > 1 and str(n) not in cmp.profile.cluster_decodes:
+        raise ValueError(
+            f"profile {cmp.profile.name}: no decode steps measured with {n} decode workers "
+            f"(cluster_decodes); its 1P1D steps would be compared with a 1P{n}D cluster's: "
+            f"run pdserve sim calibrate --cluster --cluster-decodes 1,{n}"
+        )
     config = model_config(cmp.model)
     base = EngineArgs(num_kv_blocks=cmp.num_kv_blocks, spill_dir=cmp.spill_dir)
     points = []
@@ -32,7 +40,7 @@ def cluster_points(cmp: Comparison) -> list[dict]:
         with Cluster(
             cmp.model,
             1,
-            1,
+            cmp.decode_workers,
             worker_args=["--num-kv-blocks", str(cmp.num_kv_blocks), "--block-size", "16"],
             router_args=["--queue-timeout", "3600", "--max-queue", "4096"],
             decode_args=decode_args,
@@ -53,7 +61,7 @@ def cluster_points(cmp: Comparison) -> list[dict]:
                 after = scrape(metrics)
                 wait_drained(cluster, metrics)
                 real.update({k: after[k] - before[k] for k in COUNTERS})
-                topology = Topology(prefill=1, decode=1)
+                topology = Topology(prefill=1, decode=cmp.decode_workers)
                 setup = Setup(config, cmp.profile, topology, args, seed=cmp.seed)
                 sim = simulate(setup, policy, specs, c, label=f"sim cluster {policy} c={c}")
                 points.append(cmp.point("cluster", policy, c, real, sim))

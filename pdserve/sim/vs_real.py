@@ -78,6 +78,7 @@ class Comparison:
     max_output: int
     seed: int
     spill_dir: str
+    decode_workers: int = 1  # of the launched cluster (1P1D, 1P2D, ...)
 
     def specs(self, concurrency: int) -> list[RequestSpec]:
         n = max(self.requests, concurrency)
@@ -141,7 +142,17 @@ def bench_sim_vs_real(
     mean_output: int | None = None,
     seed: int = 0,
     cluster: bool = False,
+    decode_workers: int = 1,
+    engine: bool = True,
 ) -> dict:
+    """Both halves (the engine's unless `engine` is False; the cluster's, 1P`decode_workers`D,
+    with `cluster`) -> the report."""
+    if decode_workers < 1:
+        raise ValueError(f"decode_workers: at least 1, got {decode_workers}")
+    if decode_workers > 1 and not cluster:
+        raise ValueError("decode_workers: the cluster's, with --cluster")
+    if not (engine or cluster):
+        raise ValueError("nothing to compare: the engine half is off and --cluster not given")
     budget = num_kv_blocks * 16
     mean_output = mean_output or max(16, budget // 4)
     max_output = max(8, budget // 2 - 48)
@@ -157,8 +168,9 @@ def bench_sim_vs_real(
             max_output,
             seed,
             spill_dir,
+            decode_workers,
         )
-        points = engine_points(cmp)
+        points = engine_points(cmp) if engine else []
         if cluster:
             from pdserve.sim.vs_cluster import cluster_points
 
@@ -168,6 +180,7 @@ def bench_sim_vs_real(
         "model": model,
         "profile": profile.name,
         "pool": {"num_kv_blocks": num_kv_blocks, "block_size": 16},
+        "cluster": f"1P{decode_workers}D" if cluster else None,
         "workload": {"kind": "reasoning", "mean_output": mean_output, "max_output": max_output},
         "bounds": dict(BOUNDS),
         "machine": machine_info(),
@@ -179,7 +192,9 @@ def bench_sim_vs_real(
 def format_table(report: dict) -> str:
     lines = [
         f"simulator vs real runs, {report['model']}, profile {report['profile']}, "
-        f"{report['pool']['num_kv_blocks']} blocks; sim / real per figure "
+        f"{report['pool']['num_kv_blocks']} blocks per worker"
+        f"{', cluster ' + report['cluster'] if report.get('cluster') else ''}; "
+        "sim / real per figure "
         f"(bounds: throughput and p50 {BOUNDS['p50']:.0%}, p99 {BOUNDS['p99']:.0%}, "
         f"cluster counts {BOUNDS['counts']:.0%})",
         f"{'kind':<7} {'policy':<18} {'conc':>4} {'tok/s':>6} {'TTFT50':>7} {'TPOT50':>7} "

@@ -1,0 +1,198 @@
+"""A decode worker's steps cost what they were measured to cost with as many decode workers
+on the node: a launched 1P2D splits the CPUs between its decode workers (pdserve/launch.py),
+so `sim calibrate --cluster` fits 1P2D's steps apart (`cluster_decodes`) and the simulated
+1P2D uses them (pdserve/sim/profile.py Profile.cluster_decode)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from pdserve.bench.workload import specs_of
+from pdserve.engine.args import EngineArgs
+from pdserve.sim.calibrate_cluster import _steps, check_decodes
+from pdserve.sim.profile import load_profile, profile_from_dict
+from pdserve.sim.run import Setup, Topology, simulate
+from pdserve.weights import model_config
+
+CPU_PROFILE = Path(__file__).parent.parent / "docs/results/cpu-profile-smollm2-2026-12-04.json"
+
+
+def _profile(**decodes):
+    base = load_profile(str(CPU_PROFILE))
+    raw = {k: dict(v) for k, v in decodes.items()}
+    return dataclasses.replace(base, cluster_decodes=raw)
+
+
+def test_the_coefficients_of_the_largest_count_measured_up_to_the_topologys():
+    one = load_profile(str(CPU_PROFILE)).cluster
+    two = {k: 2 * v for k, v in one.items()}
+    four = {k: 4 * v for k, v in one.items()}
+    p = _profile(**{"2": two, "4": four})
+    assert p.cluster_decode(1) == one
+    assert p.cluster_decode(2) == two and p.cluster_decode(3) == two
+    assert p.cluster_decode(4) == four and p.cluster_decode(8) == four
+    assert _profile().cluster_decode(2) == one  # none measured: 1P1D's
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"1": {"seqs": 1.0}},
+        {"two": {"seqs": 1.0}},
+        {"0": {"seqs": 1.0}},
+        {"02": {"seqs": 1.0}},
+        {"2": 0.5},
+        {"2": {}},
+        {"2": {"warp_speed": 1.0}},
+        None,
+        [],
+    ],
+)
+def test_the_profile_field_is_checked(bad):
+    raw = dataclasses.asdict(load_profile(str(CPU_PROFILE)))
+    with pytest.raises(ValueError, match="cluster_decodes"):
+        profile_from_dict({**raw, "cluster_decodes": bad})
+
+
+@pytest.mark.parametrize("decodes", [(2,), (0, 1), ()])
+def test_calibration_needs_1p1d(decodes):
+    with pytest.raises(ValueError, match="cluster decodes"):
+        check_decodes(decodes)
+    check_decodes((1, 2))
+
+
+def _point(profile, decode: int, seed: int = 1) -> dict:
+    specs = specs_of("reasoning", 48, seed=seed, mean_output=30, max_output=60)
+    setup = Setup(
+        model_config("tiny-llama"),
+        profile,
+        Topology(prefill=1, decode=decode),
+        EngineArgs(block_size=4, num_kv_blocks=200),
+    )
+    return simulate(setup, "greedy+recompute", specs, concurrency=16, label="")
+
+
+def test_a_simulated_1p2d_steps_at_its_own_cost_and_1p1d_at_its():
+    """Decode steps twice as dear at 2 decode workers: 1P2D's TPOT rises, nearly
+    doubling, its tokens the same; 1P1D is untouched."""
+    one = load_profile(str(CPU_PROFILE)).cluster
+    dear = _profile(**{"2": {k: 2 * v for k, v in one.items()}})
+    for decode in (1, 2):
+        plain, other = _point(_profile(), decode), _point(dear, decode)
+        assert plain["generated_tokens"] == other["generated_tokens"]
+        if decode == 1:  # the same run, but how long the simulator itself took
+            wall = ("wall_s", "sim_steps_per_s")
+            assert {k: v for k, v in other.items() if k not in wall} == {
+                k: v for k, v in plain.items() if k not in wall
+            }
+        else:
+            assert 1.5 < other["tpot_p50_s"] / plain["tpot_p50_s"] < 2.1
+
+
+def _span(name, worker, start, end):
+    return {"name": name, "worker": worker, "start": start, "end": end}
+
+
+def test_calibration_reads_each_decode_workers_steps_on_its_own_clock():
+    """Two decode workers stepping side by side: a step's cost is the cycle to that
+    worker's next step, not to the other worker's."""
+    traces = []
+    for worker, offset, n in (("decode-a", 0.0, 2), ("decode-b", 0.004, 1)):
+        for r in range(n):  # n requests sharing every step of the worker
+            spans = [
+                _span("decode.step", worker, offset + 0.01 * k, offset + 0.01 * k + 0.008)
+                for k in range(3)
+            ]
+            traces.append({"spans": spans, "prompt_tokens": 10 + r})
+    decode, prefill = _steps(traces)
+    assert not prefill
+    assert len(decode) == 6
+    by_batch = sorted((w.seqs, round(s, 6)) for w, s in decode)
+    # back to back: each step is its 10 ms cycle, the last one its own 8 ms
+    assert by_batch == [(1, 0.008), (1, 0.01), (1, 0.01), (2, 0.008), (2, 0.01), (2, 0.01)]
+
+
+def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch):
+    """`bench sim-vs-real --cluster --decode-workers 2 --no-engine`: a launched 1P2D cluster
+    against the simulated 1P2D, whose decode steps cost what the profile's cluster_decodes
+    says for 2, the same requests on both sides."""
+    from pdserve import launch
+    from pdserve.sim import vs_cluster
+    from pdserve.sim.vs_real import bench_sim_vs_real, format_table
+
+    if not launch.computes_on_cpu([]):
+        pytest.skip("a launched cluster takes turns at the CPUs only when it computes on them")
+    launched, decode_costs = [], []
+    real_cluster, real_simulate = launch.Cluster, vs_cluster.simulate
+
+    def cluster(model, prefill, decode, **kwargs):
+        launched.append((prefill, decode))
+        return real_cluster(model, prefill, decode, **kwargs)
+
+    def simulate_(setup, *args, **kwargs):
+        decode_costs.append((setup.topology.decode, setup.cost("decode")))
+        return real_simulate(setup, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "Cluster", cluster)
+    monkeypatch.setattr(vs_cluster, "simulate", simulate_)
+    shared = load_profile(
+        str(
+            Path(__file__).parent.parent / "docs/results/cpu-profile-smollm2-2026-12-05-shared.json"
+        )
+    )
+    assert shared.shares_cpus, "the committed profile was measured in turns"
+    two = {k: 1.5 * v for k, v in shared.cluster.items()}  # 1P2D's own steps
+    profile = dataclasses.replace(shared, cluster_decodes={"2": two})
+    report = bench_sim_vs_real(
+        "tiny-llama",
+        profile,
+        concurrencies=(4,),
+        policies=("greedy+recompute",),
+        num_kv_blocks=32,
+        requests=8,
+        mean_output=16,
+        cluster=True,
+        decode_workers=2,
+        engine=False,
+    )
+    assert launched == [(1, 2)]
+    [(decodes, cost)] = decode_costs
+    assert decodes == 2 and cost.intercept == two.get("intercept", 0.0)
+    assert dict(cost.terms) == {f: c for f, c in two.items() if f != "intercept" and c}
+    assert report["cluster"] == "1P2D" and "cluster 1P2D" in format_table(report)
+    [point] = report["points"]
+    assert point["kind"] == "cluster" and point["concurrency"] == 4
+    assert point["real"]["generated_tokens"] == point["sim"]["generated_tokens"] > 0
+    assert point["real"]["errors"] == 0
+
+
+def test_sim_vs_real_refuses_what_it_cannot_compare():
+    from pdserve.sim.vs_cluster import cluster_points
+    from pdserve.sim.vs_real import Comparison, bench_sim_vs_real
+
+    profile = load_profile(str(CPU_PROFILE))
+    with pytest.raises(ValueError, match="nothing to compare"):
+        bench_sim_vs_real("tiny-llama", profile, engine=False)
+    with pytest.raises(ValueError, match="decode_workers"):
+        bench_sim_vs_real("tiny-llama", profile, cluster=True, decode_workers=0)
+    with pytest.raises(ValueError, match="with --cluster"):
+        bench_sim_vs_real("tiny-llama", profile, decode_workers=2)
+    # a profile with no 1P2D steps measured is not compared with a 1P2D cluster
+    cmp = Comparison("tiny-llama", profile, ("greedy+recompute",), (2,), 16, 4, 8, 16, 0, "", 2)
+    with pytest.raises(ValueError, match="no decode steps measured with 2 decode workers"):
+        cluster_points(cmp)
+
+
+def test_the_cli_refuses_cluster_decodes_it_would_not_measure(tmp_path, capsys):
+    from pdserve.cli import main
+
+    out = str(tmp_path / "p.json")
+    base = ["sim", "calibrate", "--model", "tiny-llama", "--json", out]
+    assert main([*base, "--cluster-decodes", "1,3"]) == 2  # without --cluster
+    assert "give --cluster" in capsys.readouterr().err
+    assert main([*base, "--cluster", "--cluster-decodes", "2"]) == 2  # no 1P1D
+    assert "cluster decodes: 1 and any larger" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()  # refused before anything was measured
