@@ -300,6 +300,70 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
         time.sleep(0.05)
 
 
+def _gone(pid: int) -> bool:
+    """Whether `pid` has exited (a zombie, dead but not yet reaped by init, counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_loaded_cluster_dies_with_its_killed_launcher_in_seconds(tmp_path):
+    """A launcher SIGKILLed while its decode worker streams a request: every member goes
+    within 10 s. The decode worker's SIGTERM (PDEATHSIG) asks the router to drain it first
+    (up to --exit-drain-timeout, 30 s); the router dies with the same launcher, and the
+    drain's call must fail fast rather than hold the worker."""
+    import signal
+    import subprocess
+    import sys
+
+    pidfile = tmp_path / "members"
+    launcher = (
+        "import threading, time\n"
+        "from pdserve.client import Client\n"
+        "from pdserve.launch import Cluster\n"
+        "c = Cluster('tiny-llama', 1, 1, worker_args=['--num-kv-blocks', '256'])\n"
+        "client = Client(c.address)\n"
+        "started = threading.Event()\n"
+        "def stream():\n"
+        "    for _ in client.messages([5, 6, 7], max_tokens=3000, ignore_eos=True,"
+        " temperature=0, timeout_s=600):\n"
+        "        started.set()\n"
+        "threading.Thread(target=stream, daemon=True).start()\n"
+        "assert started.wait(120)\n"
+        f"open({str(pidfile)!r}, 'w').write(' '.join(str(p.pid) for p in c.procs))\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", launcher])
+    try:
+        deadline = time.monotonic() + 120
+        while not pidfile.exists() or not pidfile.read_text():
+            assert parent.poll() is None, "the launcher died before its streams started"
+            assert time.monotonic() < deadline, "the launcher's stream did not start"
+            time.sleep(0.05)
+        members = [int(p) for p in pidfile.read_text().split()]
+        assert len(members) == 3
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        killed = time.monotonic()
+        while not all(map(_gone, members)):
+            if time.monotonic() > killed + 10:
+                left = [p for p in members if not _gone(p)]
+                raise AssertionError(f"members {left} outlived their killed launcher by 10 s")
+            time.sleep(0.05)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for pid in pidfile.read_text().split() if pidfile.exists() else ():
+            if not _gone(int(pid)):
+                os.kill(int(pid), signal.SIGKILL)
+
+
 def test_a_launched_cluster_keeps_its_secret_and_its_doors(tmp_path, capfd):
     """The cluster secret is on no command line, in no environment and in no log line;
     without it the router refuses a registration and changes nothing; API keys (from a

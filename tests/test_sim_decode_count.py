@@ -196,3 +196,44 @@ def test_the_cli_refuses_cluster_decodes_it_would_not_measure(tmp_path, capsys):
     assert main([*base, "--cluster", "--cluster-decodes", "2"]) == 2  # no 1P1D
     assert "cluster decodes: 1 and any larger" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()  # refused before anything was measured
+
+
+def test_the_comparison_says_how_far_the_machine_drifted_from_its_profile(monkeypatch):
+    """A probe of the real engine before the runs: measured over predicted step time, and a
+    line saying the profile is stale past 10%. Here the profile's coefficients halved: the
+    same machine reads twice as slow against them as against the profile itself."""
+    from pdserve.sim import calibrate
+    from pdserve.sim.vs_real import Comparison, engine_drift, format_table
+
+    profile = load_profile(str(CPU_PROFILE))
+    calls = []
+    real_measure = calibrate.measure_engine
+
+    def measure(core, **kwargs):
+        if not calls:
+            calls.append(real_measure(core, **kwargs))
+        return calls[0]  # the same steps for both profiles
+
+    monkeypatch.setattr(calibrate, "measure_engine", measure)
+    half = dataclasses.replace(profile, engine={k: v / 2 for k, v in profile.engine.items()})
+    drifts = []
+    for p in (profile, half):
+        cmp = Comparison("tiny-llama", p, ("greedy+recompute",), (2,), 16, 4, 8, 16, 0, "")
+        drifts.append(engine_drift(cmp))
+    assert drifts[0]["steps"] == drifts[1]["steps"] >= 100
+    x = drifts[0]["measured_over_profile"]
+    assert drifts[1]["measured_over_profile"] == pytest.approx(2 * x)
+    report = {
+        "model": "m",
+        "profile": "p",
+        "pool": {"num_kv_blocks": 16},
+        "points": [],
+        "misses": 0,
+    }
+    fresh = format_table({**report, "drift": {"measured_over_profile": 1.05, "steps": 150}})
+    stale = format_table({**report, "drift": {"measured_over_profile": 1.3, "steps": 150}})
+    assert "1.05x the profile's time" in fresh and "stale" not in fresh
+    assert "1.30x the profile's time" in stale and "the profile is stale" in stale
+    roofline = dataclasses.replace(profile, kind="roofline", memory_bytes_s=1.0, flops=1.0)
+    cmp = Comparison("tiny-llama", roofline, ("greedy+recompute",), (2,), 16, 4, 8, 16, 0, "")
+    assert engine_drift(cmp) is None

@@ -19,6 +19,7 @@ tokens within 20%). A miss says which figure and by how much.
 from __future__ import annotations
 
 import math
+import statistics
 import tempfile
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -40,6 +41,7 @@ POLICIES = ("greedy+recompute", "greedy+tiered", "kv-aware+tiered")
 TIMING = ("throughput_tok_s", "ttft_p50_s", "tpot_p50_s", "ttft_p99_s", "tpot_p99_s")
 COUNTS = ("preemptions", "recomputed_tokens", "spilled_bytes")
 BOUNDS = MappingProxyType({"p50": 0.15, "p99": 0.30, "throughput": 0.15, "counts": 0.20})
+DRIFT = 0.10  # a probe's steps further than this from the profile's: calibrate again
 
 
 def _bound(figure: str) -> float:
@@ -94,6 +96,31 @@ class Comparison:
             "sim": sim,
             **compare(sim, real, counts=True),
         }
+
+
+def engine_drift(cmp: Comparison) -> dict | None:
+    """How fast this machine runs now against the profile it is compared with: a short probe
+    of the real engine (calibration's own grid at 1 and 8 clients over 128-token prompts,
+    ~120 steps) -> the median over its steps of measured / the profile's predicted time.
+    A shared machine's speed drifts between sessions (the real engine here ran 1.25-1.4x
+    slower on 2026-12-05 than on the day its profile was measured); a profile from a faster
+    day makes every simulated figure fast by about this. None for a roofline profile."""
+    from pdserve.sim.calibrate import measure_engine
+    from pdserve.sim.cost import FittedCost
+
+    if cmp.profile.kind != "fitted":
+        return None
+    args = EngineArgs(num_kv_blocks=128, spill_dir=cmp.spill_dir, enable_prefix_caching=False)
+    core, _ = build_engine(cmp.model, args)
+    try:
+        samples = measure_engine(
+            core, batches=(1, 8), contexts=(128,), outputs=12, decode_outputs=32, seed=cmp.seed
+        )
+    finally:
+        core.close()
+    cost = FittedCost(cmp.profile.engine)
+    ratios = [s / p for w, s in samples if (p := cost.step_seconds(w)) > 0]
+    return {"measured_over_profile": statistics.median(ratios), "steps": len(ratios)}
 
 
 def engine_points(cmp: Comparison) -> list[dict]:
@@ -170,6 +197,7 @@ def bench_sim_vs_real(
             spill_dir,
             decode_workers,
         )
+        drift = engine_drift(cmp)
         points = engine_points(cmp) if engine else []
         if cluster:
             from pdserve.sim.vs_cluster import cluster_points
@@ -183,6 +211,7 @@ def bench_sim_vs_real(
         "cluster": f"1P{decode_workers}D" if cluster else None,
         "workload": {"kind": "reasoning", "mean_output": mean_output, "max_output": max_output},
         "bounds": dict(BOUNDS),
+        "drift": drift,
         "machine": machine_info(),
         "points": points,
         "misses": sum(len(p["misses"]) for p in points),
@@ -209,6 +238,14 @@ def format_table(report: dict) -> str:
             f"{r['recomputed_tokens']:>7.2f}  {len(p['misses'])}"
         )
     lines.append(f"{report['misses']} figures outside their bounds")
+    drift = report.get("drift")
+    if drift is not None:
+        x = drift["measured_over_profile"]
+        lines.append(
+            f"this machine ran the engine's steps at {x:.2f}x the profile's time in a probe "
+            f"before the runs ({drift['steps']} steps)"
+            + ("" if abs(x - 1) <= DRIFT else ": the profile is stale, calibrate again")
+        )
     for p in report["points"]:
         for m in p["misses"]:
             lines.append(f"  {p['kind']} {p['policy']} c={p['concurrency']}: {m}")
