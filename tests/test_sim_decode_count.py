@@ -120,13 +120,13 @@ def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch
     against the simulated 1P2D, whose decode steps cost what the profile's cluster_decodes
     says for 2, the same requests on both sides."""
     from pdserve import launch
-    from pdserve.sim import vs_cluster
+    from pdserve.sim import vs_real
     from pdserve.sim.vs_real import bench_sim_vs_real, format_table
 
     if not launch.computes_on_cpu([]):
         pytest.skip("a launched cluster takes turns at the CPUs only when it computes on them")
     launched, decode_costs = [], []
-    real_cluster, real_simulate = launch.Cluster, vs_cluster.simulate
+    real_cluster, real_simulate = launch.Cluster, vs_real.simulate
 
     def cluster(model, prefill, decode, **kwargs):
         launched.append((prefill, decode))
@@ -137,7 +137,7 @@ def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch
         return real_simulate(setup, *args, **kwargs)
 
     monkeypatch.setattr(launch, "Cluster", cluster)
-    monkeypatch.setattr(vs_cluster, "simulate", simulate_)
+    monkeypatch.setattr(vs_real, "simulate", simulate_)
     shared = load_profile(
         str(
             Path(__file__).parent.parent / "docs/results/cpu-profile-smollm2-2026-12-05-shared.json"
@@ -237,3 +237,45 @@ def test_the_comparison_says_how_far_the_machine_drifted_from_its_profile(monkey
     roofline = dataclasses.replace(profile, kind="roofline", memory_bytes_s=1.0, flops=1.0)
     cmp = Comparison("tiny-llama", roofline, ("greedy+recompute",), (2,), 16, 4, 8, 16, 0, "")
     assert engine_drift(cmp) is None
+
+
+def test_rescale_simulates_the_profile_scaled_by_the_probe_and_as_given():
+    """`--rescale`: every step cost times the probe's factor; the profile as given is
+    simulated too, and on the engine (no other costs on its clock) the two runs differ by
+    exactly that factor in time."""
+    from pdserve.sim.vs_real import bench_sim_vs_real, format_table
+
+    report = bench_sim_vs_real(
+        "tiny-llama",
+        load_profile(str(CPU_PROFILE)),
+        concurrencies=(2,),
+        policies=("greedy+recompute",),
+        num_kv_blocks=16,
+        requests=4,
+        mean_output=8,
+        rescale=True,
+    )
+    factor = report["drift"]["measured_over_profile"]
+    [point] = report["points"]
+    scaled, raw = point["sim"], point["unscaled"]["sim"]
+    assert (
+        scaled["generated_tokens"] == raw["generated_tokens"] == point["real"]["generated_tokens"]
+    )
+    assert scaled["tpot_p50_s"] == pytest.approx(factor * raw["tpot_p50_s"], rel=1e-6)
+    assert scaled["throughput_tok_s"] == pytest.approx(raw["throughput_tok_s"] / factor, rel=1e-6)
+    assert report["rescaled"] and report["misses_unscaled"] == len(point["unscaled"]["misses"])
+    assert "--rescale" in format_table(report)
+
+
+def test_a_scaled_profile():
+    p = load_profile(str(CPU_PROFILE))
+    two = dataclasses.replace(p, cluster_decodes={"2": dict(p.cluster)}).scaled(1.5)
+    assert two.engine == {k: 1.5 * v for k, v in p.engine.items()}
+    assert two.cluster_prefill == {k: 1.5 * v for k, v in p.cluster_prefill.items()}
+    assert two.cluster_decodes["2"] == {k: 1.5 * v for k, v in p.cluster.items()}
+    assert two.tiers == p.tiers and two.link == p.link and two.handoff == p.handoff
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="positive finite"):
+            p.scaled(bad)
+    with pytest.raises(ValueError, match="only a fitted profile"):
+        load_profile("h200").scaled(2.0)

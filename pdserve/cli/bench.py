@@ -322,6 +322,7 @@ def cmd_bench_sim_vs_real(args: argparse.Namespace) -> int:
         cluster=args.cluster,
         decode_workers=args.decode_workers,
         engine=not args.no_engine,
+        rescale=args.rescale,
     )
     return print_report(report, format_table, args.json)
 
@@ -643,6 +644,12 @@ def add_bench_parser(sub) -> None:
         "--decode-workers", type=int, default=1, help="of the cluster (2: 1P2D; with --cluster)"
     )
     svr.add_argument("--no-engine", action="store_true", help="the cluster half only")
+    svr.add_argument(
+        "--rescale",
+        action="store_true",
+        help="scale the profile's step costs by the probe of this machine made first "
+        "(the figures with the profile as given are reported too)",
+    )
     svr.add_argument("--seed", type=int, default=0)
     svr.add_argument("--json", default=None)
     svr.set_defaults(func=cmd_bench_sim_vs_real)

@@ -16,7 +16,7 @@ the field named, before anything runs.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 
@@ -127,6 +127,27 @@ class Profile:
                 FittedCost(coefficients)
             except ValueError as e:
                 raise ValueError(f"{where}: {count}: {e}") from None
+
+    def scaled(self, factor: float) -> Profile:
+        """The same machine running every step `factor` times as long: a fitted profile's
+        step coefficients scaled (engine, cluster decode and prefill); tiers, link and
+        handoff as measured."""
+        if not (factor > 0 and factor != float("inf")):
+            raise ValueError(f"scale: a positive finite factor, got {factor}")
+        if self.kind != "fitted":
+            raise ValueError(f"profile {self.name}: only a fitted profile's steps scale")
+
+        def times(c: dict[str, float]) -> dict[str, float]:
+            return {k: v * factor for k, v in c.items()}
+
+        return replace(
+            self,
+            name=f"{self.name} x{factor:.3g}",
+            engine=times(self.engine),
+            cluster=times(self.cluster),
+            cluster_prefill=times(self.cluster_prefill),
+            cluster_decodes={n: times(c) for n, c in self.cluster_decodes.items()},
+        )
 
     def cluster_decode(self, decodes: int) -> dict[str, float]:
         """A decode worker's step coefficients in a cluster with `decodes` decode workers:

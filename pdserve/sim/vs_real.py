@@ -18,6 +18,7 @@ tokens within 20%). A miss says which figure and by how much.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import tempfile
@@ -81,14 +82,24 @@ class Comparison:
     seed: int
     spill_dir: str
     decode_workers: int = 1  # of the launched cluster (1P1D, 1P2D, ...)
+    unscaled: Profile | None = None  # with --rescale: the profile as given, simulated too
+
+    def simulate(self, setup: Setup, policy: str, specs, concurrency: int, label: str):
+        """-> (the simulated point with `profile`, and with `unscaled` or None)."""
+        sim = simulate(setup, policy, specs, concurrency, label=label)
+        if self.unscaled is None:
+            return sim, None
+        raw = dataclasses.replace(setup, profile=self.unscaled)
+        return sim, simulate(raw, policy, specs, concurrency, label="")
 
     def specs(self, concurrency: int) -> list[RequestSpec]:
         n = max(self.requests, concurrency)
         return specs_of("reasoning", n, self.seed + concurrency, self.mean_output, self.max_output)
 
-    def point(self, kind: str, policy: str, concurrency: int, real: dict, sim: dict) -> dict:
+    def point(self, kind: str, policy: str, concurrency: int, real: dict, sims: tuple) -> dict:
+        sim, raw = sims
         sim.pop("series", None)
-        return {
+        point = {
             "kind": kind,
             "policy": policy,
             "concurrency": concurrency,
@@ -96,6 +107,10 @@ class Comparison:
             "sim": sim,
             **compare(sim, real, counts=True),
         }
+        if raw is not None:  # --rescale: the profile as given, too
+            raw.pop("series", None)
+            point["unscaled"] = {"sim": raw, **compare(raw, real, counts=True)}
+        return point
 
 
 def engine_drift(cmp: Comparison) -> dict | None:
@@ -153,8 +168,8 @@ def engine_points(cmp: Comparison) -> list[dict]:
             )
             core.check_integrity()
             setup = Setup(config, cmp.profile, Topology(), args, seed=cmp.seed)
-            sim = simulate(setup, policy, specs, c, label=f"sim {policy} c={c}")
-            points.append(cmp.point("engine", policy, c, real, sim))
+            sims = cmp.simulate(setup, policy, specs, c, label=f"sim {policy} c={c}")
+            points.append(cmp.point("engine", policy, c, real, sims))
         core.close()
     return points
 
@@ -171,9 +186,12 @@ def bench_sim_vs_real(
     cluster: bool = False,
     decode_workers: int = 1,
     engine: bool = True,
+    rescale: bool = False,
 ) -> dict:
     """Both halves (the engine's unless `engine` is False; the cluster's, 1P`decode_workers`D,
-    with `cluster`) -> the report."""
+    with `cluster`) -> the report. `rescale`: the profile's step costs scaled by the drift
+    probe's factor (measured in this run), the figures with the profile as given reported
+    beside them (`unscaled` in each point)."""
     if decode_workers < 1:
         raise ValueError(f"decode_workers: at least 1, got {decode_workers}")
     if decode_workers > 1 and not cluster:
@@ -198,6 +216,11 @@ def bench_sim_vs_real(
             decode_workers,
         )
         drift = engine_drift(cmp)
+        if rescale:
+            if drift is None:
+                raise ValueError(f"rescale: profile {profile.name} is no fitted one")
+            factor = drift["measured_over_profile"]
+            cmp = dataclasses.replace(cmp, profile=profile.scaled(factor), unscaled=profile)
         points = engine_points(cmp) if engine else []
         if cluster:
             from pdserve.sim.vs_cluster import cluster_points
@@ -215,6 +238,8 @@ def bench_sim_vs_real(
         "machine": machine_info(),
         "points": points,
         "misses": sum(len(p["misses"]) for p in points),
+        "rescaled": rescale,
+        "misses_unscaled": (sum(len(p["unscaled"]["misses"]) for p in points) if rescale else None),
     }
 
 
@@ -245,6 +270,12 @@ def format_table(report: dict) -> str:
             f"this machine ran the engine's steps at {x:.2f}x the profile's time in a probe "
             f"before the runs ({drift['steps']} steps)"
             + ("" if abs(x - 1) <= DRIFT else ": the profile is stale, calibrate again")
+        )
+    if report.get("rescaled"):
+        lines.append(
+            "the simulated figures are the profile's with every step cost scaled by that "
+            f"factor (--rescale); with the profile as given: {report['misses_unscaled']} "
+            "figures outside their bounds"
         )
     for p in report["points"]:
         for m in p["misses"]:
