@@ -273,9 +273,41 @@ def test_a_scaled_profile():
     assert two.engine == {k: 1.5 * v for k, v in p.engine.items()}
     assert two.cluster_prefill == {k: 1.5 * v for k, v in p.cluster_prefill.items()}
     assert two.cluster_decodes["2"] == {k: 1.5 * v for k, v in p.cluster.items()}
+    assert two.cluster == {k: 1.5 * v for k, v in p.cluster.items()}
     assert two.tiers == p.tiers and two.link == p.link and two.handoff == p.handoff
+    engine_only = p.scaled(2.0, parts=("engine",))
+    assert engine_only.engine == {k: 2.0 * v for k, v in p.engine.items()}
+    assert engine_only.cluster == p.cluster and engine_only.cluster_prefill == p.cluster_prefill
+    with pytest.raises(ValueError, match="unknown part 'tiers'"):
+        p.scaled(2.0, parts=("tiers",))
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="positive finite"):
             p.scaled(bad)
     with pytest.raises(ValueError, match="only a fitted profile"):
         load_profile("h200").scaled(2.0)
+
+
+def test_a_cluster_only_comparison_checks_its_profile_before_any_probe(monkeypatch):
+    """--no-engine without --rescale runs no engine probe (on a GPU it would hold the
+    device while the cluster's workers start), and a profile that cannot be compared is
+    refused before anything runs."""
+    from pdserve.sim import vs_real
+
+    def no_probe(cmp):
+        raise AssertionError("the engine was probed")
+
+    monkeypatch.setattr(vs_real, "engine_drift", no_probe)
+    profile = load_profile(str(CPU_PROFILE))  # no cluster_decodes
+    with pytest.raises(ValueError, match="no decode steps measured with 2"):
+        vs_real.bench_sim_vs_real(
+            "tiny-llama", profile, cluster=True, decode_workers=2, engine=False
+        )
+    with pytest.raises(AssertionError, match="probed"):  # --rescale needs the probe
+        vs_real.bench_sim_vs_real(
+            "tiny-llama",
+            dataclasses.replace(profile, cluster_decodes={"2": dict(profile.cluster)}),
+            cluster=True,
+            decode_workers=2,
+            engine=False,
+            rescale=True,
+        )

@@ -16,9 +16,8 @@ from pdserve.sim.vs_real import Comparison
 from pdserve.weights import model_config
 
 
-def cluster_points(cmp: Comparison) -> list[dict]:
-    from pdserve.launch import Cluster
-
+def check_cluster_costs(cmp: Comparison) -> None:
+    """ValueError unless the profile has the cluster costs this comparison simulates."""
     if not cmp.profile.cluster:
         raise ValueError(
             f"profile {cmp.profile.name}: no cluster costs; run pdserve sim calibrate --cluster"
@@ -30,6 +29,12 @@ def cluster_points(cmp: Comparison) -> list[dict]:
             f"(cluster_decodes); its 1P1D steps would be compared with a 1P{n}D cluster's: "
             f"run pdserve sim calibrate --cluster --cluster-decodes 1,{n}"
         )
+
+
+def cluster_points(cmp: Comparison) -> list[dict]:
+    from pdserve.launch import Cluster
+
+    check_cluster_costs(cmp)
     config = model_config(cmp.model)
     base = EngineArgs(num_kv_blocks=cmp.num_kv_blocks, spill_dir=cmp.spill_dir)
     points = []
