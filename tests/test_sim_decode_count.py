@@ -288,9 +288,9 @@ def test_a_scaled_profile():
 
 
 def test_a_cluster_only_comparison_checks_its_profile_before_any_probe(monkeypatch):
-    """--no-engine without --rescale runs no engine probe (on a GPU it would hold the
-    device while the cluster's workers start), and a profile that cannot be compared is
-    refused before anything runs."""
+    """--no-engine runs no engine probe (on a GPU it would hold the device while the
+    cluster's workers start), a profile that cannot be compared is refused before anything
+    runs, and --rescale (which scales the engine half) needs the engine half."""
     from pdserve.sim import vs_real
 
     def no_probe(cmp):
@@ -302,12 +302,5 @@ def test_a_cluster_only_comparison_checks_its_profile_before_any_probe(monkeypat
         vs_real.bench_sim_vs_real(
             "tiny-llama", profile, cluster=True, decode_workers=2, engine=False
         )
-    with pytest.raises(AssertionError, match="probed"):  # --rescale needs the probe
-        vs_real.bench_sim_vs_real(
-            "tiny-llama",
-            dataclasses.replace(profile, cluster_decodes={"2": dict(profile.cluster)}),
-            cluster=True,
-            decode_workers=2,
-            engine=False,
-            rescale=True,
-        )
+    with pytest.raises(ValueError, match="rescale: scales the engine half"):
+        vs_real.bench_sim_vs_real("tiny-llama", profile, cluster=True, engine=False, rescale=True)

@@ -95,12 +95,12 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from pdserve.sim.calibrate import CONTEXTS, DECODE_BATCHES, calibrate
-    from pdserve.sim.calibrate_cluster import check_decodes
+    from pdserve.sim.calibrate_cluster import DECODES, check_decodes
 
-    if args.cluster:
-        check_decodes(tuple(args.cluster_decodes))  # before the minutes the engine takes
-    elif args.cluster_decodes != [1, 2]:
+    if args.cluster_decodes is not None and not args.cluster:
         raise ValueError("--cluster-decodes: the clusters --cluster measures; give --cluster")
+    decodes = tuple(args.cluster_decodes or DECODES)
+    check_decodes(decodes)  # before the minutes the engine takes
     steps: list[dict] | None = [] if args.samples else None
     profile = calibrate(
         args.model,
@@ -119,14 +119,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         extra = calibrate_cluster(
             args.model,
             num_kv_blocks=args.cluster_kv_blocks,
-            decodes=tuple(args.cluster_decodes),
+            decodes=decodes,
         )
         profile["fit"].update(extra.pop("fit"))
         profile.update(extra)
         profile["sources"].update(
             cluster="measured: the traces of a launched 1P1D cluster on this machine, fitted",
             cluster_decodes="measured: the decode steps of launched 1PnD clusters "
-            f"(n = {', '.join(map(str, sorted(set(args.cluster_decodes) - {1}))) or 'none'})",
+            f"(n = {', '.join(extra['cluster_decodes']) or 'none'}; CPU nodes only)",
             link="measured: the push tails of that cluster against the bytes pushed",
             handoff="measured: medians of that cluster's reserve, prefill RPC and start spans",
         )
@@ -217,9 +217,9 @@ def add_sim_parser(sub) -> None:
     cal.add_argument(
         "--cluster-decodes",
         type=int_list,
-        default=[1, 2],
-        help="decode workers of the clusters measured (1: 1P1D; 2: also 1P2D, where they "
-        "split the CPUs and a step costs more)",
+        default=None,
+        help="decode workers of the clusters measured (default 1,2: 1P1D and 1P2D, where "
+        "they split the CPUs and a step costs more; CPU nodes only)",
     )
     cal.add_argument("--json", required=True, help="write the profile here")
     cal.add_argument("--samples", default=None, help="also write every measured step here")

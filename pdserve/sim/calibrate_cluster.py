@@ -38,6 +38,7 @@ from pdserve.sim.cost import StepWork
 from pdserve.sim.fit import fit_steps
 from pdserve.weights import model_config
 
+DECODES = (1, 2)  # the clusters measured by default: 1P1D, 1P2D
 LOADS = ((1, 48, 64), (2, 32, 64), (4, 32, 64), (8, 32, 48), (16, 32, 48), (4, 512, 16))
 
 
@@ -133,7 +134,7 @@ def check_decodes(decodes: tuple[int, ...]) -> None:
 
 
 def calibrate_cluster(
-    model: str, num_kv_blocks: int = 256, seed: int = 0, decodes: tuple[int, ...] = (1, 2)
+    model: str, num_kv_blocks: int = 256, seed: int = 0, decodes: tuple[int, ...] = DECODES
 ) -> dict:
     """The cluster parts of a profile, from a launched 1P1D cluster and, on a CPU node, for
     each other count in `decodes`, a 1PnD one: its decode steps alone (`cluster_decodes`,

@@ -68,6 +68,7 @@ def cluster_points(cmp: Comparison) -> list[dict]:
                 real.update({k: after[k] - before[k] for k in COUNTERS})
                 topology = Topology(prefill=1, decode=cmp.decode_workers)
                 setup = Setup(config, cmp.profile, topology, args, seed=cmp.seed)
-                sims = cmp.simulate(setup, policy, specs, c, label=f"sim cluster {policy} c={c}")
+                label = f"sim cluster {policy} c={c}"
+                sims = cmp.simulate(setup, policy, specs, c, label, scaled=False)
                 points.append(cmp.point("cluster", policy, c, real, sims))
     return points

@@ -82,12 +82,17 @@ class Comparison:
     seed: int
     spill_dir: str
     decode_workers: int = 1  # of the launched cluster (1P1D, 1P2D, ...)
-    unscaled: Profile | None = None  # with --rescale: the profile as given, simulated too
+    # with --rescale: the profile as given, the engine half simulated with it too (the
+    # cluster half's costs are not scaled: simulated once)
+    unscaled: Profile | None = None
 
-    def simulate(self, setup: Setup, policy: str, specs, concurrency: int, label: str):
-        """-> (the simulated point with `profile`, and with `unscaled` or None)."""
+    def simulate(
+        self, setup: Setup, policy: str, specs, concurrency: int, label: str, scaled: bool
+    ):
+        """-> (the simulated point with `profile`, and with `unscaled` where the setup's
+        costs were `scaled`, else None)."""
         sim = simulate(setup, policy, specs, concurrency, label=label)
-        if self.unscaled is None:
+        if self.unscaled is None or not scaled:
             return sim, None
         raw = dataclasses.replace(setup, profile=self.unscaled)
         return sim, simulate(raw, policy, specs, concurrency, label="")
@@ -168,7 +173,7 @@ def engine_points(cmp: Comparison) -> list[dict]:
             )
             core.check_integrity()
             setup = Setup(config, cmp.profile, Topology(), args, seed=cmp.seed)
-            sims = cmp.simulate(setup, policy, specs, c, label=f"sim {policy} c={c}")
+            sims = cmp.simulate(setup, policy, specs, c, f"sim {policy} c={c}", scaled=True)
             points.append(cmp.point("engine", policy, c, real, sims))
         core.close()
     return points
@@ -198,6 +203,8 @@ def bench_sim_vs_real(
         raise ValueError("decode_workers: the cluster's, with --cluster")
     if not (engine or cluster):
         raise ValueError("nothing to compare: the engine half is off and --cluster not given")
+    if rescale and not engine:
+        raise ValueError("rescale: scales the engine half's costs; it is off (--no-engine)")
     budget = num_kv_blocks * 16
     mean_output = mean_output or max(16, budget // 4)
     max_output = max(8, budget // 2 - 48)
@@ -219,9 +226,9 @@ def bench_sim_vs_real(
             from pdserve.sim.vs_cluster import check_cluster_costs
 
             check_cluster_costs(cmp)  # before the probe's engine takes the device
-        # the probe: the engine half's, or what --rescale scales by (a cluster-only run on a
-        # GPU would otherwise hold the device's memory while its workers start)
-        drift = engine_drift(cmp) if engine or rescale else None
+        # the engine half's probe (a cluster-only run makes none: on a GPU its engine would
+        # hold the device's memory while the cluster's workers start)
+        drift = engine_drift(cmp) if engine else None
         if rescale:
             if drift is None:
                 raise ValueError(f"rescale: profile {profile.name} is no fitted one")
@@ -248,7 +255,9 @@ def bench_sim_vs_real(
         "points": points,
         "misses": sum(len(p["misses"]) for p in points),
         "rescaled": rescale,
-        "misses_unscaled": (sum(len(p["unscaled"]["misses"]) for p in points) if rescale else None),
+        "misses_unscaled": (
+            sum(len(p.get("unscaled", p)["misses"]) for p in points) if rescale else None
+        ),
     }
 
 
