@@ -17,8 +17,10 @@ does not lose it: the client sends the request again once the router answers, as
 continuation of the tokens it already has (GenerateRequest.continuation), and the stream
 goes on with no token lost or repeated (greedy: the tokens an unbroken run gives). At most
 `reconnects` times (3), each waiting at most `reconnect_timeout_s` (30 s) for the router;
-`result.timings["reconnects"]` counts them. A status the router answered itself is never
-retried (`retryable` says whether the caller may).
+`result.timings["reconnects"]` counts them. Within that wait a continuation that reaches
+no router (the old one's channel can look ready a moment after it died; the new one may not
+listen yet) is sent again. A status the router answered itself is never retried
+(`retryable` says whether the caller may).
 """
 
 from __future__ import annotations
@@ -93,6 +95,17 @@ class StreamEnded(PdserveError):
 
 _NO_FINAL = "the stream ended without its final message"
 _TAKEN_PAUSE_S = 0.2  # before a continuation whose id the router still holds is sent again
+_UNREACHED_PAUSE_S = 0.05  # before a continuation that reached no router is sent again,
+_UNREACHED_PAUSE_MAX_S = 1.0  # doubling up to this
+
+
+@dataclass(frozen=True)
+class _Again:
+    """How a broken request is sent again: after `pause_s`, once the channel is ready
+    (waiting at most `ready_s` for it; 0: at once)."""
+
+    pause_s: float
+    ready_s: float
 
 
 _KINDS = MappingProxyType(
@@ -188,23 +201,6 @@ def _has(metadata, key: str) -> bool:
     return any(k == key for k, _ in metadata or ())
 
 
-def _send_again(e: grpc.RpcError, accepted, attempt: int, reconnects: int) -> bool:
-    """Whether a call that broke with `e` is sent again as a continuation: the router took
-    the request (`accepted`: the call's initial metadata carries its mark) and the call then
-    broke with no status of the router's own (it died or restarted, and the request may go
-    on); or a router still alive holds the broken call's id a moment (ALREADY_EXISTS on a
-    continuation). At most `reconnects` times."""
-    if attempt >= reconnects:
-        return False
-    if attempt > 0 and e.code() == grpc.StatusCode.ALREADY_EXISTS:
-        return True
-    return (
-        e.code() == grpc.StatusCode.UNAVAILABLE
-        and _has(accepted, ACCEPTED_KEY)
-        and not _has(e.trailing_metadata(), STATUS_KEY)
-    )
-
-
 def _await_ready(channel: grpc.Channel, timeout_s: float, error: grpc.RpcError) -> None:
     """Until the router (restarted) answers again, else `error`."""
     ready = grpc.channel_ready_future(channel)
@@ -225,6 +221,9 @@ class _Sent:
     on_call: Callable[[object], None] | None
     tokens: list[int] = field(default_factory=list)
     finished: bool = False
+    reconnects: int = 0  # breaks after which it was sent again
+    window_ends: float = 0.0  # monotonic: until when the current reconnect may reach a router
+    tries: int = 0  # continuations of the current reconnect that reached no router
 
     def called(self, call) -> None:
         if self.on_call is not None:
@@ -240,6 +239,40 @@ class _Sent:
         """The stream closed: it must have brought its final message."""
         if not self.finished:
             raise StreamEnded(grpc.StatusCode.UNKNOWN, _NO_FINAL)
+
+    def again(self, e: grpc.RpcError, metadata, limit: int, window_s: float) -> _Again | None:
+        """After a call broke with `e` (`metadata`: the initial metadata it got): how the
+        request is sent again as a continuation, or None when it is not.
+
+        A call the router took (its accepted mark) that broke with no status of the
+        router's own (it died or restarted) starts a reconnect, at most `limit` of them,
+        each with `window_s` to reach a router. Within that window a continuation is sent
+        again, after a pause, when it reached no router (after a router dies its channel
+        can still look ready for a moment, and its successor may not listen yet: the call
+        fails to connect) or when a router still alive holds the broken call's id a moment
+        (ALREADY_EXISTS)."""
+        code, taken = e.code(), _has(metadata, ACCEPTED_KEY)
+        own = _has(e.trailing_metadata(), STATUS_KEY)
+        now = time.monotonic()
+        if code == grpc.StatusCode.UNAVAILABLE and taken and not own:
+            if self.reconnects >= limit:
+                return None
+            self.reconnects, self.tries = self.reconnects + 1, 0
+            self.window_ends = now + window_s
+            return _Again(0.0, window_s)
+        if self.reconnects == 0:
+            return None
+        if code == grpc.StatusCode.ALREADY_EXISTS:
+            pause = _TAKEN_PAUSE_S
+        elif code == grpc.StatusCode.UNAVAILABLE and not taken and not own:
+            # a failed connection leaves the channel waiting out gRPC's own backoff before
+            # it dials again; a fail-fast call made meanwhile fails at once, so back off too
+            pause = min(_UNREACHED_PAUSE_S * 2**self.tries, _UNREACHED_PAUSE_MAX_S)
+            self.tries += 1
+        else:
+            return None
+        left = self.window_ends - now  # the last try comes as the window ends
+        return _Again(min(pause, left), 0.0) if left > 0 else None
 
     def continued(self) -> None:
         """The next call continues after the tokens this one brought."""
@@ -297,8 +330,10 @@ class Client:
         `on_call(call)` sees each gRPC call made for it (to cancel it from elsewhere),
         `timeout_s` bounds each. Raises grpc.RpcError as the last call ended, and
         StreamEnded when a stream closed without its final message."""
-        sent = _Sent(_build(prompt, sampling), on_call)
-        for attempt in range(self.reconnects + 1):
+        yield from self._follow(_Sent(_build(prompt, sampling), on_call), timeout_s)
+
+    def _follow(self, sent: _Sent, timeout_s: float | None) -> Iterator[pb.GenerateResponse]:
+        while True:
             call = self.stub.Generate(sent.request, timeout=timeout_s)
             sent.called(call)
             try:
@@ -309,11 +344,14 @@ class Client:
             except grpc.RpcError as e:
                 if sent.finished:
                     return  # the request is whole: whatever broke after, never send it again
-                if not _send_again(e, call.initial_metadata(), attempt, self.reconnects):
+                again = sent.again(
+                    e, call.initial_metadata(), self.reconnects, self.reconnect_timeout_s
+                )
+                if again is None:
                     raise
-                if e.code() == grpc.StatusCode.ALREADY_EXISTS:
-                    time.sleep(_TAKEN_PAUSE_S)
-                _await_ready(self.channel, self.reconnect_timeout_s, e)
+                time.sleep(again.pause_s)
+                if again.ready_s:
+                    _await_ready(self.channel, again.ready_s, e)
             finally:
                 call.cancel()
             sent.continued()
@@ -330,15 +368,16 @@ class Client:
         except grpc.RpcError as e:
             raise _error(e) from None
 
-    def generate(self, prompt: str | list[int], **sampling) -> GenerateResult:
-        result = GenerateResult(request_id="")
-        calls: list = []
+    def generate(
+        self, prompt: str | list[int], timeout_s: float | None = None, **sampling
+    ) -> GenerateResult:
+        result, sent = GenerateResult(request_id=""), _Sent(_build(prompt, sampling), None)
         try:
-            for msg in self.messages(prompt, calls.append, **sampling):
+            for msg in self._follow(sent, timeout_s):
                 _absorb(result, msg)
         except grpc.RpcError as e:
             raise _error(e) from None
-        result.timings["reconnects"] = len(calls) - 1
+        result.timings["reconnects"] = sent.reconnects
         return result
 
     def stream(self, prompt: str | list[int], **sampling) -> Iterator[int]:
@@ -400,8 +439,17 @@ class AsyncClient:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Client.messages on asyncio: the router's messages for one request, across
         router restarts."""
-        sent = _Sent(_build(prompt, sampling), on_call)
-        for attempt in range(self.reconnects + 1):
+        follow = self._follow(_Sent(_build(prompt, sampling), on_call), timeout_s)
+        try:
+            async for msg in follow:
+                yield msg
+        finally:
+            await follow.aclose()  # cancels the call in flight
+
+    async def _follow(
+        self, sent: _Sent, timeout_s: float | None
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        while True:
             call = self.stub.Generate(sent.request, metadata=self.metadata, timeout=timeout_s)
             sent.called(call)
             try:
@@ -413,27 +461,31 @@ class AsyncClient:
                 if sent.finished:
                     return  # the request is whole: whatever broke after, never send it again
                 # an AioRpcError carries the initial metadata the call got
-                if not _send_again(e, e.initial_metadata(), attempt, self.reconnects):
+                again = sent.again(
+                    e, e.initial_metadata(), self.reconnects, self.reconnect_timeout_s
+                )
+                if again is None:
                     raise
-                if e.code() == grpc.StatusCode.ALREADY_EXISTS:
-                    await asyncio.sleep(_TAKEN_PAUSE_S)
+                await asyncio.sleep(again.pause_s)
                 try:  # until the router (restarted) answers again
-                    await asyncio.wait_for(self.channel.channel_ready(), self.reconnect_timeout_s)
+                    if again.ready_s:
+                        await asyncio.wait_for(self.channel.channel_ready(), again.ready_s)
                 except asyncio.TimeoutError:
                     raise e from None
             finally:
                 call.cancel()
             sent.continued()
 
-    async def generate(self, prompt: str | list[int], **sampling) -> GenerateResult:
-        result = GenerateResult(request_id="")
-        calls: list = []
+    async def generate(
+        self, prompt: str | list[int], timeout_s: float | None = None, **sampling
+    ) -> GenerateResult:
+        result, sent = GenerateResult(request_id=""), _Sent(_build(prompt, sampling), None)
         try:
-            async for msg in self.messages(prompt, calls.append, **sampling):
+            async for msg in self._follow(sent, timeout_s):
                 _absorb(result, msg)
         except grpc.RpcError as e:
             raise _error(e) from None
-        result.timings["reconnects"] = len(calls) - 1
+        result.timings["reconnects"] = sent.reconnects
         return result
 
     async def stream(self, prompt: str | list[int], **sampling) -> AsyncIterator[int]:

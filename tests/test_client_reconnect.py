@@ -3,6 +3,8 @@ this process: which endings are sent again as a continuation, and which are not.
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -14,14 +16,22 @@ from pdserve.serving.server import start_server
 
 
 class Router(rpc.RouterServicer):
-    """Generates 10, 11, 12, ... up to max_tokens; the first call ends as `script` says."""
+    """Generates 10, 11, 12, ... up to max_tokens; the first call ends as `script` says;
+    "dies" then answers `unreached` continuations as a router not listening would."""
 
-    def __init__(self, script: str) -> None:
-        self.script, self.calls = script, []
+    def __init__(self, script: str, unreached: int = 0) -> None:
+        self.script, self.calls, self.unreached = script, [], unreached
+
+    def _unreached(self) -> bool:
+        self.unreached -= 1
+        return self.unreached >= 0
 
     def Generate(self, request, context):
         self.calls.append(request)
         first = len(self.calls) == 1
+        if not first and self._unreached():
+            # as a call to a router that is not listening yet ends: no mark, no status
+            context.abort(grpc.StatusCode.UNAVAILABLE, "failed to connect: Connection refused")
         if not (first and self.script == "never-accepted"):
             context.send_initial_metadata(((ACCEPTED_KEY, "1"),))
         have = list(request.continuation.ids)
@@ -51,8 +61,8 @@ class Router(rpc.RouterServicer):
 def router():
     servers = []
 
-    def make(script: str) -> tuple[Router, str]:
-        servicer = Router(script)
+    def make(script: str, unreached: int = 0) -> tuple[Router, str]:
+        servicer = Router(script, unreached)
         server, port = start_server(
             lambda s: rpc.add_RouterServicer_to_server(servicer, s), "127.0.0.1", 0
         )
@@ -74,6 +84,37 @@ def test_a_router_that_vanished_gets_the_rest_as_a_continuation(router):
     assert not first.HasField("continuation")
     assert list(again.continuation.ids) == [10, 11] and again.HasField("continuation")
     assert list(again.token_ids.ids) == [1, 2, 3]  # the prompt as it was
+
+
+@pytest.mark.parametrize("agent", ["sync", "async"])
+def test_a_continuation_that_reaches_no_router_is_sent_again_within_the_wait(router, agent):
+    """After a router dies its channel can still look ready, so the continuation fails to
+    connect (no accepted mark, no status of a router's own): it is sent again, within the
+    same reconnect (CI once lost a stream this way in test_survival's router restart)."""
+    servicer, address = router("dies", unreached=3)
+    if agent == "sync":
+        with Client(address, reconnect_timeout_s=5) as client:
+            result = client.generate([1, 2, 3], max_tokens=6, ignore_eos=True)
+    else:
+        result = _agenerate(address, max_tokens=6)
+    assert result.token_ids == [10, 11, 12, 13, 14, 15]
+    assert result.timings["reconnects"] == 1  # one break, however many tries it took
+    assert len(servicer.calls) == 5
+    assert all(list(c.continuation.ids) == [10, 11] for c in servicer.calls[1:])
+
+
+@pytest.mark.parametrize("agent", ["sync", "async"])
+def test_a_router_that_never_comes_back_fails_the_request_when_the_wait_ends(router, agent):
+    servicer, address = router("dies", unreached=10**6)
+    t0 = time.monotonic()
+    with pytest.raises(Unavailable, match="Connection refused"):
+        if agent == "sync":
+            with Client(address, reconnect_timeout_s=1) as client:
+                client.generate([1, 2, 3], max_tokens=6, ignore_eos=True)
+        else:
+            _agenerate(address, max_tokens=6, reconnect_timeout_s=1)
+    assert 1 <= time.monotonic() - t0 < 10
+    assert 3 <= len(servicer.calls) <= 12  # backing off between tries, not spinning
 
 
 @pytest.mark.parametrize("script", ["router-status", "never-accepted"])
@@ -98,13 +139,13 @@ def test_a_stream_that_ends_without_its_final_message_is_an_error(router):
         client.generate([1, 2, 3], max_tokens=3, ignore_eos=True)
 
 
-def _agenerate(address: str, **kwargs):
+def _agenerate(address: str, reconnect_timeout_s: float = 5, **kwargs):
     import asyncio
 
     from pdserve.client import AsyncClient
 
     async def go():
-        client = AsyncClient(address, reconnect_timeout_s=5)
+        client = AsyncClient(address, reconnect_timeout_s=reconnect_timeout_s)
         try:
             return await client.generate([1, 2, 3], ignore_eos=True, **kwargs)
         finally:
