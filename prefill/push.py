@@ -160,6 +160,11 @@ class BatchPush:
                 return
             time.sleep(poll_s)
 
+    def posted(self) -> set[int]:
+        """The targets any WRITE was posted for (a refused post is none: it never left).
+        The others' reserved blocks can take no byte of this batch, whatever it becomes."""
+        return {i for _, _, transfers in self._posted for i, _ in transfers}
+
     def _fail(self, i: int, why: str) -> None:
         """Target i failed: nothing more is posted for it and its WRITEs are let go."""
         self.failed[i] = why

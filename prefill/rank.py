@@ -42,7 +42,8 @@ class PrefillRank(RankEndpoint):
         return None
 
     def end(self) -> dict:
-        """Post what is left, wait for every WRITE -> bytes, abandoned jobs, the error."""
+        """Post what is left, wait for every WRITE -> bytes, abandoned, failed and posted
+        jobs (posted: any WRITE of theirs left this rank), the error."""
         push, work = self.push, self.work
         try:
             if not work["layerwise"]:
@@ -60,6 +61,7 @@ class PrefillRank(RankEndpoint):
             "nbytes": push.nbytes,
             "abandoned": abandoned,
             "failed": failed,
+            "posted": sorted({jobs[i] for i in push.posted()}),
             "error": self.error,
         }
 

@@ -5,7 +5,9 @@ it was queued, so nothing was pushed),
 FAILED_PRECONDITION (the pair's KV layouts differ), DEADLINE_EXCEEDED (the caller's deadline
 passed: nothing is pushed after it), ABORTED (the push into the decode worker failed: retry
 with a new reservation, perhaps elsewhere), UNAVAILABLE (this worker failed: another may
-succeed)."""
+succeed). A failure after the request was queued carries UNPOSTED_KEY in its trailers when
+no WRITE of it was ever posted (pdserve/rpc): the router then releases its reservation at
+once instead of fencing it for the push window."""
 
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ import time
 
 import grpc
 
+from pdserve.rpc import UNPOSTED_KEY
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving.convert import sampling_from_proto, spans_to_proto
 from pdserve.serving.destination import destination_from_proto
 from pdserve.serving.server import health
-from prefill.worker import PrefillDeadline, PrefillWorker
+from prefill.worker import PrefillDeadline, PrefillWorker, nothing_posted
 from transfer import HandshakeRefused, TransferFailed
 
 
@@ -48,14 +51,10 @@ class PrefillService(rpc.PrefillServicer):
         try:
             # a little past the deadline: the job itself fails at its deadline, typed
             result = future.result(timeout=max(0.0, timeout) + 1.0)
-        except TransferFailed as e:
-            context.abort(grpc.StatusCode.ABORTED, f"KV push failed: {e}")
-        except (PrefillDeadline, TimeoutError) as e:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill did not finish in time: {e}")
-        except ValueError as e:  # raised by the batch, after it was queued: not the input's
-            context.abort(grpc.StatusCode.ABORTED, f"prefill failed: {e}")
-        except Exception as e:  # the worker's own failure: another worker may succeed
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill failed: {e}")
+        except Exception as e:
+            if nothing_posted(e):
+                context.set_trailing_metadata(((UNPOSTED_KEY, "1"),))
+            _abort(context, e)
         return pb.PrefillResponse(
             first_token=result.first_token,
             queue_s=result.queue_s,
@@ -68,3 +67,15 @@ class PrefillService(rpc.PrefillServicer):
 
     def Health(self, request, context) -> pb.HealthResponse:
         return health("prefill", self.worker.worker_id)
+
+
+def _abort(context, e: Exception) -> None:
+    """End the call with `e`'s status, typed for the router (module doc)."""
+    if isinstance(e, TransferFailed):
+        context.abort(grpc.StatusCode.ABORTED, f"KV push failed: {e}")
+    if isinstance(e, (PrefillDeadline, TimeoutError)):  # TimeoutError: the wait's own
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill did not finish in time: {e}")
+    if isinstance(e, ValueError):  # raised by the batch, after it was queued: not the input's
+        context.abort(grpc.StatusCode.ABORTED, f"prefill failed: {e}")
+    # the worker's own failure: another worker may succeed
+    context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill failed: {e}")

@@ -11,6 +11,7 @@ never computes KV with nowhere to go: the decode blocks were reserved before it 
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -54,6 +55,22 @@ class PrefillResult:
 class PrefillDeadline(TimeoutError):
     """The caller's deadline passed before the prompt's KV was pushed: nothing more is
     posted for it (DEADLINE_EXCEEDED at the edge)."""
+
+
+def nothing_posted(e: BaseException) -> bool:
+    """Whether a job failed with `e` before any WRITE of it was posted (on any rank): its
+    reserved blocks can take no byte of it (the service tells the router, which releases
+    them unfenced instead of keeping them out of the pool for the push window)."""
+    return getattr(e, "nothing_posted", False)
+
+
+def _fail(job: PrefillJob, e: Exception, posted: bool) -> None:
+    """Fail `job` with `e`, told whether any WRITE of it was posted; when none was, with a
+    copy of `e` that says so (one error is often every job's of a batch, posted or not)."""
+    if not posted:
+        e = copy.copy(e)
+        e.nothing_posted = True
+    job.done.set_exception(e)
 
 
 class PrefillWorker:
@@ -166,7 +183,7 @@ class PrefillWorker:
                 kept.append(job)
                 continue
             self._dequeued([job])
-            job.done.set_exception(PrefillDeadline("the caller's deadline passed in the queue"))
+            _fail(job, PrefillDeadline("the caller's deadline passed in the queue"), False)
         return kept
 
     def _dequeued(self, jobs: list[PrefillJob]) -> None:
@@ -182,8 +199,9 @@ class PrefillWorker:
         self.metrics.batch_tokens.observe(sum(j.tokens for j in runnable))
         started = time.monotonic()
         num_layers = self.core.model_config.num_layers
-        push = None
+        push, owners = None, []
         work_sent = False
+        ranks_posted: set[int] = set()  # jobs the other ranks posted a WRITE for
         try:
             targets, owners, work = self._plan(runnable)
             push = BatchPush(self.endpoint.agent, self.local, targets, num_layers, self.worker_id)
@@ -217,13 +235,17 @@ class PrefillWorker:
             failed = {owners[i]: why for i, why in push.failed.items()}
             nbytes = push.nbytes
             if work_sent:
+                answers = self.core.rank_results()
                 work_sent = False
-                for rank, answer in enumerate(self.core.rank_results(), 1):
+                for answer in answers:
+                    ranks_posted.update(answer["posted"])
+                for rank, answer in enumerate(answers, 1):
                     if answer["error"] is not None:
                         raise TransferFailed(f"rank {rank}'s push failed: {answer['error']}")
                     abandoned.update(answer["abandoned"])
                     failed.update((job, f"rank {rank}: {why}") for job, why in answer["failed"])
                     nbytes += answer["nbytes"]
+            posted = {owners[i] for i in push.posted()} | ranks_posted
             pushed, pushed_wall = time.monotonic(), now()
             shared = [
                 *part_spans,
@@ -236,12 +258,11 @@ class PrefillWorker:
             self.metrics.transfer_bytes.labels("sent").inc(nbytes)
             for i, (job, token) in enumerate(zip(runnable, tokens)):
                 if i in failed:  # ABORTED at the edge: its decode worker, not us
-                    job.done.set_exception(TransferFailed(failed[i]))
+                    _fail(job, TransferFailed(failed[i]), i in posted)
                     continue
                 if i in abandoned:
-                    job.done.set_exception(
-                        PrefillDeadline("the caller's deadline passed before the push was done")
-                    )
+                    late = PrefillDeadline("the caller's deadline passed before the push was done")
+                    _fail(job, late, i in posted)
                     continue
                 job.done.set_result(
                     PrefillResult(
@@ -259,9 +280,11 @@ class PrefillWorker:
         except Exception as e:  # every job of the batch fails with it, typed for the edge
             if not isinstance(e, (TransferFailed, ValueError, PrefillDeadline)):
                 log.exception("prefill of a batch of %d failed", len(runnable))
-            for job in runnable:
+            # the other ranks' answers unread: any of them may have posted for any job
+            posted = {owners[i] for i in push.posted()} if push is not None else set()
+            for i, job in enumerate(runnable):
                 if not job.done.done():
-                    job.done.set_exception(e)
+                    _fail(job, e, work_sent or i in (posted | ranks_posted))
         finally:
             if work_sent:  # the batch failed after the step went out: read its answers
                 try:

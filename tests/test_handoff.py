@@ -187,7 +187,7 @@ def test_a_prefill_past_its_deadline_pushes_nothing_and_the_blocks_stay_fenced()
     """The router's deadline bounds the push: a prompt whose deadline passed in the queue is
     neither computed nor pushed (PrefillDeadline), and the decode worker, told only that the
     reservation ended, keeps its blocks out of the pool until the push window is over."""
-    from prefill.worker import PrefillDeadline
+    from prefill.worker import PrefillDeadline, nothing_posted
 
     prefill = prefill_worker("tiny-llama", "p-late", "nixl", EngineArgs(num_kv_blocks=16))
     decode = decode_worker("tiny-llama", "d-late", "nixl", EngineArgs(num_kv_blocks=16))
@@ -197,8 +197,9 @@ def test_a_prefill_past_its_deadline_pushes_nothing_and_the_blocks_stay_fenced()
         future = prefill.submit(
             "late", prompt, GREEDY, destination(decode, reserved), deadline=time.monotonic() - 1
         )
-        with pytest.raises(PrefillDeadline, match="deadline passed"):
+        with pytest.raises(PrefillDeadline, match="deadline passed") as failed:
             future.result(30)
+        assert nothing_posted(failed.value)  # the router may release it unfenced (below)
         assert prefill.stats().queued_tokens == 0
         assert decode.release("late")
         assert decode.stats().free_blocks == 13 and decode.reservations.fenced == 1
@@ -263,6 +264,7 @@ def test_a_dead_decode_worker_fails_only_its_own_requests_of_a_batch(layerwise):
     small pool (the flaky tests/test_survival.py mid-spill test)."""
     import threading
 
+    from prefill.worker import nothing_posted
     from transfer import TransferFailed
 
     args = EngineArgs(num_kv_blocks=16)
@@ -304,8 +306,9 @@ def test_a_dead_decode_worker_fails_only_its_own_requests_of_a_batch(layerwise):
             futures[rid] = prefill.submit(rid, prompt, GREEDY, destination(decode, reserved))
         release.set()
         first.result(60)
-        with pytest.raises(TransferFailed, match="to d-gone failed"):
+        with pytest.raises(TransferFailed, match="to d-gone failed") as failed:
             futures["a"].result(60)
+        assert nothing_posted(failed.value)  # every WRITE of it was refused at posting
         result = futures["b"].result(60)
         assert batches[1] == ["a", "b"]  # one batch, two destinations
         expected = LLM("tiny-llama").generate([b], GREEDY)[0].token_ids
@@ -328,3 +331,135 @@ def test_a_dead_decode_worker_fails_only_its_own_requests_of_a_batch(layerwise):
         prefill.close()
         gone.close()
         alive.close()
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "after-prefill"])
+@pytest.mark.parametrize("fault", ["pass", "push"])
+def test_a_failed_prefill_says_whether_any_write_of_it_was_posted(layerwise, fault):
+    """What the router is told (prefill/service.py's UNPOSTED_KEY) decides whether the
+    reservation is fenced for a whole push window: a job that failed before any WRITE of it
+    was posted (after the pass: its forward pass raised, or its one WRITE was refused) says
+    so; one with a WRITE posted (layer-wise: the first layer went out, then the pass raised
+    or the next WRITE was refused) does not."""
+    from prefill.worker import nothing_posted
+    from transfer import TransferFailed
+
+    args = EngineArgs(num_kv_blocks=16)
+    prefill = prefill_worker("tiny-llama", f"p-{fault}", "nixl", args)
+    prefill.layerwise = layerwise
+    decode = decode_worker("tiny-llama", f"d-{fault}", "nixl", args)
+    agent = prefill.endpoint.agent
+    write, write_tiles, prefill_pass = agent.write, agent.write_tiles, prefill.core.prefill
+    writes = []
+
+    def refuse(post):  # layer-wise, the first WRITE goes out; every other is refused
+        def posted(peer, *a):
+            writes.append(peer)
+            if len(writes) > (1 if layerwise else 0):
+                raise TransferFailed(f"remote agent {peer!r} was disconnected")
+            return post(peer, *a)
+
+        return posted
+
+    def fails_after_the_first_layer(requests, on_layer_done=None, **kwargs):
+        if on_layer_done is not None:  # layer-wise: layer 0's WRITE is posted first
+            on_layer_done(0)
+        raise RuntimeError("the forward pass failed")
+
+    if fault == "push":
+        agent.write, agent.write_tiles = refuse(write), refuse(write_tiles)
+    else:
+        prefill.core.prefill = fails_after_the_first_layer
+    try:
+        prompt = list(range(3, 40))
+        reserved = decode.reserve("r", prompt, GREEDY, lease_s=30)
+        future = prefill.submit("r", prompt, GREEDY, destination(decode, reserved))
+        with pytest.raises((RuntimeError, TransferFailed)) as failed:
+            future.result(60)
+        assert nothing_posted(failed.value) is not layerwise, (failed.value, writes)
+        assert prefill.stats().free_blocks == 16 or _freed(prefill)
+        prefill.check_integrity()
+    finally:
+        agent.write, agent.write_tiles = write, write_tiles
+        prefill.core.prefill = prefill_pass
+        prefill.close()
+        decode.close()
+
+
+def _freed(prefill, timeout_s: float = 10.0) -> bool:
+    """Polls until the prefill worker's blocks are all free (right after a reply)."""
+    deadline = time.monotonic() + timeout_s
+    while prefill.stats().free_blocks != prefill.stats().total_blocks:
+        assert time.monotonic() < deadline, "the prefill worker kept blocks"
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "after-prefill"])
+def test_the_prefill_service_tells_the_router_when_nothing_was_posted(layerwise):
+    """Over gRPC: a Prefill whose forward pass failed ends UNAVAILABLE, with UNPOSTED_KEY
+    in its trailers when no WRITE of it was posted (after the pass), without when one was
+    (layer-wise: layer 0 went out first)."""
+    import grpc
+
+    from decode.service import DecodeService
+    from pdserve.rpc import UNPOSTED_KEY
+    from pdserve.rpc import pdserve_pb2 as pb
+    from pdserve.rpc import pdserve_pb2_grpc as rpc
+    from pdserve.serving.server import start_server
+    from prefill.service import PrefillService
+
+    args = EngineArgs(num_kv_blocks=16)
+    prefill = prefill_worker("tiny-llama", "p-svc", "nixl", args)
+    prefill.layerwise = layerwise
+    decode = decode_worker("tiny-llama", "d-svc", "nixl", args)
+
+    def fails_after_the_first_layer(requests, on_layer_done=None, **kwargs):
+        if on_layer_done is not None:
+            on_layer_done(0)
+        raise RuntimeError("the forward pass failed")
+
+    prefill.core.prefill = fails_after_the_first_layer
+    servers, stubs = [], []
+    try:
+        for add, stub in (
+            (lambda s: rpc.add_DecodeServicer_to_server(DecodeService(decode), s), rpc.DecodeStub),
+            (
+                lambda s: rpc.add_PrefillServicer_to_server(PrefillService(prefill), s),
+                rpc.PrefillStub,
+            ),
+        ):
+            server, port = start_server(add, "127.0.0.1", 0)
+            servers.append(server)
+            stubs.append(stub(grpc.insecure_channel(f"127.0.0.1:{port}")))
+        sampling = pb.SamplingParams(max_tokens=4, top_p=1.0)
+        prompt = list(range(3, 40))
+        held = stubs[0].Reserve(
+            pb.ReserveRequest(
+                request_id="r", prompt_token_ids=prompt, sampling=sampling, lease_s=30
+            ),
+            timeout=10,
+        )
+        with pytest.raises(grpc.RpcError) as failed:
+            stubs[1].Prefill(
+                pb.PrefillRequest(
+                    request_id="r",
+                    prompt_token_ids=prompt,
+                    sampling=sampling,
+                    dest_worker_id=held.worker_id,
+                    dest_block_ids=held.block_ids,
+                    dest_layout=held.layout,
+                    dest_agent_metadata=held.agent_metadata,
+                    dest_fence=held.fence,
+                ),
+                timeout=30,
+            )
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the forward pass failed" in failed.value.details()
+        trailers = dict(failed.value.trailing_metadata() or ())
+        assert (UNPOSTED_KEY in trailers) is not layerwise, trailers
+    finally:
+        for server in servers:
+            server.stop(grace=0)
+        prefill.close()
+        decode.close()

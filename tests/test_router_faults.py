@@ -13,10 +13,10 @@ from test_auth import FakePrefill, SlowDecode
 from pdserve.client import Client
 from pdserve.router.config import RouterConfig
 from pdserve.router.service import RouterService
-from pdserve.rpc import PROTOCOL_VERSION
+from pdserve.rpc import PROTOCOL_VERSION, UNPOSTED_KEY
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
-from pdserve.serving.server import start_server
+from pdserve.serving.server import health, start_server
 
 
 def outcomes(service: RouterService) -> dict[str, float]:
@@ -176,3 +176,69 @@ def test_a_handoff_that_ends_without_its_final_message_fails_internal(router, mo
                 got.extend(msg.token_ids)
     assert e.value.code() == grpc.StatusCode.INTERNAL and got == [7]
     assert outcomes(service) == {"failed_internal": 1.0}
+
+
+class RecordingDecode(SlowDecode):
+    """Records every Release: whether the router said no push of it can land."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unpushed: list[tuple[str, bool]] = []
+
+    def Release(self, request, context):
+        self.unpushed.append((request.request_id, request.unpushed))
+        return super().Release(request, context)
+
+
+class FailingOncePrefill(FakePrefill):
+    """Fails its first Prefill with `code`, its trailers saying no WRITE was posted or not
+    (prefill/service.py), then serves."""
+
+    def __init__(self, code, unposted: bool) -> None:
+        self.code, self.unposted, self.calls = code, unposted, 0
+
+    def Prefill(self, request, context):
+        self.calls += 1
+        if self.calls == 1:
+            if self.unposted:
+                context.set_trailing_metadata(((UNPOSTED_KEY, "1"),))
+            context.abort(self.code, "prefill failed: the forward pass failed")
+        return super().Prefill(request, context)
+
+    def Health(self, request, context):  # the router asks after a silent-looking failure
+        return health("prefill", "p")
+
+
+@pytest.mark.parametrize("unposted", [True, False], ids=["unposted", "posted"])
+@pytest.mark.parametrize("code", ["ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED"])
+def test_a_failed_prefill_that_posted_nothing_frees_its_reservation_unfenced(
+    router, code, unposted
+):
+    """The reservation of a prefill that failed is released with `unpushed` (freed at once
+    on the decode worker) exactly when the prefill worker said no WRITE of it was posted;
+    otherwise it stays fenced for the push window. ABORTED (the push failed) is resumed
+    at once; after a silent-looking status the prefill worker is suspect until it
+    heartbeats again, so here (it never does) the request fails UNAVAILABLE."""
+    import grpc
+
+    from pdserve.client import Unavailable
+
+    service, address, register = router
+    decode, prefill = (
+        RecordingDecode(),
+        FailingOncePrefill(getattr(grpc.StatusCode, code), unposted),
+    )
+    register("d", "decode", servicer=decode)
+    register("p", "prefill", servicer=prefill)
+    with Client(address) as client:
+        if code == "ABORTED":
+            result = client.generate([1], max_tokens=2)
+            assert result.finish_reason == "length" and result.timings["resumes"] == 1
+        else:
+            with pytest.raises(Unavailable, match="no prefill worker answers"):
+                client.generate([1], max_tokens=2)
+    deadline = time.monotonic() + 5
+    while not decode.unpushed:  # released in the background
+        assert time.monotonic() < deadline, "the failed attempt's reservation was never released"
+        time.sleep(0.01)
+    assert decode.unpushed[0][1] is unposted, decode.unpushed

@@ -41,6 +41,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Worker, WorkerRegistry
 from pdserve.router.request import Arrival, Failure, Finished, Run, final_message
 from pdserve.router.watch import StreamWatch
+from pdserve.rpc import UNPOSTED_KEY
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.serving.convert import spans_from_proto
 from pdserve.tokenizer import Tokenizer
@@ -86,6 +87,14 @@ def _code(e: Exception) -> grpc.StatusCode:
 
 def _details(e: Exception) -> str:
     return (e.details() if isinstance(e, grpc.RpcError) else str(e)) or ""
+
+
+def _unposted(e: Exception) -> bool:
+    """A prefill worker's word that no WRITE of the request was ever posted (its
+    UNPOSTED_KEY trailer, prefill/service.py): its reserved blocks can be freed unfenced."""
+    if not isinstance(e, grpc.RpcError):
+        return False
+    return any(key == UNPOSTED_KEY for key, _ in e.trailing_metadata() or ())
 
 
 def _to_client(code: grpc.StatusCode) -> grpc.StatusCode:
@@ -272,8 +281,9 @@ class Handoff:
                 self._release_attempt(entry)
                 return Failure(_Code.CANCELLED, "aborted", "router")
             code = _code(e)
-            # refused before anything was queued: no push can land, no fence needed
-            self._release_attempt(entry, unpushed=code in _FINAL)
+            # refused before anything was queued, or failed with nothing posted: no push
+            # can land, no fence needed
+            self._release_attempt(entry, unpushed=code in _FINAL or _unposted(e))
             if code in _FINAL or not context.is_active():
                 context.abort(_to_client(code), f"prefill failed: {_details(e)}")
             if code in _SILENT:

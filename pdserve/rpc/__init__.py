@@ -10,3 +10,6 @@ GENERATE_VERSIONS = frozenset({0, 2, PROTOCOL_VERSION})  # what a router's Gener
 # router that vanished mid-request (resume it: pdserve/client.py) from one that answered
 ACCEPTED_KEY = "pdserve-accepted"
 STATUS_KEY = "pdserve-status"
+# a failed Prefill's trailers carry UNPOSTED_KEY when no WRITE of the request was ever
+# posted: its reserved blocks can take no byte of it, so the router releases them unfenced
+UNPOSTED_KEY = "pdserve-unposted"
