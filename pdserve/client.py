@@ -97,6 +97,13 @@ _NO_FINAL = "the stream ended without its final message"
 _TAKEN_PAUSE_S = 0.2  # before a continuation whose id the router still holds is sent again
 _UNREACHED_PAUSE_S = 0.05  # before a continuation that reached no router is sent again,
 _UNREACHED_PAUSE_MAX_S = 1.0  # doubling up to this
+# gRPC's own redial backoff grows to 120 s by default: on a 2-vCPU VM a server back after a
+# 20 s outage was first seen ready 6.1 s later (0.45 s with these; a throwaway probe), and
+# after a longer one the redial can miss the whole reconnect window. Dial the router often.
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
 
 
 @dataclass(frozen=True)
@@ -267,7 +274,7 @@ class _Sent:
         elif code == grpc.StatusCode.UNAVAILABLE and not taken and not own:
             # a failed connection leaves the channel waiting out gRPC's own backoff before
             # it dials again; a fail-fast call made meanwhile fails at once, so back off too
-            pause = min(_UNREACHED_PAUSE_S * 2**self.tries, _UNREACHED_PAUSE_MAX_S)
+            pause = min(_UNREACHED_PAUSE_S * 2 ** min(self.tries, 8), _UNREACHED_PAUSE_MAX_S)
             self.tries += 1
         else:
             return None
@@ -315,7 +322,7 @@ class Client:
     ) -> None:
         if reconnects < 0 or reconnect_timeout_s <= 0:
             raise ValueError("reconnects: must be >= 0, reconnect_timeout_s > 0")
-        self.channel = auth.channel(address, _security(api_key, tls, security))
+        self.channel = auth.channel(address, _security(api_key, tls, security), CHANNEL_OPTIONS)
         self.stub = rpc.RouterStub(self.channel)
         self.reconnects, self.reconnect_timeout_s = reconnects, reconnect_timeout_s
 
@@ -425,7 +432,7 @@ class AsyncClient:
         if reconnects < 0 or reconnect_timeout_s <= 0:
             raise ValueError("reconnects: must be >= 0, reconnect_timeout_s > 0")
         security = _security(api_key, tls, security)
-        self.channel = auth.aio_channel(address, security)
+        self.channel = auth.aio_channel(address, security, CHANNEL_OPTIONS)
         self.metadata = security.call_metadata()
         self.stub = rpc.RouterStub(self.channel)
         self.reconnects, self.reconnect_timeout_s = reconnects, reconnect_timeout_s

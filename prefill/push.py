@@ -80,6 +80,7 @@ class BatchPush:
         self.nbytes = 0
         self.abandoned: set[int] = set()  # targets past their deadline: nothing more posted
         self.failed: dict[int, str] = {}  # targets whose push failed -> why
+        self._tried: set[int] = set()  # targets a WRITE was handed to the agent for
 
     def layers(self, layers: range) -> None:
         """Post one WRITE per request for `layers` (none for a request past its deadline,
@@ -93,6 +94,7 @@ class BatchPush:
             if i in self.abandoned or target.post_by <= t:
                 self.abandoned.add(i)
                 continue
+            self._tried.add(i)  # before the call: whatever it raises, bytes may have left
             try:
                 xfer, nbytes = write_layers(
                     self.agent,
@@ -161,9 +163,11 @@ class BatchPush:
             time.sleep(poll_s)
 
     def posted(self) -> set[int]:
-        """The targets any WRITE was posted for (a refused post is none: it never left).
-        The others' reserved blocks can take no byte of this batch, whatever it becomes."""
-        return {i for _, _, transfers in self._posted for i, _ in transfers}
+        """The targets any WRITE was handed to the agent for, refused or not (a post the
+        transport refused may have started some of its puts first; one that raised
+        midway left no record). The others' reserved blocks can take no byte of this
+        batch, whatever it becomes."""
+        return set(self._tried)
 
     def _fail(self, i: int, why: str) -> None:
         """Target i failed: nothing more is posted for it and its WRITEs are let go."""

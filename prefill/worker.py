@@ -66,10 +66,18 @@ def nothing_posted(e: BaseException) -> bool:
 
 def _fail(job: PrefillJob, e: Exception, posted: bool) -> None:
     """Fail `job` with `e`, told whether any WRITE of it was posted; when none was, with a
-    copy of `e` that says so (one error is often every job's of a batch, posted or not)."""
+    copy of `e` that says so (one error is often every job's of a batch, posted or not).
+    An error that cannot be copied (its class takes other arguments) is left as it is:
+    the reservation then stays fenced, as for a posted one."""
     if not posted:
-        e = copy.copy(e)
-        e.nothing_posted = True
+        try:
+            told = copy.copy(e)
+        except Exception:  # noqa: BLE001 - any failure to copy: say nothing
+            told = None
+        if told is not None:
+            told.nothing_posted = True
+            told.__cause__, told.__traceback__ = e.__cause__, e.__traceback__
+            e = told
     job.done.set_exception(e)
 
 

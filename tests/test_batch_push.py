@@ -46,6 +46,8 @@ class FaultyAgent(LoopbackAgent):
         fault = self.faults.get(peer)
         if fault == "post":
             raise TransferFailed(f"remote agent {peer!r} was disconnected")
+        if fault == "raise":  # not a transfer's failure: a bug, a bad descriptor
+            raise ValueError(f"unknown peer {peer!r}")
         self.posted[peer] = self.posted.get(peer, 0) + 1
         if fault is None:
             return super().write(peer, local, remote, notif)
@@ -121,6 +123,23 @@ def test_one_dead_peer_fails_only_its_own_target(fabric, layerwise, fault):
     assert [x.released for x in a.stuck] == ([] if fault == "post" else [True])
     if not layerwise:
         assert "the push of every layer to c failed" in push.failed[1]
+    push.release()
+
+
+def test_posted_names_every_target_a_write_was_handed_over_for(fabric):
+    """posted() is what lets the router free a failed request's reserved blocks unfenced
+    (prefill/worker.py): a target counts once a WRITE was handed to the agent for it,
+    refused or not, and also when the agent raised something else midway through the
+    batch (the WRITEs posted before it went out and are still in flight)."""
+    a, local, _, _, sides = fabric
+    a.faults.update(c="post", d="raise")
+    push = BatchPush(a, local, _targets(sides, ["b", "c", "d", "b"]), LAYERS, "w")
+    assert push.posted() == set()
+    with pytest.raises(ValueError, match="unknown peer 'd'"):
+        push.layers(range(0, 1))
+    # b's WRITE went out, c's was refused (it may have started), d raised: the last
+    # target was never reached
+    assert push.posted() == {0, 1, 2}
     push.release()
 
 

@@ -308,14 +308,16 @@ def test_a_dead_decode_worker_fails_only_its_own_requests_of_a_batch(layerwise):
         first.result(60)
         with pytest.raises(TransferFailed, match="to d-gone failed") as failed:
             futures["a"].result(60)
-        assert nothing_posted(failed.value)  # every WRITE of it was refused at posting
+        # its WRITEs were refused at posting, but a refused post may have started some of
+        # its puts: the router is not told "nothing posted", so its blocks stay fenced
+        assert not nothing_posted(failed.value)
         result = futures["b"].result(60)
         assert batches[1] == ["a", "b"]  # one batch, two destinations
         expected = LLM("tiny-llama").generate([b], GREEDY)[0].token_ids
         assert drain(alive.start("b", result.first_token)) == (expected, "length")
         assert alive.release("warm")
         # (a dead worker's reservation goes with it; here its books are cleared by hand,
-        # unpushed: its WRITEs were refused at posting, none can land)
+        # unpushed: the refusal above is this test's, before the transport saw a WRITE)
         assert gone.release("a", unpushed=True)
         for w in (alive, gone):
             w.check_integrity()
@@ -338,9 +340,10 @@ def test_a_dead_decode_worker_fails_only_its_own_requests_of_a_batch(layerwise):
 def test_a_failed_prefill_says_whether_any_write_of_it_was_posted(layerwise, fault):
     """What the router is told (prefill/service.py's UNPOSTED_KEY) decides whether the
     reservation is fenced for a whole push window: a job that failed before any WRITE of it
-    was posted (after the pass: its forward pass raised, or its one WRITE was refused) says
-    so; one with a WRITE posted (layer-wise: the first layer went out, then the pass raised
-    or the next WRITE was refused) does not."""
+    was handed to the transport (after the pass: its forward pass raised) says so; one with
+    a WRITE handed over does not, even one the transport refused (it may have started some
+    of its puts): layer-wise, the first layer went out, then the pass raised or the next
+    WRITE was refused; after the pass, its one WRITE was refused."""
     from prefill.worker import nothing_posted
     from transfer import TransferFailed
 
@@ -376,7 +379,8 @@ def test_a_failed_prefill_says_whether_any_write_of_it_was_posted(layerwise, fau
         future = prefill.submit("r", prompt, GREEDY, destination(decode, reserved))
         with pytest.raises((RuntimeError, TransferFailed)) as failed:
             future.result(60)
-        assert nothing_posted(failed.value) is not layerwise, (failed.value, writes)
+        posted = layerwise or fault == "push"
+        assert nothing_posted(failed.value) is not posted, (failed.value, writes)
         assert prefill.stats().free_blocks == 16 or _freed(prefill)
         prefill.check_integrity()
     finally:
@@ -463,3 +467,28 @@ def test_the_prefill_service_tells_the_router_when_nothing_was_posted(layerwise)
             server.stop(grace=0)
         prefill.close()
         decode.close()
+
+
+def test_a_failure_is_said_unposted_on_a_copy_per_job_or_not_at_all():
+    """One error often fails every job of a batch: the flag goes on a copy for the job that
+    posted nothing, never on the shared error; an error that cannot be copied (its class
+    takes other arguments) is passed on as it is, unflagged (its blocks stay fenced)."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from prefill.worker import _fail, nothing_posted
+
+    class Odd(RuntimeError):
+        def __init__(self, a, b):
+            super().__init__(f"{a} {b}")
+
+    shared = RuntimeError("the forward pass failed")
+    jobs = [SimpleNamespace(done=Future()) for _ in range(3)]
+    _fail(jobs[0], shared, posted=False)
+    _fail(jobs[1], shared, posted=True)
+    odd = Odd(1, 2)
+    _fail(jobs[2], odd, posted=False)
+    unposted, posted, uncopied = (j.done.exception() for j in jobs)
+    assert nothing_posted(unposted) and str(unposted) == str(shared) and unposted is not shared
+    assert posted is shared and not nothing_posted(shared)
+    assert uncopied is odd and not nothing_posted(odd)

@@ -91,9 +91,11 @@ class Load:
         rid = f"{self.tag}-{i}"
         params = dict(max_tokens=self.max_tokens, temperature=0, ignore_eos=True)
 
+        serving = None  # the call that brought the last message: a call after it that
+        # brings one is a reconnect (a retry that reached no router brings none)
+
         def on_call(call) -> None:
             with self._lock:
-                out.reconnects += rid in self._calls  # a call before this one
                 self._calls[rid] = call
 
         with Client(self.cluster.address, security=self.cluster.security) as client:
@@ -102,6 +104,9 @@ class Load:
             )
             try:
                 for msg in messages:
+                    if (call := self._calls.get(rid)) is not serving:
+                        out.reconnects += serving is not None
+                        serving = call
                     if msg.token_ids and not out.tokens:
                         with self._lock:
                             self.started += 1
