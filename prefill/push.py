@@ -88,30 +88,32 @@ class BatchPush:
         last = layers.stop == self.num_layers
         posted = []
         t = time.monotonic()
-        for i, (target, runs) in enumerate(zip(self.targets, self._runs)):
-            if i in self.failed:
-                continue
-            if i in self.abandoned or target.post_by <= t:
-                self.abandoned.add(i)
-                continue
-            self._tried.add(i)  # before the call: whatever it raises, bytes may have left
-            try:
-                xfer, nbytes = write_layers(
-                    self.agent,
-                    target.peer,
-                    layers,
-                    self.local,
-                    target.remote,
-                    (target.src, target.dst, runs),
-                    target.notif if last else b"",
-                    target.heads,
-                )
-            except TransferFailed as e:
-                self._fail(i, f"the push of {self._named(layers)} to {target.peer} failed: {e}")
-                continue
-            posted.append((i, xfer))
-            self.nbytes += nbytes
-        self._posted.append((layers.start if len(layers) == 1 else -1, now(), posted))
+        try:
+            for i, (target, runs) in enumerate(zip(self.targets, self._runs)):
+                if i in self.failed:
+                    continue
+                if i in self.abandoned or target.post_by <= t:
+                    self.abandoned.add(i)
+                    continue
+                self._tried.add(i)  # before the call: whatever it raises, bytes may have left
+                try:
+                    xfer, nbytes = write_layers(
+                        self.agent,
+                        target.peer,
+                        layers,
+                        self.local,
+                        target.remote,
+                        (target.src, target.dst, runs),
+                        target.notif if last else b"",
+                        target.heads,
+                    )
+                except TransferFailed as e:
+                    self._fail(i, f"the push of {self._named(layers)} to {target.peer} failed: {e}")
+                    continue
+                posted.append((i, xfer))
+                self.nbytes += nbytes
+        finally:  # whatever raised midway, the WRITEs handed over are polled and released
+            self._posted.append((layers.start if len(layers) == 1 else -1, now(), posted))
         self.poll()
 
     def poll(self) -> bool:

@@ -76,7 +76,9 @@ def _fail(job: PrefillJob, e: Exception, posted: bool) -> None:
             told = None
         if told is not None:
             told.nothing_posted = True
-            told.__cause__, told.__traceback__ = e.__cause__, e.__traceback__
+            told.__cause__, told.__context__ = e.__cause__, e.__context__
+            told.__suppress_context__ = e.__suppress_context__  # setting __cause__ set it
+            told.__traceback__ = e.__traceback__
             e = told
     job.done.set_exception(e)
 

@@ -140,6 +140,8 @@ def test_posted_names_every_target_a_write_was_handed_over_for(fabric):
     # b's WRITE went out, c's was refused (it may have started), d raised: the last
     # target was never reached
     assert push.posted() == {0, 1, 2}
+    # and b's WRITE, handed over before d raised, is tracked: polled, timed and released
+    assert push.poll() and len(push.spans()) == 1
     push.release()
 
 

@@ -95,6 +95,9 @@ class Load:
         # brings one is a reconnect (a retry that reached no router brings none)
 
         def on_call(call) -> None:
+            nonlocal serving
+            if serving is None:  # the first call: a router that dies before its first
+                serving = call  # message is still reconnected to, and counted
             with self._lock:
                 self._calls[rid] = call
 
