@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 from test_auth import FakePrefill, SlowDecode
 
@@ -62,8 +63,6 @@ def router():
         rpc.RouterStub(channel).Register(
             pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, worker=info), timeout=5
         )
-
-    import grpc
 
     channel = grpc.insecure_channel(address)
     yield service, address, register
@@ -161,8 +160,6 @@ def test_a_frozen_decode_worker_is_skipped_after_its_first_timeout(router):
 def test_a_handoff_that_ends_without_its_final_message_fails_internal(router, monkeypatch):
     """Never a silent end: the client holds one token and no final message, so the router
     answers INTERNAL (a bug of its own) instead of closing the stream OK."""
-    import grpc
-
     service, address, _ = router
 
     def truncated(arrival, context):
@@ -219,8 +216,6 @@ def test_a_failed_prefill_that_posted_nothing_frees_its_reservation_unfenced(
     otherwise it stays fenced for the push window. ABORTED (the push failed) is resumed
     at once; after a silent-looking status the prefill worker is suspect until it
     heartbeats again, so here (it never does) the request fails UNAVAILABLE."""
-    import grpc
-
     from pdserve.client import Unavailable
 
     service, address, register = router
@@ -242,3 +237,47 @@ def test_a_failed_prefill_that_posted_nothing_frees_its_reservation_unfenced(
         assert time.monotonic() < deadline, "the failed attempt's reservation was never released"
         time.sleep(0.01)
     assert decode.unpushed[0][1] is unposted, decode.unpushed
+
+
+class FullAfterABreak(SlowDecode):
+    """Streams one token, then the stream breaks (ABORTED: the router resumes it); then
+    refuses every Reserve (no room) for `full_s`, as a pool whose blocks a failed attempt
+    left fenced, then serves."""
+
+    def __init__(self, full_s: float) -> None:
+        super().__init__()
+        self.full_s, self.broke_at, self.refused = full_s, None, 0
+
+    def Reserve(self, request, context):
+        if self.broke_at is not None and time.monotonic() < self.broke_at + self.full_s:
+            self.refused += 1
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room")
+        return super().Reserve(request, context)
+
+    def Start(self, request, context):
+        if self.broke_at is None:
+            yield pb.TokenChunk(token_ids=[1])
+            self.broke_at = time.monotonic()
+            context.abort(grpc.StatusCode.ABORTED, "the stream broke")
+        yield pb.TokenChunk(token_ids=[2])
+        yield pb.TokenChunk(finished=True, finish_reason="length")
+
+
+def test_a_resumed_request_waits_for_room_longer_than_a_new_one(router):
+    """A request already streaming waits for room at least the push window (blocks its
+    failed attempt left fenced come back within it), not the queue timeout a new request
+    gets (0.5 s here): it finishes with its tokens instead of RESOURCE_EXHAUSTED."""
+    from pdserve.client import Overloaded
+
+    service, address, register = router
+    assert service.config.room_wait_s(True) >= service.config.push_window_s > 1.5
+    decode = FullAfterABreak(full_s=1.5)
+    register("d", "decode", servicer=decode)
+    register("p", "prefill")
+    with Client(address) as client:
+        result = client.generate([1], max_tokens=2)
+        assert result.token_ids == [1, 2] and result.timings["resumes"] == 1
+        assert decode.refused > 0  # it did wait, past the 0.5 s a new request gets
+        decode.broke_at = time.monotonic()  # full again: a new request waits 0.5 s only
+        with pytest.raises(Overloaded, match="within 0.5s"):
+            client.generate([1], max_tokens=2)

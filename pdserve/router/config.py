@@ -12,7 +12,8 @@ class RouterConfig:
     max_model_len: int
     max_queue: int = 256  # requests admitted at once; more answer RESOURCE_EXHAUSTED
     # a request waits this long for a decode worker with room (and for workers at all),
-    # then RESOURCE_EXHAUSTED (no room) or UNAVAILABLE (no workers)
+    # then RESOURCE_EXHAUSTED (no room) or UNAVAILABLE (no workers); one already under way
+    # waits longer for room (room_wait_s)
     queue_timeout_s: float = 30.0
     reserve_retry_s: tuple[float, float] = (0.01, 0.2)  # first and longest pause between tries
     reserve_rpc_timeout_s: float = 10.0
@@ -97,6 +98,16 @@ class RouterConfig:
         (the prefill call's deadline lies inside it). A reservation that ends before its
         push arrived keeps its blocks fenced until then (decode/reservations.py)."""
         return self.prefill_timeout_s + self.push_margin_s
+
+    def room_wait_s(self, under_way: bool) -> float:
+        """How long an attempt waits for a decode worker with room: queue_timeout_s for a
+        new request; for one already under way (resumed after a fault, or a client's
+        continuation after a router restart) at least the push window: its client holds
+        tokens, and blocks a failed attempt left fenced come back within that window. (A
+        prefill worker is waited for queue_timeout_s either way.)"""
+        if under_way:
+            return max(self.queue_timeout_s, self.push_window_s)
+        return self.queue_timeout_s
 
     @property
     def alive_window_s(self) -> float:

@@ -97,6 +97,11 @@ def _unposted(e: Exception) -> bool:
     return any(key == UNPOSTED_KEY for key, _ in e.trailing_metadata() or ())
 
 
+def _under_way(run: Run) -> bool:
+    """Whether the request's client already holds tokens or it was resumed after a fault."""
+    return bool(run.tokens or run.resumes)
+
+
 def _to_client(code: grpc.StatusCode) -> grpc.StatusCode:
     return _Code.UNAVAILABLE if code in _INTERNAL_REFUSALS else code
 
@@ -221,8 +226,10 @@ class Handoff:
         rid = run.worker_request_id
         prompt = run.context
         sampling = run.remaining()
-        deadline = time.monotonic() + self.config.queue_timeout_s
-        got = self._reserve(rid, prompt, sampling, deadline, context, run, entry)
+        started = time.monotonic()
+        got = self._reserve(
+            rid, prompt, sampling, started + self._room_wait_s(run), context, run, entry
+        )
         if got is None:  # aborted while waiting for room
             return Failure(_Code.CANCELLED, "aborted", "router")
         decode, reserved, asked = got
@@ -232,7 +239,12 @@ class Handoff:
                 return Failure(_Code.CANCELLED, "aborted", "router")
             entry.worker, entry.worker_request_id = decode, rid
         lease = self.leases.hold(decode, rid, reserved.fence)
-        prefill = self._pick_prefill(len(prompt), deadline, context, entry)
+        # a prefill worker is waited for queue_timeout_s (from the attempt's start; from
+        # now for one under way, which may have waited longer for room)
+        waiting_from = time.monotonic() if _under_way(run) else started
+        prefill = self._pick_prefill(
+            len(prompt), waiting_from + self.config.queue_timeout_s, context, entry
+        )
         if prefill is None:
             self.leases.drop(lease)
             self._release_attempt(entry, unpushed=True)
@@ -414,6 +426,11 @@ class Handoff:
         time.sleep(pause)
         return min(self.config.reserve_retry_s[1], pause * 2)
 
+    def _room_wait_s(self, run: Run) -> float:
+        """This attempt's wait for room: longer once the client holds tokens or the
+        request was resumed (RouterConfig.room_wait_s)."""
+        return self.config.room_wait_s(_under_way(run))
+
     def _await_workers(self, deadline: float, context) -> None:
         """Until at least one prefill and one decode worker are registered."""
         pause = self.config.reserve_retry_s[0]
@@ -467,7 +484,7 @@ class Handoff:
                 context.abort(
                     _Code.RESOURCE_EXHAUSTED,
                     f"no decode worker had room for {len(prompt)} prompt tokens within "
-                    f"{self.config.queue_timeout_s}s",
+                    f"{self._room_wait_s(run):g}s",
                 )
             if not self.line.wait_turn(ticket, _TURN_CHECK_S):
                 continue  # not the head yet: check the client and the deadline again
