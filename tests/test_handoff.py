@@ -322,10 +322,7 @@ def test_a_dead_decode_worker_fails_only_its_own_requests_of_a_batch(layerwise):
         for w in (alive, gone):
             w.check_integrity()
             assert w.reservations.fenced == 0
-        deadline = time.monotonic() + 10
-        while prefill.stats().free_blocks != 16:  # freed right after the replies
-            assert time.monotonic() < deadline, "the prefill worker kept blocks"
-            time.sleep(0.01)
+        _await_freed(prefill)  # right after the replies
         prefill.check_integrity()
     finally:
         release.set()
@@ -364,15 +361,10 @@ def test_a_failed_prefill_says_whether_any_write_of_it_was_posted(layerwise, fau
 
         return posted
 
-    def fails_after_the_first_layer(requests, on_layer_done=None, **kwargs):
-        if on_layer_done is not None:  # layer-wise: layer 0's WRITE is posted first
-            on_layer_done(0)
-        raise RuntimeError("the forward pass failed")
-
     if fault == "push":
         agent.write, agent.write_tiles = refuse(write), refuse(write_tiles)
     else:
-        prefill.core.prefill = fails_after_the_first_layer
+        prefill.core.prefill = _fails_after_the_first_layer
     try:
         prompt = list(range(3, 40))
         reserved = decode.reserve("r", prompt, GREEDY, lease_s=30)
@@ -381,7 +373,7 @@ def test_a_failed_prefill_says_whether_any_write_of_it_was_posted(layerwise, fau
             future.result(60)
         posted = layerwise or fault == "push"
         assert nothing_posted(failed.value) is not posted, (failed.value, writes)
-        assert prefill.stats().free_blocks == 16 or _freed(prefill)
+        _await_freed(prefill)
         prefill.check_integrity()
     finally:
         agent.write, agent.write_tiles = write, write_tiles
@@ -390,13 +382,19 @@ def test_a_failed_prefill_says_whether_any_write_of_it_was_posted(layerwise, fau
         decode.close()
 
 
-def _freed(prefill, timeout_s: float = 10.0) -> bool:
-    """Polls until the prefill worker's blocks are all free (right after a reply)."""
+def _fails_after_the_first_layer(requests, on_layer_done=None, **kwargs):
+    """A prefill pass that raises; layer-wise, after layer 0's WRITE was posted."""
+    if on_layer_done is not None:
+        on_layer_done(0)
+    raise RuntimeError("the forward pass failed")
+
+
+def _await_freed(prefill, timeout_s: float = 10.0) -> None:
+    """Until every block of the prefill worker is free (they go right after a reply)."""
     deadline = time.monotonic() + timeout_s
     while prefill.stats().free_blocks != prefill.stats().total_blocks:
         assert time.monotonic() < deadline, "the prefill worker kept blocks"
         time.sleep(0.01)
-    return True
 
 
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "after-prefill"])
@@ -418,12 +416,7 @@ def test_the_prefill_service_tells_the_router_when_nothing_was_posted(layerwise)
     prefill.layerwise = layerwise
     decode = decode_worker("tiny-llama", "d-svc", "nixl", args)
 
-    def fails_after_the_first_layer(requests, on_layer_done=None, **kwargs):
-        if on_layer_done is not None:
-            on_layer_done(0)
-        raise RuntimeError("the forward pass failed")
-
-    prefill.core.prefill = fails_after_the_first_layer
+    prefill.core.prefill = _fails_after_the_first_layer
     servers, stubs = [], []
     try:
         for add, stub in (

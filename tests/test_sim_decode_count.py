@@ -120,13 +120,13 @@ def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch
     against the simulated 1P2D, whose decode steps cost what the profile's cluster_decodes
     says for 2, the same requests on both sides."""
     from pdserve import launch
-    from pdserve.sim import vs_real
+    from pdserve.sim import vs_cluster
     from pdserve.sim.vs_real import bench_sim_vs_real, format_table
 
     if not launch.computes_on_cpu([]):
         pytest.skip("a launched cluster takes turns at the CPUs only when it computes on them")
     launched, decode_costs = [], []
-    real_cluster, real_simulate = launch.Cluster, vs_real.simulate
+    real_cluster, real_simulate = launch.Cluster, vs_cluster.simulate
 
     def cluster(model, prefill, decode, **kwargs):
         launched.append((prefill, decode))
@@ -137,7 +137,7 @@ def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch
         return real_simulate(setup, *args, **kwargs)
 
     monkeypatch.setattr(launch, "Cluster", cluster)
-    monkeypatch.setattr(vs_real, "simulate", simulate_)
+    monkeypatch.setattr(vs_cluster, "simulate", simulate_)
     shared = load_profile(
         str(
             Path(__file__).parent.parent / "docs/results/cpu-profile-smollm2-2026-12-05-shared.json"
@@ -267,24 +267,19 @@ def test_rescale_simulates_the_profile_scaled_by_the_probe_and_as_given():
     assert "--rescale" in format_table(report)
 
 
-def test_a_scaled_profile():
+def test_a_profile_with_its_engine_steps_scaled():
     p = load_profile(str(CPU_PROFILE))
-    two = dataclasses.replace(p, cluster_decodes={"2": dict(p.cluster)}).scaled(1.5)
-    assert two.engine == {k: 1.5 * v for k, v in p.engine.items()}
-    assert two.cluster_prefill == {k: 1.5 * v for k, v in p.cluster_prefill.items()}
-    assert two.cluster_decodes["2"] == {k: 1.5 * v for k, v in p.cluster.items()}
-    assert two.cluster == {k: 1.5 * v for k, v in p.cluster.items()}
-    assert two.tiers == p.tiers and two.link == p.link and two.handoff == p.handoff
-    engine_only = p.scaled(2.0, parts=("engine",))
-    assert engine_only.engine == {k: 2.0 * v for k, v in p.engine.items()}
-    assert engine_only.cluster == p.cluster and engine_only.cluster_prefill == p.cluster_prefill
-    with pytest.raises(ValueError, match="unknown part 'tiers'"):
-        p.scaled(2.0, parts=("tiers",))
+    p = dataclasses.replace(p, cluster_decodes={"2": dict(p.cluster)})
+    scaled = p.engine_scaled(2.0)
+    assert scaled.engine == {k: 2.0 * v for k, v in p.engine.items()}
+    assert scaled.cluster == p.cluster and scaled.cluster_prefill == p.cluster_prefill
+    assert scaled.cluster_decodes == p.cluster_decodes
+    assert scaled.tiers == p.tiers and scaled.link == p.link and scaled.handoff == p.handoff
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="positive finite"):
-            p.scaled(bad)
+            p.engine_scaled(bad)
     with pytest.raises(ValueError, match="only a fitted profile"):
-        load_profile("h200").scaled(2.0)
+        load_profile("h200").engine_scaled(2.0)
 
 
 def test_a_cluster_only_comparison_checks_its_profile_before_any_probe(monkeypatch):

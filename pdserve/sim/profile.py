@@ -128,26 +128,15 @@ class Profile:
             except ValueError as e:
                 raise ValueError(f"{where}: {count}: {e}") from None
 
-    STEP_PARTS = ("engine", "cluster", "cluster_prefill", "cluster_decodes")
-
-    def scaled(self, factor: float, parts: tuple[str, ...] = STEP_PARTS) -> Profile:
-        """The same machine running the steps of `parts` `factor` times as long (a fitted
-        profile's coefficients scaled; tiers, link and handoff as measured)."""
+    def engine_scaled(self, factor: float) -> Profile:
+        """The same profile with the in-process engine's steps `factor` times as long (a
+        fitted profile's coefficients scaled; every cluster cost as measured)."""
         if not (factor > 0 and factor != float("inf")):
             raise ValueError(f"scale: a positive finite factor, got {factor}")
         if self.kind != "fitted":
             raise ValueError(f"profile {self.name}: only a fitted profile's steps scale")
-        unknown = sorted(set(parts) - set(self.STEP_PARTS))
-        if unknown:
-            raise ValueError(f"scale: unknown part {unknown[0]!r}")
-
-        def times(c: dict[str, float]) -> dict[str, float]:
-            return {k: v * factor for k, v in c.items()}
-
-        new = {part: times(getattr(self, part)) for part in parts if part != "cluster_decodes"}
-        if "cluster_decodes" in parts:
-            new["cluster_decodes"] = {n: times(c) for n, c in self.cluster_decodes.items()}
-        return replace(self, name=f"{self.name} x{factor:.3g}", **new)
+        engine = {k: v * factor for k, v in self.engine.items()}
+        return replace(self, name=f"{self.name} engine x{factor:.3g}", engine=engine)
 
     def cluster_decode(self, decodes: int) -> dict[str, float]:
         """A decode worker's step coefficients in a cluster with `decodes` decode workers:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pdserve.bench.sweep import COUNTERS, run_point, scrape, wait_drained
 from pdserve.bench.workload import Workload, prompts_for
 from pdserve.engine.args import EngineArgs
-from pdserve.sim.run import Setup, Topology, policy_args
+from pdserve.sim.run import Setup, Topology, policy_args, simulate
 from pdserve.sim.vs_real import Comparison
 from pdserve.weights import model_config
 
@@ -68,7 +68,7 @@ def cluster_points(cmp: Comparison) -> list[dict]:
                 real.update({k: after[k] - before[k] for k in COUNTERS})
                 topology = Topology(prefill=1, decode=cmp.decode_workers)
                 setup = Setup(config, cmp.profile, topology, args, seed=cmp.seed)
-                label = f"sim cluster {policy} c={c}"
-                sims = cmp.simulate(setup, policy, specs, c, label, scaled=False)
-                points.append(cmp.point("cluster", policy, c, real, sims))
+                # the cluster's costs are never rescaled: simulated once
+                sim = simulate(setup, policy, specs, c, label=f"sim cluster {policy} c={c}")
+                points.append(cmp.point("cluster", policy, c, real, (sim, None)))
     return points

@@ -86,13 +86,11 @@ class Comparison:
     # cluster half's costs are not scaled: simulated once)
     unscaled: Profile | None = None
 
-    def simulate(
-        self, setup: Setup, policy: str, specs, concurrency: int, label: str, scaled: bool
-    ):
-        """-> (the simulated point with `profile`, and with `unscaled` where the setup's
-        costs were `scaled`, else None)."""
+    def simulate(self, setup: Setup, policy: str, specs, concurrency: int, label: str):
+        """An engine point -> (simulated with `profile`, and with `unscaled` under
+        --rescale, else None)."""
         sim = simulate(setup, policy, specs, concurrency, label=label)
-        if self.unscaled is None or not scaled:
+        if self.unscaled is None:
             return sim, None
         raw = dataclasses.replace(setup, profile=self.unscaled)
         return sim, simulate(raw, policy, specs, concurrency, label="")
@@ -173,7 +171,7 @@ def engine_points(cmp: Comparison) -> list[dict]:
             )
             core.check_integrity()
             setup = Setup(config, cmp.profile, Topology(), args, seed=cmp.seed)
-            sims = cmp.simulate(setup, policy, specs, c, f"sim {policy} c={c}", scaled=True)
+            sims = cmp.simulate(setup, policy, specs, c, f"sim {policy} c={c}")
             points.append(cmp.point("engine", policy, c, real, sims))
         core.close()
     return points
@@ -235,7 +233,7 @@ def bench_sim_vs_real(
             # the engine's steps alone: the probe measures the engine, and scaling a
             # cluster's steps by it did not bring them closer (docs/simulator.md)
             factor = drift["measured_over_profile"]
-            scaled = profile.scaled(factor, parts=("engine",))
+            scaled = profile.engine_scaled(factor)
             cmp = dataclasses.replace(cmp, profile=scaled, unscaled=profile)
         points = engine_points(cmp) if engine else []
         if cluster:
