@@ -24,12 +24,16 @@ def colocated() -> list[list[int]]:
     return [o.token_ids for o in LLM("tiny-llama").generate(PROMPTS, params)]
 
 
-def streams(client: Client, on_started):
+def streams(client: Client, on_started, request_ids: list[str] | None = None):
+    """PROMPTS streamed at once (under `request_ids`: the router's ids else); once each has
+    a token, `on_started()` -> ([(tokens, (timings, finish reason))], what it returned)."""
     started = [0] * len(PROMPTS)
+    ids = request_ids or [""] * len(PROMPTS)
 
     def one(i: int):
         tokens, final = [], None
-        for msg in client.stub.Generate(build_request(PROMPTS[i], PARAMS), timeout=180):
+        request = build_request(PROMPTS[i], PARAMS, request_id=ids[i])
+        for msg in client.stub.Generate(request, timeout=180):
             tokens.extend(msg.token_ids)
             started[i] = len(tokens)
             if msg.finished:
