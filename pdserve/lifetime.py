@@ -1,4 +1,4 @@
-"""Processes that die with their parent, however the parent dies.
+"""Processes that die with their parent, however the parent dies, and stop on a signal.
 
 The parent starts the child with `child_env(env, os.getpid())` in its environment; the
 child calls `adopt()` first thing: it asks the kernel for SIGTERM when that parent dies
@@ -13,12 +13,24 @@ then died with SIGABRT before exec ("epoll_wait error: Bad file descriptor"; grp
 #43157 describes the same crash). Without one, Python starts the child with vfork and no
 handlers run. Linux only: elsewhere adopt() does nothing and the parent's close() still
 stops its children.
+
+`StopSignal` is how a role's main thread waits for SIGINT/SIGTERM: its handler sets a flag
+and writes a byte to a pipe, nothing that takes a lock. Python runs a signal handler in the
+main thread between two bytecodes, possibly while that thread holds a lock: the handler we
+had, `threading.Event.set()`, deadlocked on the Event's own lock when a second SIGTERM came
+while the first one's set() held it (a router whose launcher was SIGKILLed, stuck three
+handlers deep, py-spy showed; a decode worker outlived its launcher in CI the same way).
+Several SIGTERMs at once is what a parent's death sends: the kernel sends the parent-death
+signal when the parent *thread* exits and moves the child to another live thread of the
+parent, so a SIGKILLed launcher with k threads signals up to k times, as they exit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import select
 import signal
 import sys
 from collections.abc import Mapping
@@ -43,3 +55,27 @@ def adopt() -> None:
     prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != int(parent):  # it died before the call: nobody would signal us
         os._exit(1)
+
+
+class StopSignal:
+    """SIGINT or SIGTERM asks this process to stop; `wait()` in the main thread until one
+    does. Make it in the main thread (signal handlers can be set nowhere else)."""
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+        self._read, self._write = os.pipe()  # not inherited by children (PEP 446)
+        os.set_blocking(self._write, False)
+        self.requested = False
+        for sig in signals:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        with contextlib.suppress(BlockingIOError):  # the pipe is full: a byte waits already
+            os.write(self._write, b"\0")
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until a stop is asked for, or `timeout_s` passed -> whether one was. A signal
+        interrupts the select, its handler writes the byte, the select (retried) sees it."""
+        if not self.requested:
+            select.select([self._read], [], [], timeout_s)
+        return self.requested

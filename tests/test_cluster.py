@@ -325,9 +325,9 @@ def _cmdline(pid: int) -> str:
 def test_a_loaded_cluster_dies_with_its_killed_launcher(tmp_path):
     """A launcher SIGKILLed while its decode worker streams a request: every member goes
     (PDEATHSIG), within 45 s. Usually in about a second; the decode worker's SIGTERM asks
-    the router to drain it first, for up to --exit-drain-timeout (30 s), and in 2 of 14
-    runs on 2026-12-05 one member took more than 10 s (which one was not caught: the
-    failure now names it)."""
+    the router to drain it first, for up to --exit-drain-timeout (30 s). A member that
+    stayed was stuck in its own SIGTERM handler, nested in the one before (a parent-death
+    signal per launcher thread; pdserve/lifetime.py's StopSignal, tests/test_stop_signal.py)."""
     import signal
     import subprocess
     import sys

@@ -16,21 +16,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 import uuid
 
 from pdserve.cli.common import add_memory_flags
 from pdserve.engine.args import EngineArgs
 from pdserve.failpoints import Failpoints
-
-
-def _stop_event() -> threading.Event:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    return stop
+from pdserve.lifetime import StopSignal
 
 
 def _ready(role: str, host: str, port: int, metrics_port: int, http_port: int | None = None):
@@ -157,7 +149,7 @@ def run_router(args: argparse.Namespace) -> int:
         http = start_http(
             view, port, args.host, args.http_port, args.model, ssl_context=_http_ssl(args)
         )
-    stop = _stop_event()
+    stop = StopSignal()
     _ready("router", args.host, port, metrics_port, http.port if http else None)
     stop.wait()
     if http is not None:
@@ -225,7 +217,7 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         metrics_address=f"{args.host}:{metrics_port}",
     )
     registration = Registration(args.router, info, worker.stats, security) if args.router else None
-    stop = _stop_event()
+    stop = StopSignal()
     _ready(role, args.host, port, metrics_port)
     stop.wait()
     if role == "decode" and registration is not None:
