@@ -14,8 +14,9 @@ then died with SIGABRT before exec ("epoll_wait error: Bad file descriptor"; grp
 handlers run. Linux only: elsewhere adopt() does nothing and the parent's close() still
 stops its children.
 
-`StopSignal` is how a role's main thread waits for SIGINT/SIGTERM: its handler sets a flag
-and writes a byte to a pipe, nothing that takes a lock. Python runs a signal handler in the
+`StopSignal` is how a role's main thread waits for SIGINT/SIGTERM: its handler sets a flag,
+nothing that takes a lock, and the main thread selects on a pipe that CPython's C-level
+handler writes to (`signal.set_wakeup_fd`). Python runs a signal handler in the
 main thread between two bytecodes, possibly while that thread holds a lock: the handler we
 had, `threading.Event.set()`, deadlocked on the Event's own lock when a second SIGTERM came
 while the first one's set() held it (a router whose launcher was SIGKILLed, stuck three
@@ -33,6 +34,7 @@ import os
 import select
 import signal
 import sys
+import time
 from collections.abc import Mapping
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -59,23 +61,42 @@ def adopt() -> None:
 
 class StopSignal:
     """SIGINT or SIGTERM asks this process to stop; `wait()` in the main thread until one
-    does. Make it in the main thread (signal handlers can be set nowhere else)."""
+    does. Make it in the main thread (signal handlers can be set nowhere else).
+
+    The kernel may give a process's signal to any of its threads (gRPC's, say), and then
+    the main thread's select is not interrupted: CPython's own C handler, in whichever
+    thread got it, writes the signal's number to the pipe (`signal.set_wakeup_fd`), and
+    the Python handler runs in the main thread once the select returns."""
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
         self._read, self._write = os.pipe()  # not inherited by children (PEP 446)
+        os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
         self.requested = False
-        for sig in signals:
-            signal.signal(sig, self._handle)
+        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in signals}
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
-        with contextlib.suppress(BlockingIOError):  # the pipe is full: a byte waits already
-            os.write(self._write, b"\0")
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Until a stop is asked for, or `timeout_s` passed -> whether one was. A signal
-        interrupts the select, its handler writes the byte, the select (retried) sees it."""
-        if not self.requested:
-            select.select([self._read], [], [], timeout_s)
+        """Until a stop is asked for, or `timeout_s` passed -> whether one was. A byte in
+        the pipe (or a signal interrupting the select) ends a select; the handler, due by
+        then, runs at the loop's next check."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.requested:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            if select.select([self._read], [], [], left)[0]:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._read, 4096)
         return self.requested
+
+    def close(self) -> None:
+        """The handlers and the wakeup fd as they were before; the pipe closed."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._previous_fd)
+        os.close(self._read)
+        os.close(self._write)

@@ -66,17 +66,36 @@ def test_the_event_it_replaced_does_not_survive_the_same_storm():
         pytest.fail("the storm did not nest a handler into another's lock in 3 runs")
 
 
+def test_a_signal_given_to_another_thread_still_ends_the_wait():
+    """The kernel may give a process's SIGTERM to any thread: here a thread signals itself
+    while the main thread waits with no timeout. Its select is not interrupted; the byte
+    CPython's handler writes to the wakeup pipe ends it."""
+    code = (
+        "import signal, threading, time\n"
+        "from pdserve.lifetime import StopSignal\n"
+        "stop = StopSignal()\n"
+        "def strike():\n"
+        "    time.sleep(0.3)\n"
+        "    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)\n"
+        "threading.Thread(target=strike).start()\n"
+        "assert stop.wait()\n"
+        "print('stopped', flush=True)\n"
+    )
+    assert stops(code)
+
+
 def test_wait_times_out_without_a_signal_and_reports_one_that_came():
     import signal
 
     from pdserve.lifetime import StopSignal
 
-    previous = signal.getsignal(signal.SIGUSR1)
+    stop = StopSignal((signal.SIGUSR1,))
     try:
-        stop = StopSignal((signal.SIGUSR1,))
         assert stop.wait(0.05) is False
         signal.raise_signal(signal.SIGUSR1)
         assert stop.wait(5) is True
         assert stop.wait() is True  # stays asked for
     finally:
-        signal.signal(signal.SIGUSR1, previous)
+        stop.close()  # the handler and the wakeup fd as they were
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    assert signal.set_wakeup_fd(-1) == -1  # none was set before, none is now
