@@ -15,7 +15,7 @@ handlers run. Linux only: elsewhere adopt() does nothing and the parent's close(
 stops its children.
 
 `StopSignal` is how a role's main thread waits for SIGINT/SIGTERM: its handler sets a flag,
-nothing that takes a lock, and the main thread selects on a pipe that CPython's C-level
+nothing that takes a lock, and the main thread polls a pipe that CPython's C-level
 handler writes to (`signal.set_wakeup_fd`). Python runs a signal handler in the
 main thread between two bytecodes, possibly while that thread holds a lock: the handler we
 had, `threading.Event.set()`, deadlocked on the Event's own lock when a second SIGTERM came
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import select
 import signal
@@ -64,9 +65,9 @@ class StopSignal:
     does. Make it in the main thread (signal handlers can be set nowhere else).
 
     The kernel may give a process's signal to any of its threads (gRPC's, say), and then
-    the main thread's select is not interrupted: CPython's own C handler, in whichever
+    the main thread's poll is not interrupted: CPython's own C handler, in whichever
     thread got it, writes the signal's number to the pipe (`signal.set_wakeup_fd`), and
-    the Python handler runs in the main thread once the select returns."""
+    the Python handler runs in the main thread once the poll returns."""
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
         self._read, self._write = os.pipe()  # not inherited by children (PEP 446)
@@ -75,20 +76,22 @@ class StopSignal:
         self.requested = False
         self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         self._previous = {sig: signal.signal(sig, self._handle) for sig in signals}
+        self._poll = select.poll()  # not select(): it refuses descriptors past 1024
+        self._poll.register(self._read, select.POLLIN)
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Until a stop is asked for, or `timeout_s` passed -> whether one was. A byte in
-        the pipe (or a signal interrupting the select) ends a select; the handler, due by
-        then, runs at the loop's next check."""
+        the pipe (or a signal interrupting it) ends a poll; the handler, due by then, runs
+        at the loop's next check."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self.requested:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break
-            if select.select([self._read], [], [], left)[0]:
+            if self._poll.poll(None if left is None else max(1, math.ceil(left * 1000))):
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._read, 4096)
         return self.requested
