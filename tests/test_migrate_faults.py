@@ -184,9 +184,10 @@ def test_the_worker_a_request_leaves_freezes_at_the_last_round(expected, tmp_pat
     starts and frees everything; nothing is lost or sent twice.
 
     The streams last about 3 s here; under load the drain's first last round can come as
-    the request ends, which then ends before the SIGSTOP lands (the failpoint's file work
-    lets the step loop run its last step): with nothing left on A to lose, the scenario
-    did not happen, and it is tried again on a fresh cluster."""
+    the request ends, which may then end before the SIGSTOP lands (the failpoint's file
+    work lets the step loop run its last step). Inferred, not traced: CI's one failure had
+    every token right, nothing resumed, and a short run. With nothing left on A to lose
+    the scenario did not happen, and it is tried again on a fresh cluster."""
     for attempt in range(3):
         if _freeze_the_worker_a_request_leaves(expected, tmp_path / str(attempt)):
             return
