@@ -11,6 +11,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from pdserve.client import Client
 from pdserve.launch import Cluster
 
@@ -18,8 +20,12 @@ CLIENTS = 16
 PROMPT_TOKENS = 299
 
 
-def test_prefill_keeps_serving_the_survivor_after_a_decode_worker_dies_under_load():
-    with Cluster("tiny-llama", 1, 2, worker_args=["--num-kv-blocks", "1024"]) as c:
+@pytest.mark.parametrize("prefill_tp", [1, 2], ids=["prefill", "tensor-parallel-prefill"])
+def test_prefill_keeps_serving_the_survivor_after_a_decode_worker_dies_under_load(prefill_tp):
+    """With a tensor-parallel prefill worker every rank pushes its own heads: each rank's
+    WRITEs to the dead worker fail on their own, and the group stays in service."""
+    tp = {} if prefill_tp == 1 else {"prefill_tp": prefill_tp}  # older trees: no such flag
+    with Cluster("tiny-llama", 1, 2, worker_args=["--num-kv-blocks", "1024"], **tp) as c:
         client = Client(c.address)
         done: list[float] = []
         failed: list[str] = []
@@ -56,3 +62,4 @@ def test_prefill_keeps_serving_the_survivor_after_a_decode_worker_dies_under_loa
         # the wedge: nothing completed for minutes, every request ended DEADLINE_EXCEEDED
         assert len(after) >= CLIENTS, f"{len(after)} completed in the 12 s after the kill"
         assert not failed, f"{len(failed)} failed, e.g. {failed[:3]}"
+        assert c.procs[1].poll() is None, "the prefill worker left service"
