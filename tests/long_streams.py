@@ -24,11 +24,19 @@ def colocated() -> list[list[int]]:
     return [o.token_ids for o in LLM("tiny-llama").generate(PROMPTS, params)]
 
 
-def streams(client: Client, on_started, request_ids: list[str] | None = None):
+def streams(
+    client: Client,
+    on_started,
+    request_ids: list[str] | None = None,
+    ended: list[float] | None = None,
+):
     """PROMPTS streamed at once (under `request_ids`: the router's ids else); once each has
-    a token, `on_started()` -> ([(tokens, (timings, finish reason))], what it returned)."""
+    a token, `on_started()` -> ([(tokens, (timings, finish reason))], what it returned).
+    `ended`, if given, gets each stream's time.time() at its final message."""
     started = [0] * len(PROMPTS)
     ids = request_ids or [""] * len(PROMPTS)
+    if ended is not None:
+        ended[:] = [0.0] * len(PROMPTS)
 
     def one(i: int):
         tokens, final = [], None
@@ -38,6 +46,8 @@ def streams(client: Client, on_started, request_ids: list[str] | None = None):
             started[i] = len(tokens)
             if msg.finished:
                 final = timings_of(msg.timings), msg.finish_reason
+                if ended is not None:
+                    ended[i] = time.time()
         return tokens, final
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:

@@ -202,7 +202,8 @@ def _freeze_the_worker_a_request_leaves(expected, directory) -> bool:
     with cluster(points) as c, Client(c.address, security=c.security) as client:
         failpoints.arm(points, "any", "decode.migrate", "stop")
         try:
-            results, (drained, other, _) = streams(client, lambda: drain_busiest(c), ids)
+            ended: list[float] = []
+            results, (drained, other, _) = streams(client, lambda: drain_busiest(c), ids, ended)
         finally:
             hit = failpoints.fired(points, "any", "decode.migrate")
             if hit is not None:
@@ -211,10 +212,15 @@ def _freeze_the_worker_a_request_leaves(expected, directory) -> bool:
         for (tokens, (_, reason)), want in zip(results, expected):
             assert tokens == want and reason == "length"  # none lost, none repeated
         timings = {rid: t for rid, (_, (t, _)) in zip(ids, results)}
-        stopped = timings[hit[1].strip().split("~")[0]]
+        which = ids.index(hit[1].strip().split("~")[0])
+        stopped = timings[ids[which]]
         all_free(client, timeout_s=60)  # whether the stop came in time or not
         if stopped["decode_worker"] == drained and not stopped["resumes"]:
-            return False  # it ended on A before the stop: A sent nothing after it
+            # it ended on A before the stop (A sent nothing after it): its end reached us
+            # right after the failpoint's marker, not the seconds a resume takes
+            marked = os.path.getmtime(os.path.join(points, "any.decode.migrate.fired"))
+            assert ended[which] < marked + 2.0, (ended[which] - marked, stopped)
+            return False
         resumed = [t for t in timings.values() if t["resumes"]]
         assert stopped in resumed and all(t["decode_worker"] == other for t in resumed)
         router = scrape(c.metrics["router-0"])
