@@ -60,6 +60,9 @@ def adopt() -> None:
         os._exit(1)
 
 
+_POLL_MAX_MS = 2**31 - 1  # poll() refuses longer timeouts (a longer wait polls again)
+
+
 class StopSignal:
     """SIGINT or SIGTERM asks this process to stop; `wait()` in the main thread until one
     does. Make it in the main thread (signal handlers can be set nowhere else).
@@ -91,7 +94,7 @@ class StopSignal:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break
-            if self._poll.poll(None if left is None else max(1, math.ceil(left * 1000))):
+            if self._poll.poll(None if left is None else math.ceil(min(_POLL_MAX_MS, left * 1000))):
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._read, 4096)
         return self.requested

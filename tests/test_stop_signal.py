@@ -68,7 +68,7 @@ def test_the_event_it_replaced_does_not_survive_the_same_storm():
 
 def test_a_signal_given_to_another_thread_still_ends_the_wait():
     """The kernel may give a process's SIGTERM to any thread: here a thread signals itself
-    while the main thread waits with no timeout. Its select is not interrupted; the byte
+    while the main thread waits with no timeout. Its poll is not interrupted; the byte
     CPython's handler writes to the wakeup pipe ends it."""
     code = (
         "import signal, threading, time\n"
