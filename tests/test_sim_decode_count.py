@@ -116,9 +116,10 @@ def test_calibration_reads_each_decode_workers_steps_on_its_own_clock():
 
 
 def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch):
-    """`bench sim-vs-real --cluster --decode-workers 2 --no-engine`: a launched 1P2D cluster
-    against the simulated 1P2D, whose decode steps cost what the profile's cluster_decodes
-    says for 2, the same requests on both sides."""
+    """`bench sim-vs-real --cluster --decode-workers 2 --no-engine --rescale`: a launched
+    1P2D cluster, probed before its points, against the simulated 1P2D, whose decode steps
+    cost what the profile's cluster_decodes says for 2 times the probe's factor (and, beside
+    it, as given), the same requests on both sides."""
     from pdserve import launch
     from pdserve.sim import vs_cluster
     from pdserve.sim.vs_real import bench_sim_vs_real, format_table
@@ -157,15 +158,28 @@ def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch
         cluster=True,
         decode_workers=2,
         engine=False,
+        rescale=True,
     )
     assert launched == [(1, 2)]
-    [(decodes, cost)] = decode_costs
-    assert decodes == 2 and cost.intercept == two.get("intercept", 0.0)
-    assert dict(cost.terms) == {f: c for f, c in two.items() if f != "intercept" and c}
-    assert report["cluster"] == "1P2D" and "cluster 1P2D" in format_table(report)
+    [probe] = report["cluster_drift"]
+    assert probe["policy"] == "greedy+recompute" and report["drift"] is None  # no engine
+    assert probe["decode"]["steps"] >= 32  # each load's requests decode 32 tokens
+    assert probe["prefill"]["steps"] >= vs_cluster.MIN_PREFILLS
+    x = probe["decode"]["measured_over_profile"]
+    (decodes, scaled), (_, given) = decode_costs  # the point simulated scaled, then as given
+    for cost, factor in ((scaled, x), (given, 1.0)):
+        assert decodes == 2
+        assert cost.intercept == pytest.approx(factor * two.get("intercept", 0.0))
+        assert dict(cost.terms) == pytest.approx(
+            {f: factor * c for f, c in two.items() if f != "intercept" and c}
+        )
+    table = format_table(report)
+    assert report["cluster"] == "1P2D" and "cluster 1P2D" in table
+    assert f"decode {x:.2f}x" in table and "--rescale" in table
     [point] = report["points"]
     assert point["kind"] == "cluster" and point["concurrency"] == 4
     assert point["real"]["generated_tokens"] == point["sim"]["generated_tokens"] > 0
+    assert point["unscaled"]["sim"]["generated_tokens"] == point["sim"]["generated_tokens"]
     assert point["real"]["errors"] == 0
 
 
@@ -282,10 +296,75 @@ def test_a_profile_with_its_engine_steps_scaled():
         load_profile("h200").engine_scaled(2.0)
 
 
+def test_a_profile_with_a_clusters_steps_scaled():
+    """The decode coefficients a 1PnD cluster is simulated with (`cluster_decode(n)`) and
+    the prefill batches scale; nothing else does."""
+    p = _profile(**{"2": {k: 2 * v for k, v in load_profile(str(CPU_PROFILE)).cluster.items()}})
+    for decodes, key in ((1, None), (2, "2"), (3, "2")):
+        scaled = p.cluster_scaled(decodes, 1.5, 0.5)
+        assert scaled.cluster_decode(decodes) == {
+            k: 1.5 * v for k, v in p.cluster_decode(decodes).items()
+        }
+        assert scaled.cluster_prefill == {k: 0.5 * v for k, v in p.cluster_prefill.items()}
+        if key is None:  # 1P1D's own; 1P2D's as measured
+            assert scaled.cluster_decodes == p.cluster_decodes
+        else:
+            assert scaled.cluster == p.cluster
+        assert scaled.engine == p.engine and scaled.tiers == p.tiers
+        assert scaled.link == p.link and scaled.handoff == p.handoff
+    for bad in ((0.0, 1.0), (1.0, -1.0), (float("nan"), 1.0), (1.0, float("inf"))):
+        with pytest.raises(ValueError, match="positive finite"):
+            p.cluster_scaled(1, *bad)
+    with pytest.raises(ValueError, match="only a fitted profile"):
+        load_profile("h200").cluster_scaled(1, 2.0, 2.0)
+
+
+def test_a_cluster_probe_scales_prefill_only_when_it_saw_enough_batches():
+    from pdserve.sim.vs_cluster import MIN_PREFILLS, _scaled
+
+    p = load_profile(str(CPU_PROFILE))
+    decode = {"measured_over_profile": 1.2, "steps": 60}
+    few = {"measured_over_profile": 0.5, "steps": MIN_PREFILLS - 1}
+    enough = {"measured_over_profile": 0.5, "steps": MIN_PREFILLS}
+    for prefill, factor in ((None, 1.0), (few, 1.0), (enough, 0.5)):
+        scaled = _scaled(p, 1, {"decode": decode, "prefill": prefill})
+        assert scaled.cluster == pytest.approx({k: 1.2 * v for k, v in p.cluster.items()})
+        assert scaled.cluster_prefill == pytest.approx(
+            {k: factor * v for k, v in p.cluster_prefill.items()}
+        )
+
+
+def test_the_table_says_how_far_each_cluster_drifted():
+    from pdserve.sim.vs_real import format_table
+
+    def probe(policy, decode, prefill):
+        return {
+            "policy": policy,
+            "decode": {"measured_over_profile": decode, "steps": 64},
+            "prefill": None if prefill is None else {"measured_over_profile": prefill, "steps": 9},
+        }
+
+    report = {
+        "model": "m",
+        "profile": "p",
+        "pool": {"num_kv_blocks": 16},
+        "points": [],
+        "misses": 0,
+        "cluster_drift": [probe("a", 1.04, 0.95), probe("b", 1.02, 1.4), probe("c", 0.8, None)],
+    }
+    lines = format_table(report).splitlines()
+    [a] = [line for line in lines if "the a cluster" in line]
+    [b] = [line for line in lines if "the b cluster" in line]
+    [c] = [line for line in lines if "the c cluster" in line]
+    assert "decode 1.04x (64), prefill 0.95x (9)" in a and "stale" not in a
+    assert "prefill 1.40x" in b and "the profile is stale" in b  # one part is enough
+    assert "decode 0.80x (64) in a probe" in c and "stale" in c
+
+
 def test_a_cluster_only_comparison_checks_its_profile_before_any_probe(monkeypatch):
     """--no-engine runs no engine probe (on a GPU it would hold the device while the
-    cluster's workers start), a profile that cannot be compared is refused before anything
-    runs, and --rescale (which scales the engine half) needs the engine half."""
+    cluster's workers start), and a profile that cannot be compared, or rescaled, is refused
+    before anything runs."""
     from pdserve.sim import vs_real
 
     def no_probe(cmp):
@@ -297,5 +376,9 @@ def test_a_cluster_only_comparison_checks_its_profile_before_any_probe(monkeypat
         vs_real.bench_sim_vs_real(
             "tiny-llama", profile, cluster=True, decode_workers=2, engine=False
         )
-    with pytest.raises(ValueError, match="rescale: scales the engine half"):
-        vs_real.bench_sim_vs_real("tiny-llama", profile, cluster=True, engine=False, rescale=True)
+    roofline = load_profile("h200")
+    for engine in (True, False):
+        with pytest.raises(ValueError, match="rescale: profile h200 is no fitted one"):
+            vs_real.bench_sim_vs_real(
+                "tiny-llama", roofline, cluster=True, engine=engine, rescale=True
+            )

@@ -100,7 +100,6 @@ def _traces(model: str, decodes: int, num_kv_blocks: int, seed: int) -> tuple[li
     from pdserve.launch import Cluster
 
     config = model_config(model)
-    traces: list[dict] = []
     with Cluster(
         model,
         1,
@@ -111,17 +110,25 @@ def _traces(model: str, decodes: int, num_kv_blocks: int, seed: int) -> tuple[li
         prefill_args=["--turn-s", "0"],
     ) as cluster:
         shares_cpus = cluster.lease_dir is not None  # its workers took turns at the CPUs
-        for i, (clients, prompt, output) in enumerate(
-            progress(LOADS, desc=f"calibrate cluster 1P{decodes}D", unit="load")
-        ):
-            clients *= decodes
-            specs = [RequestSpec(0.0, prompt, output)] * (2 * clients)
-            work = Workload(prompts_for(specs, config.vocab_size, seed + i), [output] * len(specs))
-            samples, _ = asyncio.run(_drive(cluster.address, work, clients, None, seed))
-            for s in samples:
-                if s.error is None and s.trace is not None:
-                    traces.append({**s.trace, "prompt_tokens": s.prompt_tokens})
+        loads = progress(LOADS, desc=f"calibrate cluster 1P{decodes}D", unit="load")
+        traces = serve_loads(cluster.address, config.vocab_size, loads, decodes, seed)
     return traces, shares_cpus
+
+
+def serve_loads(address: str, vocab_size: int, loads, decodes: int, seed: int) -> list[dict]:
+    """Each (clients, prompt tokens, output tokens) of `loads` served to its end on the
+    cluster at `address`, its clients times `decodes` (each decode worker sees the batches a
+    lone one does), two requests a client -> every completed request's trace."""
+    traces: list[dict] = []
+    for i, (clients, prompt, output) in enumerate(loads):
+        clients *= decodes
+        specs = [RequestSpec(0.0, prompt, output)] * (2 * clients)
+        work = Workload(prompts_for(specs, vocab_size, seed + i), [output] * len(specs))
+        samples, _ = asyncio.run(_drive(address, work, clients, None, seed))
+        for s in samples:
+            if s.error is None and s.trace is not None:
+                traces.append({**s.trace, "prompt_tokens": s.prompt_tokens})
+    return traces
 
 
 def check_decodes(decodes: tuple[int, ...]) -> None:

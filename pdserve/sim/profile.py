@@ -128,22 +128,50 @@ class Profile:
             except ValueError as e:
                 raise ValueError(f"{where}: {count}: {e}") from None
 
+    def _check_scale(self, *factors: float) -> None:
+        for factor in factors:
+            if not (factor > 0 and factor != float("inf")):
+                raise ValueError(f"scale: a positive finite factor, got {factor}")
+        if self.kind != "fitted":
+            raise ValueError(f"profile {self.name}: only a fitted profile's steps scale")
+
     def engine_scaled(self, factor: float) -> Profile:
         """The same profile with the in-process engine's steps `factor` times as long (a
         fitted profile's coefficients scaled; every cluster cost as measured)."""
-        if not (factor > 0 and factor != float("inf")):
-            raise ValueError(f"scale: a positive finite factor, got {factor}")
-        if self.kind != "fitted":
-            raise ValueError(f"profile {self.name}: only a fitted profile's steps scale")
+        self._check_scale(factor)
         engine = {k: v * factor for k, v in self.engine.items()}
         return replace(self, name=f"{self.name} engine x{factor:.3g}", engine=engine)
+
+    def cluster_scaled(self, decodes: int, decode: float, prefill: float) -> Profile:
+        """The same profile with a 1P`decodes`D cluster's decode steps `decode` times as long
+        (the coefficients `cluster_decode(decodes)` picks) and its prefill batches `prefill`
+        times; the engine, tiers, link and handoff as measured."""
+        self._check_scale(decode, prefill)
+        key = self._cluster_decode_key(decodes)
+        steps = {k: v * decode for k, v in self.cluster_decode(decodes).items()}
+        more = dict(self.cluster_decodes)
+        if key is None:
+            cluster = steps
+        else:
+            cluster, more[key] = self.cluster, steps
+        return replace(
+            self,
+            name=f"{self.name} 1P{decodes}D decode x{decode:.3g} prefill x{prefill:.3g}",
+            cluster=cluster,
+            cluster_decodes=more,
+            cluster_prefill={k: v * prefill for k, v in self.cluster_prefill.items()},
+        )
+
+    def _cluster_decode_key(self, decodes: int) -> str | None:
+        measured = [int(n) for n in self.cluster_decodes if int(n) <= decodes]
+        return str(max(measured)) if measured else None
 
     def cluster_decode(self, decodes: int) -> dict[str, float]:
         """A decode worker's step coefficients in a cluster with `decodes` decode workers:
         those measured at that count, else at the largest count measured below it (1:
         `cluster`)."""
-        measured = [int(n) for n in self.cluster_decodes if int(n) <= decodes]
-        return self.cluster_decodes[str(max(measured))] if measured else self.cluster
+        key = self._cluster_decode_key(decodes)
+        return self.cluster if key is None else self.cluster_decodes[key]
 
     @property
     def usable_bytes(self) -> float:

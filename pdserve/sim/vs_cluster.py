@@ -4,13 +4,24 @@ workload, pool and policies (the pool per decode worker).
 
 The real points are `bench sweep`'s (pdserve/bench/sweep.py run_point: closed-loop gRPC
 clients, the decode worker's Prometheus counters before and after); the simulated ones use
-the profile's cluster costs (`pdserve sim calibrate --cluster`)."""
+the profile's cluster costs (`pdserve sim calibrate --cluster`).
+
+Each launched cluster is probed before its points (`cluster_drift`): two short loads from
+the calibration's grid, their decode steps and prefill batches read off the traces as
+calibration reads them, measured over the profile's predicted time. With `--rescale` that
+cluster's points are simulated with its decode steps and prefill batches scaled by those
+factors (and with the profile as given, beside them)."""
 
 from __future__ import annotations
+
+import statistics
 
 from pdserve.bench.sweep import COUNTERS, run_point, scrape, wait_drained
 from pdserve.bench.workload import Workload, prompts_for
 from pdserve.engine.args import EngineArgs
+from pdserve.sim.calibrate_cluster import _steps, serve_loads
+from pdserve.sim.cost import FittedCost
+from pdserve.sim.profile import Profile
 from pdserve.sim.run import Setup, Topology, policy_args, simulate
 from pdserve.sim.vs_real import Comparison
 from pdserve.weights import model_config
@@ -31,13 +42,58 @@ def check_cluster_costs(cmp: Comparison) -> None:
         )
 
 
-def cluster_points(cmp: Comparison) -> list[dict]:
+# (clients per decode worker, prompt tokens, output tokens): the calibration's kind of load,
+# small enough for a 32-block pool per decode worker (no preemption in the probe)
+PROBE = ((1, 32, 32), (8, 16, 32))
+MIN_PREFILLS = 3  # prefill batches a probe needs before its prefill factor is used
+
+
+def _measured_over(samples: list, coefficients: dict) -> dict | None:
+    cost = FittedCost(coefficients)
+    ratios = [s / p for w, s in samples if (p := cost.step_seconds(w)) > 0]
+    if not ratios:
+        return None
+    return {"measured_over_profile": statistics.median(ratios), "steps": len(ratios)}
+
+
+def cluster_drift(address: str, cmp: Comparison, profile: Profile) -> dict:
+    """How fast this launched cluster runs now against `profile`: PROBE served on it (about
+    10 s) -> for its decode steps and its prefill batches, the median of measured over the
+    profile's predicted time. The engine's probe does not say this: on this machine a
+    cluster's speed did not move with the engine's (docs/simulator.md)."""
+    config = model_config(cmp.model)
+    traces = serve_loads(address, config.vocab_size, PROBE, cmp.decode_workers, cmp.seed + 7919)
+    decode, prefill = _steps(traces)
+    drift = {
+        "decode": _measured_over(decode, profile.cluster_decode(cmp.decode_workers)),
+        "prefill": _measured_over(prefill, profile.cluster_prefill),
+    }
+    if drift["decode"] is None:
+        raise RuntimeError(f"cluster probe: no decode step came back from {len(traces)} traces")
+    return drift
+
+
+def _scaled(profile: Profile, decodes: int, drift: dict) -> Profile:
+    """`profile` with the cluster's costs scaled by its probe (prefill as given when the
+    probe saw fewer than MIN_PREFILLS batches)."""
+    prefill = drift["prefill"]
+    enough = prefill is not None and prefill["steps"] >= MIN_PREFILLS
+    return profile.cluster_scaled(
+        decodes,
+        drift["decode"]["measured_over_profile"],
+        prefill["measured_over_profile"] if enough else 1.0,
+    )
+
+
+def cluster_points(cmp: Comparison) -> tuple[list[dict], list[dict]]:
+    """-> (the cluster's points, each launched cluster's probe)."""
     from pdserve.launch import Cluster
 
     check_cluster_costs(cmp)
     config = model_config(cmp.model)
     base = EngineArgs(num_kv_blocks=cmp.num_kv_blocks, spill_dir=cmp.spill_dir)
-    points = []
+    given = cmp.unscaled or cmp.profile  # the cluster's costs as measured
+    points, drifts = [], []
     for policy in cmp.policies:
         admission, args = policy_args(base, policy)
         decode_args = ["--admission", admission, "--preemption", args.preemption]
@@ -50,13 +106,17 @@ def cluster_points(cmp: Comparison) -> list[dict]:
             router_args=["--queue-timeout", "3600", "--max-queue", "4096"],
             decode_args=decode_args,
         ) as cluster:
-            if (cluster.lease_dir is not None) != cmp.profile.shares_cpus:
+            if (cluster.lease_dir is not None) != given.shares_cpus:
                 raise ValueError(
-                    f"profile {cmp.profile.name}: shares_cpus is {cmp.profile.shares_cpus} but "
+                    f"profile {given.name}: shares_cpus is {given.shares_cpus} but "
                     f"this machine's cluster {'does' if cluster.lease_dir else 'does not'} take "
                     "turns at the CPUs: calibrate again (pdserve sim calibrate --cluster)"
                 )
             metrics = [a for k, a in cluster.metrics.items() if k.startswith("decode")]
+            drift = cluster_drift(cluster.address, cmp, given)
+            wait_drained(cluster, metrics)
+            drifts.append({"policy": policy, **drift})
+            profile = _scaled(given, cmp.decode_workers, drift) if cmp.rescale else given
             for c in cmp.concurrencies:
                 specs = cmp.specs(c)
                 prompts = prompts_for(specs, config.vocab_size, cmp.seed)
@@ -67,8 +127,11 @@ def cluster_points(cmp: Comparison) -> list[dict]:
                 wait_drained(cluster, metrics)
                 real.update({k: after[k] - before[k] for k in COUNTERS})
                 topology = Topology(prefill=1, decode=cmp.decode_workers)
-                setup = Setup(config, cmp.profile, topology, args, seed=cmp.seed)
-                # the cluster's costs are never rescaled: simulated once
+                setup = Setup(config, profile, topology, args, seed=cmp.seed)
                 sim = simulate(setup, policy, specs, c, label=f"sim cluster {policy} c={c}")
-                points.append(cmp.point("cluster", policy, c, real, (sim, None)))
-    return points
+                raw = None
+                if cmp.rescale:  # the profile as given, too
+                    unscaled = Setup(config, given, topology, args, seed=cmp.seed)
+                    raw = simulate(unscaled, policy, specs, c, label="")
+                points.append(cmp.point("cluster", policy, c, real, (sim, raw)))
+    return points, drifts

@@ -82,8 +82,9 @@ class Comparison:
     seed: int
     spill_dir: str
     decode_workers: int = 1  # of the launched cluster (1P1D, 1P2D, ...)
-    # with --rescale: the profile as given, the engine half simulated with it too (the
-    # cluster half's costs are not scaled: simulated once)
+    # --rescale: each half's step costs scaled by its own probe, and simulated with the
+    # profile as given too (`unscaled`: the profile as given once the engine's are scaled)
+    rescale: bool = False
     unscaled: Profile | None = None
 
     def simulate(self, setup: Setup, policy: str, specs, concurrency: int, label: str):
@@ -193,7 +194,8 @@ def bench_sim_vs_real(
 ) -> dict:
     """Both halves (the engine's unless `engine` is False; the cluster's, 1P`decode_workers`D,
     with `cluster`) -> the report. `rescale`: the profile's engine step costs scaled by the
-    drift probe's factor (measured in this run), the figures with the profile as given
+    engine probe's factor and each launched cluster's decode and prefill costs by that
+    cluster's probe (all measured in this run), the figures with the profile as given
     reported beside them (`unscaled` in each point)."""
     if decode_workers < 1:
         raise ValueError(f"decode_workers: at least 1, got {decode_workers}")
@@ -201,8 +203,8 @@ def bench_sim_vs_real(
         raise ValueError("decode_workers: the cluster's, with --cluster")
     if not (engine or cluster):
         raise ValueError("nothing to compare: the engine half is off and --cluster not given")
-    if rescale and not engine:
-        raise ValueError("rescale: scales the engine half's costs; it is off (--no-engine)")
+    if rescale and profile.kind != "fitted":
+        raise ValueError(f"rescale: profile {profile.name} is no fitted one")
     budget = num_kv_blocks * 16
     mean_output = mean_output or max(16, budget // 4)
     max_output = max(8, budget // 2 - 48)
@@ -219,6 +221,7 @@ def bench_sim_vs_real(
             seed,
             spill_dir,
             decode_workers,
+            rescale=rescale,
         )
         if cluster:
             from pdserve.sim.vs_cluster import check_cluster_costs
@@ -227,19 +230,18 @@ def bench_sim_vs_real(
         # the engine half's probe (a cluster-only run makes none: on a GPU its engine would
         # hold the device's memory while the cluster's workers start)
         drift = engine_drift(cmp) if engine else None
-        if rescale:
-            if drift is None:
-                raise ValueError(f"rescale: profile {profile.name} is no fitted one")
-            # the engine's steps alone: the probe measures the engine, and scaling a
-            # cluster's steps by it did not bring them closer (docs/simulator.md)
-            factor = drift["measured_over_profile"]
-            scaled = profile.engine_scaled(factor)
+        if rescale and engine:
+            # the engine's steps by the engine's probe; each cluster's by its own
+            # (pdserve/sim/vs_cluster.py): a cluster's speed did not move with the engine's
+            scaled = profile.engine_scaled(drift["measured_over_profile"])
             cmp = dataclasses.replace(cmp, profile=scaled, unscaled=profile)
         points = engine_points(cmp) if engine else []
+        cluster_drift = None
         if cluster:
             from pdserve.sim.vs_cluster import cluster_points
 
-            points += cluster_points(cmp)
+            more, cluster_drift = cluster_points(cmp)
+            points += more
     return {
         "benchmark": "sim-vs-real",
         "model": model,
@@ -249,6 +251,7 @@ def bench_sim_vs_real(
         "workload": {"kind": "reasoning", "mean_output": mean_output, "max_output": max_output},
         "bounds": dict(BOUNDS),
         "drift": drift,
+        "cluster_drift": cluster_drift,
         "machine": machine_info(),
         "points": points,
         "misses": sum(len(p["misses"]) for p in points),
@@ -287,11 +290,26 @@ def format_table(report: dict) -> str:
             f"before the runs ({drift['steps']} steps)"
             + ("" if abs(x - 1) <= DRIFT else ": the profile is stale, calibrate again")
         )
+    for probe in report.get("cluster_drift") or ():
+        parts = [
+            f"{part} {probe[part]['measured_over_profile']:.2f}x ({probe[part]['steps']})"
+            for part in ("decode", "prefill")
+            if probe[part] is not None
+        ]
+        worst = max(
+            abs(probe[p]["measured_over_profile"] - 1) for p in ("decode", "prefill") if probe[p]
+        )
+        lines.append(
+            f"the {probe['policy']} cluster ran at the profile's time times: "
+            + ", ".join(parts)
+            + " in a probe before its points"
+            + ("" if worst <= DRIFT else ": the profile is stale, calibrate again")
+        )
     if report.get("rescaled"):
         lines.append(
-            "the engine's simulated figures are the profile's with its engine step costs "
-            "scaled by that factor (--rescale; the cluster's as given); with the profile as "
-            f"given: {report['misses_unscaled']} figures outside their bounds"
+            "the simulated figures are the profile's with each half's step costs scaled by "
+            "its probe's factors (--rescale); with the profile as given: "
+            f"{report['misses_unscaled']} figures outside their bounds"
         )
     for p in report["points"]:
         for m in p["misses"]:
