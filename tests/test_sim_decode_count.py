@@ -134,7 +134,7 @@ def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch
         return real_cluster(model, prefill, decode, **kwargs)
 
     def simulate_(setup, *args, **kwargs):
-        decode_costs.append((setup.topology.decode, setup.cost("decode")))
+        decode_costs.append((setup.topology.decode, setup.cost("decode"), setup.cost("prefill")))
         return real_simulate(setup, *args, **kwargs)
 
     monkeypatch.setattr(launch, "Cluster", cluster)
@@ -165,17 +165,27 @@ def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch
     assert probe["policy"] == "greedy+recompute" and report["drift"] is None  # no engine
     assert probe["decode"]["steps"] >= 32  # each load's requests decode 32 tokens
     assert probe["prefill"]["steps"] >= vs_cluster.MIN_PREFILLS
-    x = probe["decode"]["measured_over_profile"]
-    (decodes, scaled), (_, given) = decode_costs  # the point simulated scaled, then as given
-    for cost, factor in ((scaled, x), (given, 1.0)):
+    x, y = probe["factors"]["decode"], probe["factors"]["prefill"]
+    assert x == probe["decode"]["measured_over_profile"] != pytest.approx(1.0, abs=0.05)
+    assert y == probe["prefill"]["measured_over_profile"] != pytest.approx(1.0, abs=0.05)
+    # the point simulated scaled, then as given
+    (decodes, scaled, scaled_prefill), (_, given, given_prefill) = decode_costs
+    measured = shared.cluster_prefill
+    for cost, coefficients, factor in (
+        (scaled, two, x),
+        (given, two, 1.0),
+        (scaled_prefill, measured, y),
+        (given_prefill, measured, 1.0),
+    ):
         assert decodes == 2
-        assert cost.intercept == pytest.approx(factor * two.get("intercept", 0.0))
+        assert cost.intercept == pytest.approx(factor * coefficients.get("intercept", 0.0))
         assert dict(cost.terms) == pytest.approx(
-            {f: factor * c for f, c in two.items() if f != "intercept" and c}
+            {f: factor * c for f, c in coefficients.items() if f != "intercept" and c}
         )
     table = format_table(report)
     assert report["cluster"] == "1P2D" and "cluster 1P2D" in table
-    assert f"decode {x:.2f}x" in table and "--rescale" in table
+    assert f"decode {x:.2f}x" in table and f"prefill {y:.2f}x" in table
+    assert "each half's step costs scaled" in table
     [point] = report["points"]
     assert point["kind"] == "cluster" and point["concurrency"] == 4
     assert point["real"]["generated_tokens"] == point["sim"]["generated_tokens"] > 0
@@ -299,17 +309,20 @@ def test_a_profile_with_its_engine_steps_scaled():
 def test_a_profile_with_a_clusters_steps_scaled():
     """The decode coefficients a 1PnD cluster is simulated with (`cluster_decode(n)`) and
     the prefill batches scale; nothing else does."""
-    p = _profile(**{"2": {k: 2 * v for k, v in load_profile(str(CPU_PROFILE)).cluster.items()}})
-    for decodes, key in ((1, None), (2, "2"), (3, "2")):
+    one = load_profile(str(CPU_PROFILE)).cluster
+    p = _profile(**{n: {k: int(n) * v for k, v in one.items()} for n in ("2", "4")})
+    for decodes, key in ((1, None), (2, "2"), (3, "2"), (4, "4")):
         scaled = p.cluster_scaled(decodes, 1.5, 0.5)
         assert scaled.cluster_decode(decodes) == {
             k: 1.5 * v for k, v in p.cluster_decode(decodes).items()
         }
         assert scaled.cluster_prefill == {k: 0.5 * v for k, v in p.cluster_prefill.items()}
-        if key is None:  # 1P1D's own; 1P2D's as measured
+        if key is None:  # 1P1D's own; the others as measured
             assert scaled.cluster_decodes == p.cluster_decodes
         else:
             assert scaled.cluster == p.cluster
+            others = {n: c for n, c in p.cluster_decodes.items() if n != key}
+            assert {n: c for n, c in scaled.cluster_decodes.items() if n != key} == others
         assert scaled.engine == p.engine and scaled.tiers == p.tiers
         assert scaled.link == p.link and scaled.handoff == p.handoff
     for bad in ((0.0, 1.0), (1.0, -1.0), (float("nan"), 1.0), (1.0, float("inf"))):
@@ -319,29 +332,63 @@ def test_a_profile_with_a_clusters_steps_scaled():
         load_profile("h200").cluster_scaled(1, 2.0, 2.0)
 
 
-def test_a_cluster_probe_scales_prefill_only_when_it_saw_enough_batches():
-    from pdserve.sim.vs_cluster import MIN_PREFILLS, _scaled
+def test_a_cluster_probe_uses_its_prefill_factor_only_after_enough_batches(monkeypatch):
+    """The probe's factors: measured over the profile's predicted time, per part; prefill's
+    only from MIN_PREFILLS batches on (else 1.0, as given); no figures from a pool too small
+    for the probe or a probe with no decode step."""
+    from pdserve.sim import vs_cluster
+    from pdserve.sim.cost import FittedCost, StepWork
+    from pdserve.sim.vs_real import Comparison
 
     p = load_profile(str(CPU_PROFILE))
-    decode = {"measured_over_profile": 1.2, "steps": 60}
-    few = {"measured_over_profile": 0.5, "steps": MIN_PREFILLS - 1}
-    enough = {"measured_over_profile": 0.5, "steps": MIN_PREFILLS}
-    for prefill, factor in ((None, 1.0), (few, 1.0), (enough, 0.5)):
-        scaled = _scaled(p, 1, {"decode": decode, "prefill": prefill})
-        assert scaled.cluster == pytest.approx({k: 1.2 * v for k, v in p.cluster.items()})
+    decode_cost, prefill_cost = FittedCost(p.cluster), FittedCost(p.cluster_prefill)
+    decode = [
+        (w, 1.2 * decode_cost.step_seconds(w))
+        for n in (1, 2, 4)
+        if (w := StepWork(n, n, 100 * n, 0, 0.0, n, 0))
+    ]
+    prefill = [
+        (w, 0.5 * prefill_cost.step_seconds(w))
+        for n in (1, 2, 3)
+        if (w := StepWork(n, 32 * n, 0, 32 * n, 528.0 * n, n, 32 * n, prefill_seqs=n))
+    ]
+    served = []
+    monkeypatch.setattr(vs_cluster, "serve_loads", lambda *a: served.append(a) or [])
+    cmp = Comparison("tiny-llama", p, ("greedy+recompute",), (2,), 32, 4, 8, 16, 0, "")
+    enough, few = prefill[: vs_cluster.MIN_PREFILLS], prefill[: vs_cluster.MIN_PREFILLS - 1]
+    for seen, factor in (([], 1.0), (few, 1.0), (enough, 0.5)):
+        monkeypatch.setattr(vs_cluster, "_steps", lambda traces, seen=seen: (decode, seen))
+        drift = vs_cluster.cluster_drift("address", cmp, p)
+        assert drift["decode"]["steps"] == 3
+        assert drift["factors"] == pytest.approx({"decode": 1.2, "prefill": factor})
+        if seen:
+            assert drift["prefill"]["measured_over_profile"] == pytest.approx(0.5)
+            assert drift["prefill"]["used"] == (seen is enough)
+        scaled = p.cluster_scaled(1, **drift["factors"])
         assert scaled.cluster_prefill == pytest.approx(
             {k: factor * v for k, v in p.cluster_prefill.items()}
         )
+    assert len(served) == 3 and served[0][2] == vs_cluster.PROBE
+    monkeypatch.setattr(vs_cluster, "_steps", lambda traces: ([], prefill))
+    assert "no decode step" in vs_cluster.cluster_drift("address", cmp, p)["skipped"]
+    small = dataclasses.replace(cmp, num_kv_blocks=vs_cluster.PROBE_BLOCKS - 1)
+    assert "the probe needs" in vs_cluster.cluster_drift("address", small, p)["skipped"]
+    assert len(served) == 4  # the small pool was not probed
+    vs_cluster.check_cluster_probe(small)  # without --rescale the points run unprobed
+    with pytest.raises(ValueError, match=f"needs {vs_cluster.PROBE_BLOCKS} blocks"):
+        vs_cluster.check_cluster_probe(dataclasses.replace(small, rescale=True))
 
 
 def test_the_table_says_how_far_each_cluster_drifted():
     from pdserve.sim.vs_real import format_table
 
-    def probe(policy, decode, prefill):
+    def probe(policy, decode, prefill, used=True):
+        seen = {"measured_over_profile": prefill, "steps": 9, "used": used}
         return {
             "policy": policy,
-            "decode": {"measured_over_profile": decode, "steps": 64},
-            "prefill": None if prefill is None else {"measured_over_profile": prefill, "steps": 9},
+            "decode": {"measured_over_profile": decode, "steps": 64, "used": True},
+            "prefill": None if prefill is None else seen,
+            "factors": {"decode": decode, "prefill": prefill if used and prefill else 1.0},
         }
 
     report = {
@@ -350,15 +397,25 @@ def test_the_table_says_how_far_each_cluster_drifted():
         "pool": {"num_kv_blocks": 16},
         "points": [],
         "misses": 0,
-        "cluster_drift": [probe("a", 1.04, 0.95), probe("b", 1.02, 1.4), probe("c", 0.8, None)],
+        "cluster_drift": [
+            probe("a", 1.04, 0.95),
+            probe("b", 1.02, 1.4),
+            probe("c", 0.8, None),
+            probe("d", 1.0, 2.0, used=False),
+            {"policy": "e", "skipped": "pool of 8 blocks < 24 the probe needs"},
+        ],
     }
     lines = format_table(report).splitlines()
-    [a] = [line for line in lines if "the a cluster" in line]
-    [b] = [line for line in lines if "the b cluster" in line]
-    [c] = [line for line in lines if "the c cluster" in line]
-    assert "decode 1.04x (64), prefill 0.95x (9)" in a and "stale" not in a
-    assert "prefill 1.40x" in b and "the profile is stale" in b  # one part is enough
-    assert "decode 0.80x (64) in a probe" in c and "stale" in c
+
+    def line(policy):
+        [found] = [x for x in lines if f"the {policy} cluster's probe" in x]
+        return found
+
+    assert "decode 1.04x (64), prefill 0.95x (9)" in line("a") and "stale" not in line("a")
+    assert "prefill 1.40x" in line("b") and "the profile is stale" in line("b")  # one part
+    assert "decode 0.80x (64)" in line("c") and "stale" in line("c")
+    assert "prefill 2.00x (9, too few: not used)" in line("d") and "stale" not in line("d")
+    assert "skipped (pool of 8 blocks" in line("e")
 
 
 def test_a_cluster_only_comparison_checks_its_profile_before_any_probe(monkeypatch):

@@ -145,7 +145,8 @@ class Profile:
     def cluster_scaled(self, decodes: int, decode: float, prefill: float) -> Profile:
         """The same profile with a 1P`decodes`D cluster's decode steps `decode` times as long
         (the coefficients `cluster_decode(decodes)` picks) and its prefill batches `prefill`
-        times; the engine, tiers, link and handoff as measured."""
+        times (`cluster_prefill`, or the engine's where it has none, as the simulator picks
+        them); the engine, tiers, link and handoff as measured."""
         self._check_scale(decode, prefill)
         key = self._cluster_decode_key(decodes)
         steps = {k: v * decode for k, v in self.cluster_decode(decodes).items()}
@@ -159,7 +160,9 @@ class Profile:
             name=f"{self.name} 1P{decodes}D decode x{decode:.3g} prefill x{prefill:.3g}",
             cluster=cluster,
             cluster_decodes=more,
-            cluster_prefill={k: v * prefill for k, v in self.cluster_prefill.items()},
+            cluster_prefill={
+                k: v * prefill for k, v in (self.cluster_prefill or self.engine).items()
+            },
         )
 
     def _cluster_decode_key(self, decodes: int) -> str | None:

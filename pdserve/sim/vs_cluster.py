@@ -42,10 +42,20 @@ def check_cluster_costs(cmp: Comparison) -> None:
         )
 
 
-# (clients per decode worker, prompt tokens, output tokens): the calibration's kind of load,
-# small enough for a 32-block pool per decode worker (no preemption in the probe)
-PROBE = ((1, 32, 32), (8, 16, 32))
+# (clients per decode worker, prompt tokens, output tokens): two of the calibration's loads
+# (calibrate_cluster.LOADS), whose requests fit PROBE_BLOCKS blocks per decode worker at once
+PROBE = ((1, 48, 64), (4, 32, 64))
+PROBE_BLOCKS = max(clients * -(-(prompt + output) // 16) for clients, prompt, output in PROBE)
 MIN_PREFILLS = 3  # prefill batches a probe needs before its prefill factor is used
+
+
+def check_cluster_probe(cmp: Comparison) -> None:
+    """ValueError when --rescale needs a probe this comparison's pool cannot hold."""
+    if cmp.rescale and cmp.num_kv_blocks < PROBE_BLOCKS:
+        raise ValueError(
+            f"rescale: each cluster's probe needs {PROBE_BLOCKS} blocks per decode worker "
+            f"(no preemption while it measures), the pool has {cmp.num_kv_blocks}"
+        )
 
 
 def _measured_over(samples: list, coefficients: dict) -> dict | None:
@@ -58,31 +68,33 @@ def _measured_over(samples: list, coefficients: dict) -> dict | None:
 
 def cluster_drift(address: str, cmp: Comparison, profile: Profile) -> dict:
     """How fast this launched cluster runs now against `profile`: PROBE served on it (about
-    10 s) -> for its decode steps and its prefill batches, the median of measured over the
-    profile's predicted time. The engine's probe does not say this: on this machine a
-    cluster's speed did not move with the engine's (docs/simulator.md)."""
+    15 s) -> for its decode steps and its prefill batches, the median of measured over the
+    profile's predicted time (the coefficients the simulated cluster uses: pdserve/sim/run.py
+    Setup.cost), and `factors`, what --rescale applies: the decode one, and the prefill one
+    when the probe saw MIN_PREFILLS batches (else 1.0, prefill as given). The engine's probe
+    does not say this: on this machine a cluster's speed did not move with the engine's
+    (docs/simulator.md). A pool too small for the probe, or a probe that saw no decode
+    step, gives no figures (`skipped` says why)."""
+    if cmp.num_kv_blocks < PROBE_BLOCKS:
+        return {"skipped": f"pool of {cmp.num_kv_blocks} blocks < {PROBE_BLOCKS} the probe needs"}
     config = model_config(cmp.model)
     traces = serve_loads(address, config.vocab_size, PROBE, cmp.decode_workers, cmp.seed + 7919)
     decode, prefill = _steps(traces)
     drift = {
         "decode": _measured_over(decode, profile.cluster_decode(cmp.decode_workers)),
-        "prefill": _measured_over(prefill, profile.cluster_prefill),
+        "prefill": _measured_over(prefill, profile.cluster_prefill or profile.engine),
     }
     if drift["decode"] is None:
-        raise RuntimeError(f"cluster probe: no decode step came back from {len(traces)} traces")
+        return {**drift, "skipped": f"no decode step came back from {len(traces)} traces"}
+    used = drift["prefill"] is not None and drift["prefill"]["steps"] >= MIN_PREFILLS
+    drift["decode"]["used"] = True
+    if drift["prefill"] is not None:
+        drift["prefill"]["used"] = used
+    drift["factors"] = {
+        "decode": drift["decode"]["measured_over_profile"],
+        "prefill": drift["prefill"]["measured_over_profile"] if used else 1.0,
+    }
     return drift
-
-
-def _scaled(profile: Profile, decodes: int, drift: dict) -> Profile:
-    """`profile` with the cluster's costs scaled by its probe (prefill as given when the
-    probe saw fewer than MIN_PREFILLS batches)."""
-    prefill = drift["prefill"]
-    enough = prefill is not None and prefill["steps"] >= MIN_PREFILLS
-    return profile.cluster_scaled(
-        decodes,
-        drift["decode"]["measured_over_profile"],
-        prefill["measured_over_profile"] if enough else 1.0,
-    )
 
 
 def cluster_points(cmp: Comparison) -> tuple[list[dict], list[dict]]:
@@ -116,7 +128,11 @@ def cluster_points(cmp: Comparison) -> tuple[list[dict], list[dict]]:
             drift = cluster_drift(cluster.address, cmp, given)
             wait_drained(cluster, metrics)
             drifts.append({"policy": policy, **drift})
-            profile = _scaled(given, cmp.decode_workers, drift) if cmp.rescale else given
+            profile = given
+            if cmp.rescale:
+                if "factors" not in drift:
+                    raise RuntimeError(f"rescale: the cluster's probe: {drift['skipped']}")
+                profile = given.cluster_scaled(cmp.decode_workers, **drift["factors"])
             for c in cmp.concurrencies:
                 specs = cmp.specs(c)
                 prompts = prompts_for(specs, config.vocab_size, cmp.seed)

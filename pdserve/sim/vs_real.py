@@ -224,9 +224,10 @@ def bench_sim_vs_real(
             rescale=rescale,
         )
         if cluster:
-            from pdserve.sim.vs_cluster import check_cluster_costs
+            from pdserve.sim.vs_cluster import check_cluster_costs, check_cluster_probe
 
             check_cluster_costs(cmp)  # before the probe's engine takes the device
+            check_cluster_probe(cmp)
         # the engine half's probe (a cluster-only run makes none: on a GPU its engine would
         # hold the device's memory while the cluster's workers start)
         drift = engine_drift(cmp) if engine else None
@@ -291,27 +292,36 @@ def format_table(report: dict) -> str:
             + ("" if abs(x - 1) <= DRIFT else ": the profile is stale, calibrate again")
         )
     for probe in report.get("cluster_drift") or ():
-        parts = [
-            f"{part} {probe[part]['measured_over_profile']:.2f}x ({probe[part]['steps']})"
-            for part in ("decode", "prefill")
-            if probe[part] is not None
-        ]
-        worst = max(
-            abs(probe[p]["measured_over_profile"] - 1) for p in ("decode", "prefill") if probe[p]
-        )
-        lines.append(
-            f"the {probe['policy']} cluster ran at the profile's time times: "
-            + ", ".join(parts)
-            + " in a probe before its points"
-            + ("" if worst <= DRIFT else ": the profile is stale, calibrate again")
-        )
+        lines.append(_cluster_probe_line(probe))
     if report.get("rescaled"):
+        scaled = "each half's" if report.get("cluster_drift") else "the engine's"
         lines.append(
-            "the simulated figures are the profile's with each half's step costs scaled by "
-            "its probe's factors (--rescale); with the profile as given: "
+            f"the simulated figures are the profile's with {scaled} step costs scaled by its "
+            "probe's factors (--rescale); with the profile as given: "
             f"{report['misses_unscaled']} figures outside their bounds"
         )
     for p in report["points"]:
         for m in p["misses"]:
             lines.append(f"  {p['kind']} {p['policy']} c={p['concurrency']}: {m}")
     return "\n".join(lines)
+
+
+def _cluster_probe_line(probe: dict) -> str:
+    """One launched cluster's probe: measured over the profile's time per part, whether it
+    is stale (a part --rescale would not use, too few prefill batches, says so and is not
+    counted), or why it was skipped."""
+    head = f"the {probe['policy']} cluster's probe"
+    if "skipped" in probe:
+        return f"{head}: skipped ({probe['skipped']})"
+    parts, worst = [], 0.0
+    for part in ("decode", "prefill"):
+        seen = probe.get(part)
+        if seen is None:
+            continue
+        x = seen["measured_over_profile"]
+        used = seen.get("used", True)
+        parts.append(f"{part} {x:.2f}x ({seen['steps']}{'' if used else ', too few: not used'})")
+        worst = max(worst, abs(x - 1)) if used else worst
+    return f"{head}: the cluster ran at the profile's time times {', '.join(parts)}" + (
+        "" if worst <= DRIFT else ": the profile is stale, calibrate again"
+    )
