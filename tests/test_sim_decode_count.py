@@ -18,6 +18,14 @@ from pdserve.sim.run import Setup, Topology, simulate
 from pdserve.weights import model_config
 
 CPU_PROFILE = Path(__file__).parent.parent / "docs/results/cpu-profile-smollm2-2026-12-04.json"
+# what format_table needs of a report with no points
+EMPTY_REPORT = {
+    "model": "m",
+    "profile": "p",
+    "pool": {"num_kv_blocks": 16},
+    "points": [],
+    "misses": 0,
+}
 
 
 def _profile(**decodes):
@@ -247,13 +255,7 @@ def test_the_comparison_says_how_far_the_machine_drifted_from_its_profile(monkey
     assert drifts[0]["steps"] == drifts[1]["steps"] >= 100
     x = drifts[0]["measured_over_profile"]
     assert drifts[1]["measured_over_profile"] == pytest.approx(2 * x)
-    report = {
-        "model": "m",
-        "profile": "p",
-        "pool": {"num_kv_blocks": 16},
-        "points": [],
-        "misses": 0,
-    }
+    report = dict(EMPTY_REPORT)
     fresh = format_table({**report, "drift": {"measured_over_profile": 1.05, "steps": 150}})
     stale = format_table({**report, "drift": {"measured_over_profile": 1.3, "steps": 150}})
     assert "1.05x the profile's time" in fresh and "stale" not in fresh
@@ -392,11 +394,7 @@ def test_the_table_says_how_far_each_cluster_drifted():
         }
 
     report = {
-        "model": "m",
-        "profile": "p",
-        "pool": {"num_kv_blocks": 16},
-        "points": [],
-        "misses": 0,
+        **EMPTY_REPORT,
         "cluster_drift": [
             probe("a", 1.04, 0.95),
             probe("b", 1.02, 1.4),
