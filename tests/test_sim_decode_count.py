@@ -171,7 +171,7 @@ def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch
     assert launched == [(1, 2)]
     [probe] = report["cluster_drift"]
     assert probe["policy"] == "greedy+recompute" and report["drift"] is None  # no engine
-    assert probe["decode"]["steps"] >= 32  # each load's requests decode 32 tokens
+    assert probe["decode"]["steps"] >= 128  # each load's requests decode 64 tokens, 2 a client
     assert probe["prefill"]["steps"] >= vs_cluster.MIN_PREFILLS
     x, y = probe["factors"]["decode"], probe["factors"]["prefill"]
     assert x == probe["decode"]["measured_over_profile"] != pytest.approx(1.0, abs=0.05)
@@ -193,7 +193,7 @@ def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch
     table = format_table(report)
     assert report["cluster"] == "1P2D" and "cluster 1P2D" in table
     assert f"decode {x:.2f}x" in table and f"prefill {y:.2f}x" in table
-    assert "each half's step costs scaled" in table
+    assert "the cluster's step costs scaled" in table  # --no-engine
     [point] = report["points"]
     assert point["kind"] == "cluster" and point["concurrency"] == 4
     assert point["real"]["generated_tokens"] == point["sim"]["generated_tokens"] > 0
@@ -371,11 +371,25 @@ def test_a_cluster_probe_uses_its_prefill_factor_only_after_enough_batches(monke
             {k: factor * v for k, v in p.cluster_prefill.items()}
         )
     assert len(served) == 3 and served[0][2] == vs_cluster.PROBE
+    # a 1P2D cluster is measured against 1P2D's coefficients (twice 1P1D's here), and a
+    # profile without cluster_prefill against the engine's, as the simulator costs them
+    two = dataclasses.replace(
+        p, cluster_decodes={"2": {k: 2 * v for k, v in p.cluster.items()}}, cluster_prefill={}
+    )
+    engine_cost = FittedCost(p.engine)
+    by_engine = [(w, 0.5 * engine_cost.step_seconds(w)) for w, _ in prefill]
+    monkeypatch.setattr(vs_cluster, "_steps", lambda traces: (decode, by_engine))
+    drift = vs_cluster.cluster_drift("address", dataclasses.replace(cmp, decode_workers=2), two)
+    assert drift["factors"] == pytest.approx({"decode": 0.6, "prefill": 0.5})
+    assert two.cluster_scaled(2, 0.6, 0.5).cluster_prefill == pytest.approx(
+        {k: 0.5 * v for k, v in p.engine.items()}
+    )
+    assert served[-1][3] == 2  # clients doubled for two decode workers
     monkeypatch.setattr(vs_cluster, "_steps", lambda traces: ([], prefill))
     assert "no decode step" in vs_cluster.cluster_drift("address", cmp, p)["skipped"]
     small = dataclasses.replace(cmp, num_kv_blocks=vs_cluster.PROBE_BLOCKS - 1)
     assert "the probe needs" in vs_cluster.cluster_drift("address", small, p)["skipped"]
-    assert len(served) == 4  # the small pool was not probed
+    assert len(served) == 5  # the small pool was not probed
     vs_cluster.check_cluster_probe(small)  # without --rescale the points run unprobed
     with pytest.raises(ValueError, match=f"needs {vs_cluster.PROBE_BLOCKS} blocks"):
         vs_cluster.check_cluster_probe(dataclasses.replace(small, rescale=True))

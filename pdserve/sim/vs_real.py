@@ -294,7 +294,10 @@ def format_table(report: dict) -> str:
     for probe in report.get("cluster_drift") or ():
         lines.append(_cluster_probe_line(probe))
     if report.get("rescaled"):
-        scaled = "each half's" if report.get("cluster_drift") else "the engine's"
+        halves = (report.get("drift") is not None, bool(report.get("cluster_drift")))
+        scaled = {(True, True): "each half's", (False, True): "the cluster's"}.get(
+            halves, "the engine's"
+        )
         lines.append(
             f"the simulated figures are the profile's with {scaled} step costs scaled by its "
             "probe's factors (--rescale); with the profile as given: "
