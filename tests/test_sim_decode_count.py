@@ -260,6 +260,13 @@ def test_the_comparison_says_how_far_the_machine_drifted_from_its_profile(monkey
     stale = format_table({**report, "drift": {"measured_over_profile": 1.3, "steps": 150}})
     assert "1.05x the profile's time" in fresh and "stale" not in fresh
     assert "1.30x the profile's time" in stale and "the profile is stale" in stale
+    assert "in a probe before the runs" in fresh  # a report from before the per-policy probes
+    probes = [{"policy": "a", "measured_over_profile": 0.97, "steps": 118}]
+    probes.append({"policy": "b", "measured_over_profile": 0.8, "steps": 118})
+    lines = format_table({**report, "drift": probes}).splitlines()
+    [a] = [x for x in lines if "before its a points" in x]
+    [b] = [x for x in lines if "before its b points" in x]
+    assert "0.97x" in a and "stale" not in a and "0.80x" in b and "stale" in b
     roofline = dataclasses.replace(profile, kind="roofline", memory_bytes_s=1.0, flops=1.0)
     cmp = Comparison("tiny-llama", roofline, ("greedy+recompute",), (2,), 16, 4, 8, 16, 0, "")
     assert engine_drift(cmp) is None
@@ -281,7 +288,9 @@ def test_rescale_simulates_the_profile_scaled_by_the_probe_and_as_given():
         mean_output=8,
         rescale=True,
     )
-    factor = report["drift"]["measured_over_profile"]
+    [probe] = report["drift"]
+    assert probe["policy"] == "greedy+recompute" and probe["steps"] >= 100
+    factor = probe["measured_over_profile"]
     [point] = report["points"]
     scaled, raw = point["sim"], point["unscaled"]["sim"]
     assert (
@@ -291,6 +300,44 @@ def test_rescale_simulates_the_profile_scaled_by_the_probe_and_as_given():
     assert scaled["throughput_tok_s"] == pytest.approx(raw["throughput_tok_s"] / factor, rel=1e-6)
     assert report["rescaled"] and report["misses_unscaled"] == len(point["unscaled"]["misses"])
     assert "--rescale" in format_table(report)
+
+
+def test_each_policy_is_probed_right_before_its_points(monkeypatch):
+    """The engine half probes the machine before each policy's points, after the previous
+    policy's engine is closed, and --rescale scales that policy's points by its own probe."""
+    from pdserve.sim import vs_real
+
+    events, factors = [], iter((1.5, 3.0))
+    real_build = vs_real.build_engine
+
+    def probe(cmp):
+        events.append("probe")
+        return {"measured_over_profile": next(factors), "steps": 120}
+
+    def build(model, args):
+        events.append("engine")
+        return real_build(model, args)
+
+    monkeypatch.setattr(vs_real, "engine_drift", probe)
+    monkeypatch.setattr(vs_real, "build_engine", build)
+    report = vs_real.bench_sim_vs_real(
+        "tiny-llama",
+        load_profile(str(CPU_PROFILE)),
+        concurrencies=(2,),
+        policies=("greedy+recompute", "greedy+tiered"),
+        num_kv_blocks=16,
+        requests=4,
+        mean_output=8,
+        rescale=True,
+    )
+    assert events == ["probe", "engine", "probe", "engine"]
+    assert [(p["policy"], p["measured_over_profile"]) for p in report["drift"]] == [
+        ("greedy+recompute", 1.5),
+        ("greedy+tiered", 3.0),
+    ]
+    for point, factor in zip(report["points"], (1.5, 3.0), strict=True):
+        raw = point["unscaled"]["sim"]
+        assert point["sim"]["tpot_p50_s"] == pytest.approx(factor * raw["tpot_p50_s"], rel=1e-6)
 
 
 def test_a_profile_with_its_engine_steps_scaled():

@@ -647,8 +647,9 @@ def add_bench_parser(sub) -> None:
     svr.add_argument(
         "--rescale",
         action="store_true",
-        help="scale the profile's engine step costs by the engine's probe made first, and "
-        "each launched cluster's decode and prefill costs by that cluster's own probe "
+        help="scale the profile's engine step costs by the engine's probe made before each "
+        "policy's points, and each launched cluster's decode and prefill costs by that "
+        "cluster's own probe "
         "(the figures with the profile as given are reported too)",
     )
     svr.add_argument("--seed", type=int, default=0)

@@ -104,7 +104,7 @@ def cluster_points(cmp: Comparison) -> tuple[list[dict], list[dict]]:
     check_cluster_costs(cmp)
     config = model_config(cmp.model)
     base = EngineArgs(num_kv_blocks=cmp.num_kv_blocks, spill_dir=cmp.spill_dir)
-    given = cmp.unscaled or cmp.profile  # the cluster's costs as measured
+    given = cmp.profile  # the cluster's costs as measured
     points, drifts = [], []
     for policy in cmp.policies:
         admission, args = policy_args(base, policy)

@@ -82,19 +82,10 @@ class Comparison:
     seed: int
     spill_dir: str
     decode_workers: int = 1  # of the launched cluster (1P1D, 1P2D, ...)
-    # --rescale: each half's step costs scaled by its own probe, and simulated with the
-    # profile as given too (`unscaled`: the profile as given once the engine's are scaled)
+    # --rescale: each policy's points simulated with the step costs scaled by the probe
+    # made right before them (the engine's, or that policy's launched cluster's), and with
+    # the profile as given too
     rescale: bool = False
-    unscaled: Profile | None = None
-
-    def simulate(self, setup: Setup, policy: str, specs, concurrency: int, label: str):
-        """An engine point -> (simulated with `profile`, and with `unscaled` under
-        --rescale, else None)."""
-        sim = simulate(setup, policy, specs, concurrency, label=label)
-        if self.unscaled is None:
-            return sim, None
-        raw = dataclasses.replace(setup, profile=self.unscaled)
-        return sim, simulate(raw, policy, specs, concurrency, label="")
 
     def specs(self, concurrency: int) -> list[RequestSpec]:
         n = max(self.requests, concurrency)
@@ -142,13 +133,23 @@ def engine_drift(cmp: Comparison) -> dict | None:
     return {"measured_over_profile": statistics.median(ratios), "steps": len(ratios)}
 
 
-def engine_points(cmp: Comparison) -> list[dict]:
+def engine_points(cmp: Comparison) -> tuple[list[dict], list[dict]]:
+    """-> (the engine's points, the probe made before each policy's points). The machine's
+    speed moves within a run too (on 2026-12-06 the points run after the first policy's ran
+    ~7% faster than a probe made before them all), so each policy is probed right before its
+    own points, on an engine of its own (its core is built after the probe's is closed)."""
     config = model_config(cmp.model)
     base = EngineArgs(
         num_kv_blocks=cmp.num_kv_blocks, spill_dir=cmp.spill_dir, enable_prefix_caching=False
     )
-    points = []
+    points, drifts = [], []
     for policy in cmp.policies:
+        drift = engine_drift(cmp)
+        profile = cmp.profile
+        if drift is not None:
+            drifts.append({"policy": policy, **drift})
+            if cmp.rescale:
+                profile = cmp.profile.engine_scaled(drift["measured_over_profile"])
         admission, args = policy_args(base, policy)
         core, _ = build_engine(cmp.model, args)
         warm = [RequestSpec(0.0, 8, 2)]  # first forward passes are slow; calibrate skips them too
@@ -171,11 +172,15 @@ def engine_points(cmp: Comparison) -> list[dict]:
                 spilled_bytes=after.spilled_bytes - before.spilled_bytes,
             )
             core.check_integrity()
-            setup = Setup(config, cmp.profile, Topology(), args, seed=cmp.seed)
-            sims = cmp.simulate(setup, policy, specs, c, f"sim {policy} c={c}")
-            points.append(cmp.point("engine", policy, c, real, sims))
+            setup = Setup(config, profile, Topology(), args, seed=cmp.seed)
+            sim = simulate(setup, policy, specs, c, label=f"sim {policy} c={c}")
+            raw = None
+            if cmp.rescale:  # the profile as given, too
+                given = dataclasses.replace(setup, profile=cmp.profile)
+                raw = simulate(given, policy, specs, c, label="")
+            points.append(cmp.point("engine", policy, c, real, (sim, raw)))
         core.close()
-    return points
+    return points, drifts
 
 
 def bench_sim_vs_real(
@@ -228,15 +233,10 @@ def bench_sim_vs_real(
 
             check_cluster_costs(cmp)  # before the probe's engine takes the device
             check_cluster_probe(cmp)
-        # the engine half's probe (a cluster-only run makes none: on a GPU its engine would
-        # hold the device's memory while the cluster's workers start)
-        drift = engine_drift(cmp) if engine else None
-        if rescale and engine:
-            # the engine's steps by the engine's probe; each cluster's by its own
-            # (pdserve/sim/vs_cluster.py): a cluster's speed did not move with the engine's
-            scaled = profile.engine_scaled(drift["measured_over_profile"])
-            cmp = dataclasses.replace(cmp, profile=scaled, unscaled=profile)
-        points = engine_points(cmp) if engine else []
+        # the engine's probes (a cluster-only run makes none: on a GPU its engine would
+        # hold the device's memory while the cluster's workers start); each cluster's own
+        # (pdserve/sim/vs_cluster.py): a cluster's speed did not move with the engine's
+        points, drift = engine_points(cmp) if engine else ([], None)
         cluster_drift = None
         if cluster:
             from pdserve.sim.vs_cluster import cluster_points
@@ -251,7 +251,7 @@ def bench_sim_vs_real(
         "cluster": f"1P{decode_workers}D" if cluster else None,
         "workload": {"kind": "reasoning", "mean_output": mean_output, "max_output": max_output},
         "bounds": dict(BOUNDS),
-        "drift": drift,
+        "drift": drift or None,
         "cluster_drift": cluster_drift,
         "machine": machine_info(),
         "points": points,
@@ -284,11 +284,12 @@ def format_table(report: dict) -> str:
         )
     lines.append(f"{report['misses']} figures outside their bounds")
     drift = report.get("drift")
-    if drift is not None:
-        x = drift["measured_over_profile"]
+    for probe in [drift] if isinstance(drift, dict) else drift or ():  # a dict: one, before all
+        x = probe["measured_over_profile"]
+        before = f"its {probe['policy']} points" if "policy" in probe else "the runs"
         lines.append(
             f"this machine ran the engine's steps at {x:.2f}x the profile's time in a probe "
-            f"before the runs ({drift['steps']} steps)"
+            f"before {before} ({probe['steps']} steps)"
             + ("" if abs(x - 1) <= DRIFT else ": the profile is stale, calibrate again")
         )
     for probe in report.get("cluster_drift") or ():
