@@ -123,7 +123,8 @@ if ! wanted sim-vs-real; then
 elif wanted calibrate && [[ $CALIBRATED != 0 ]]; then
     echo "== bench sim-vs-real: skipped, calibrate failed (exit $CALIBRATED)" | tee -a "$LOG"
 elif [[ -f "$PROFILE" ]]; then
-    section sim-vs-real "bench sim-vs-real ($MODEL)" "$((5 * LIMIT / 2))" "$PY" -m pdserve.cli \
+    # 4x: an engine probe before each policy's points (three more engines built than in 2026-12-04's 42 s)
+    section sim-vs-real "bench sim-vs-real ($MODEL)" "$((4 * LIMIT))" "$PY" -m pdserve.cli \
         bench sim-vs-real --model "$MODEL" --profile "$PROFILE" "${VS_REAL[@]}" \
         --json "$RESULTS/sim-vs-real.json"
 else

@@ -316,7 +316,15 @@ def test_each_policy_is_probed_right_before_its_points(monkeypatch):
 
     def build(model, args):
         events.append("engine")
-        return real_build(model, args)
+        core, rest = real_build(model, args)
+        close = core.close
+
+        def closed():
+            events.append("closed")
+            close()
+
+        core.close = closed
+        return core, rest
 
     monkeypatch.setattr(vs_real, "engine_drift", probe)
     monkeypatch.setattr(vs_real, "build_engine", build)
@@ -330,7 +338,7 @@ def test_each_policy_is_probed_right_before_its_points(monkeypatch):
         mean_output=8,
         rescale=True,
     )
-    assert events == ["probe", "engine", "probe", "engine"]
+    assert events == ["probe", "engine", "closed", "probe", "engine", "closed"]
     assert [(p["policy"], p["measured_over_profile"]) for p in report["drift"]] == [
         ("greedy+recompute", 1.5),
         ("greedy+tiered", 3.0),

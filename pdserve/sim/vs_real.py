@@ -198,9 +198,10 @@ def bench_sim_vs_real(
     rescale: bool = False,
 ) -> dict:
     """Both halves (the engine's unless `engine` is False; the cluster's, 1P`decode_workers`D,
-    with `cluster`) -> the report. `rescale`: the profile's engine step costs scaled by the
-    engine probe's factor and each launched cluster's decode and prefill costs by that
-    cluster's probe (all measured in this run), the figures with the profile as given
+    with `cluster`) -> the report. `rescale`: each policy's engine points simulated with the
+    profile's engine step costs scaled by the factor of the engine probe made right before
+    them, and each launched cluster's decode and prefill costs by that cluster's probe (all
+    measured in this run), the figures with the profile as given
     reported beside them (`unscaled` in each point)."""
     if decode_workers < 1:
         raise ValueError(f"decode_workers: at least 1, got {decode_workers}")
@@ -300,8 +301,9 @@ def format_table(report: dict) -> str:
             halves, "the engine's"
         )
         lines.append(
-            f"the simulated figures are the profile's with {scaled} step costs scaled by its "
-            "probe's factors (--rescale); with the profile as given: "
+            f"the simulated figures are the profile's with {scaled} step costs scaled by the "
+            "factors of the probe made before each policy's points (--rescale); with the "
+            "profile as given: "
             f"{report['misses_unscaled']} figures outside their bounds"
         )
     for p in report["points"]:
