@@ -129,13 +129,13 @@ def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch
     cost what the profile's cluster_decodes says for 2 times the probe's factor (and, beside
     it, as given), the same requests on both sides."""
     from pdserve import launch
-    from pdserve.sim import vs_cluster
+    from pdserve.sim import vs_cluster, vs_real
     from pdserve.sim.vs_real import bench_sim_vs_real, format_table
 
     if not launch.computes_on_cpu([]):
         pytest.skip("a launched cluster takes turns at the CPUs only when it computes on them")
     launched, decode_costs = [], []
-    real_cluster, real_simulate = launch.Cluster, vs_cluster.simulate
+    real_cluster, real_simulate = launch.Cluster, vs_real.simulate
 
     def cluster(model, prefill, decode, **kwargs):
         launched.append((prefill, decode))
@@ -146,7 +146,7 @@ def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch
         return real_simulate(setup, *args, **kwargs)
 
     monkeypatch.setattr(launch, "Cluster", cluster)
-    monkeypatch.setattr(vs_cluster, "simulate", simulate_)
+    monkeypatch.setattr(vs_real, "simulate", simulate_)
     shared = load_profile(
         str(
             Path(__file__).parent.parent / "docs/results/cpu-profile-smollm2-2026-12-05-shared.json"

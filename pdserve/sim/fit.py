@@ -67,3 +67,13 @@ def fit_steps(samples: list[tuple[StepWork, float]]) -> tuple[dict[str, float], 
         "max_abs_rel_error": float(rel.max()),
     }
     return coefficients, report
+
+
+def measured_over(samples: list[tuple[StepWork, float]], coefficients: dict) -> dict | None:
+    """How far steps measured now sit from fitted `coefficients`: the median over the steps
+    of measured / predicted time, and how many steps (None without a step to compare)."""
+    cost = FittedCost(coefficients)
+    ratios = [s / p for w, s in samples if (p := cost.step_seconds(w)) > 0]
+    if not ratios:
+        return None
+    return {"measured_over_profile": float(np.median(ratios)), "steps": len(ratios)}

@@ -14,15 +14,13 @@ factors (and with the profile as given, beside them)."""
 
 from __future__ import annotations
 
-import statistics
-
 from pdserve.bench.sweep import COUNTERS, run_point, scrape, wait_drained
 from pdserve.bench.workload import Workload, prompts_for
 from pdserve.engine.args import EngineArgs
 from pdserve.sim.calibrate_cluster import _steps, serve_loads
-from pdserve.sim.cost import FittedCost
+from pdserve.sim.fit import measured_over
 from pdserve.sim.profile import Profile
-from pdserve.sim.run import Setup, Topology, policy_args, simulate
+from pdserve.sim.run import Setup, Topology, policy_args
 from pdserve.sim.vs_real import Comparison
 from pdserve.weights import model_config
 
@@ -58,14 +56,6 @@ def check_cluster_probe(cmp: Comparison) -> None:
         )
 
 
-def _measured_over(samples: list, coefficients: dict) -> dict | None:
-    cost = FittedCost(coefficients)
-    ratios = [s / p for w, s in samples if (p := cost.step_seconds(w)) > 0]
-    if not ratios:
-        return None
-    return {"measured_over_profile": statistics.median(ratios), "steps": len(ratios)}
-
-
 def cluster_drift(address: str, cmp: Comparison, profile: Profile) -> dict:
     """How fast this launched cluster runs now against `profile`: PROBE served on it (about
     15 s) -> for its decode steps and its prefill batches, the median of measured over the
@@ -81,8 +71,8 @@ def cluster_drift(address: str, cmp: Comparison, profile: Profile) -> dict:
     traces = serve_loads(address, config.vocab_size, PROBE, cmp.decode_workers, cmp.seed + 7919)
     decode, prefill = _steps(traces)
     drift = {
-        "decode": _measured_over(decode, profile.cluster_decode(cmp.decode_workers)),
-        "prefill": _measured_over(prefill, profile.cluster_prefill or profile.engine),
+        "decode": measured_over(decode, profile.cluster_decode(cmp.decode_workers)),
+        "prefill": measured_over(prefill, profile.cluster_prefill or profile.engine),
     }
     if drift["decode"] is None:
         return {**drift, "skipped": f"no decode step came back from {len(traces)} traces"}
@@ -144,10 +134,6 @@ def cluster_points(cmp: Comparison) -> tuple[list[dict], list[dict]]:
                 real.update({k: after[k] - before[k] for k in COUNTERS})
                 topology = Topology(prefill=1, decode=cmp.decode_workers)
                 setup = Setup(config, profile, topology, args, seed=cmp.seed)
-                sim = simulate(setup, policy, specs, c, label=f"sim cluster {policy} c={c}")
-                raw = None
-                if cmp.rescale:  # the profile as given, too
-                    unscaled = Setup(config, given, topology, args, seed=cmp.seed)
-                    raw = simulate(unscaled, policy, specs, c, label="")
-                points.append(cmp.point("cluster", policy, c, real, (sim, raw)))
+                sims = cmp.simulate(setup, policy, specs, c, f"sim cluster {policy} c={c}")
+                points.append(cmp.point("cluster", policy, c, real, sims))
     return points, drifts

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 import tempfile
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -32,6 +31,7 @@ from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
 from pdserve.engine.cuda_graphs import warm_up_graphs
 from pdserve.engine.gate import make_admission
+from pdserve.sim.fit import measured_over
 from pdserve.sim.load import summarize
 from pdserve.sim.profile import Profile
 from pdserve.sim.replica import Replica, run_real
@@ -87,6 +87,15 @@ class Comparison:
     # the profile as given too
     rescale: bool = False
 
+    def simulate(self, setup: Setup, policy: str, specs, concurrency: int, label: str):
+        """A point -> (simulated with `setup`'s profile, and under --rescale with the
+        profile as given too, else None)."""
+        sim = simulate(setup, policy, specs, concurrency, label=label)
+        if not self.rescale:
+            return sim, None
+        given = dataclasses.replace(setup, profile=self.profile)
+        return sim, simulate(given, policy, specs, concurrency, label="")
+
     def specs(self, concurrency: int) -> list[RequestSpec]:
         n = max(self.requests, concurrency)
         return specs_of("reasoning", n, self.seed + concurrency, self.mean_output, self.max_output)
@@ -116,7 +125,6 @@ def engine_drift(cmp: Comparison) -> dict | None:
     slower on 2026-12-05 than on the day its profile was measured); a profile from a faster
     day makes every simulated figure fast by about this. None for a roofline profile."""
     from pdserve.sim.calibrate import measure_engine
-    from pdserve.sim.cost import FittedCost
 
     if cmp.profile.kind != "fitted":
         return None
@@ -128,9 +136,7 @@ def engine_drift(cmp: Comparison) -> dict | None:
         )
     finally:
         core.close()
-    cost = FittedCost(cmp.profile.engine)
-    ratios = [s / p for w, s in samples if (p := cost.step_seconds(w)) > 0]
-    return {"measured_over_profile": statistics.median(ratios), "steps": len(ratios)}
+    return measured_over(samples, cmp.profile.engine)
 
 
 def engine_points(cmp: Comparison) -> tuple[list[dict], list[dict]]:
@@ -173,12 +179,8 @@ def engine_points(cmp: Comparison) -> tuple[list[dict], list[dict]]:
             )
             core.check_integrity()
             setup = Setup(config, profile, Topology(), args, seed=cmp.seed)
-            sim = simulate(setup, policy, specs, c, label=f"sim {policy} c={c}")
-            raw = None
-            if cmp.rescale:  # the profile as given, too
-                given = dataclasses.replace(setup, profile=cmp.profile)
-                raw = simulate(given, policy, specs, c, label="")
-            points.append(cmp.point("engine", policy, c, real, (sim, raw)))
+            sims = cmp.simulate(setup, policy, specs, c, f"sim {policy} c={c}")
+            points.append(cmp.point("engine", policy, c, real, sims))
         core.close()
     return points, drifts
 
