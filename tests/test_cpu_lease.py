@@ -285,6 +285,55 @@ def test_a_stopped_holder_is_not_waited_for(tmp_path, caplog):
         lease.close()
 
 
+# a worker stopped the moment its flock() of the gate returns, before its next line (the
+# failpoint's SIGSTOP can land there: that thread waits for the GIL the stopping thread
+# holds); argv[2]: "free" (the gate got at once, the lease free) or "waiting" (its waiting
+# thread's blocking flock, the lease held by another)
+STOPPED_AT_THE_GATE = """
+import fcntl, os, signal, sys
+from pdserve.serving.cpu_lease import CpuLease
+path, where = sys.argv[1], sys.argv[2]
+lease = CpuLease.open(path)
+real = fcntl.flock
+def flock(fd, op):
+    real(fd, op)
+    nonblocking = bool(op & fcntl.LOCK_NB)
+    if fd == lease._gate_fd and op & fcntl.LOCK_EX and nonblocking == (where == "free"):
+        os.kill(os.getpid(), signal.SIGSTOP)
+fcntl.flock = flock
+print("open", flush=True)
+lease.acquire()
+"""
+
+
+@pytest.mark.parametrize("where", ["free", "waiting"])
+def test_a_worker_stopped_as_it_got_the_gate_is_named(tmp_path, caplog, where):
+    """Stopped between its flock() and its next line, a worker holds the gate: whoever waits
+    behind it must see its pid (written before it asked), not wait out the stall timeout."""
+    path = str(tmp_path / "cpu")
+    first = CpuLease.open(path)
+    second = CpuLease.open(path, stall_timeout_s=20.0)
+    if where == "waiting":
+        assert first.acquire()  # held: the other's turn goes through its waiting thread
+    worker = _start(STOPPED_AT_THE_GATE, path, where)
+    try:
+        assert worker.stdout.readline().strip() == "open"
+        _until(lambda: cpu_lease._stopped(worker.pid), "the worker to stop at the gate")
+        assert _gate_held(path)
+        if where == "waiting":
+            first.release()
+        start = time.monotonic()
+        assert not second.acquire()  # gave up on the stopped worker: compute without it
+        assert time.monotonic() - start < 5 * cpu_lease.STOPPED_CHECK_S + 5
+        assert f"held by a stopped process (pid {worker.pid})" in caplog.text
+    finally:
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGCONT)
+        _stop(worker)
+        first.close()
+        second.close()
+
+
 def test_a_running_holder_is_waited_for(tmp_path):
     path = str(tmp_path / "cpu")
     holder = _start(HOLDER, path)  # another process, asleep (state S) holding the lease

@@ -26,12 +26,17 @@ summed, and each worker's "waiting" flag in its own byte). A worker's slot is cl
 a lock on a file of its own, so a dead worker's stale flag is recognised and ignored.
 
 A worker that dies holding the lease frees it (the kernel drops its lock); one that hangs
-holding it must not stop its neighbours. A stopped holder (SIGSTOP, a debugger; a worker
-writes its pid into the state file while it holds the gate or the lock) is seen at two
-looks in a row, STOPPED_CHECK_S apart; any other wait longer
-than `stall_timeout_s` (a stuck step) gives up too. Either way the waiter logs it and
-computes without the lease (its CPUs are idle: the holder is not computing either) until
-the lock comes free again.
+holding it must not stop its neighbours. A stopped holder (SIGSTOP, a debugger) is seen at
+two looks in a row, STOPPED_CHECK_S apart. A worker writes its pid into the state file
+before it asks for the gate or the lock, and clears it when it lets go (or was refused):
+one stopped as its flock() returned, before its next line ran, holds them with its pid
+there already (that thread may wait for the GIL there, while the thread that stops the
+process holds it: a real window, seen as a 120 s wedge of a prefill worker). A worker
+stopped while it still waited is named too: who waits behind it computes without the lease
+for a turn, cheaper than the stall timeout behind a holder nobody can name. Any other wait
+longer than `stall_timeout_s` (a stuck step) gives up too. Either way the waiter logs it
+and computes without the lease (its CPUs are idle: the holder is not computing either)
+until the lock comes free again.
 
 Only an engine's driver takes the lease: tensor-parallel ranks compute in lockstep with it
 (their collectives would deadlock on a lock their driver holds).
@@ -201,20 +206,25 @@ class CpuLease:
     def _try_lock(self) -> bool:
         """The lock now, or False. Through the gate: while an exclusive worker waits for
         shared holders to finish it holds the gate, so that no new shared turn starts."""
+        # the pid goes up before either is asked for and down only once both are let go
+        # (see the top): stopped anywhere in between, this worker is named
+        self._state[self._pid] = os.getpid().to_bytes(8, "little")
         try:
             fcntl.flock(self._gate_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return False
-        self._state[self._pid] = os.getpid().to_bytes(8, "little")
-        try:
-            fcntl.flock(self._lock_fd, self._mode | fcntl.LOCK_NB)
-        except BlockingIOError:
             self._state[self._pid] = bytes(8)
             return False
-        else:
-            return True
+        got = False
+        try:
+            fcntl.flock(self._lock_fd, self._mode | fcntl.LOCK_NB)
+            got = True
+        except BlockingIOError:
+            pass
         finally:
             fcntl.flock(self._gate_fd, fcntl.LOCK_UN)
+            if not got:
+                self._state[self._pid] = bytes(8)
+        return got
 
     def _await_grant(self) -> str:
         """Wait for the waiting thread's grant, at most the stall timeout and only until a
@@ -249,12 +259,12 @@ class CpuLease:
 
     def _unlock(self) -> None:
         self._phase = _Phase.IDLE
-        self._state[self._pid] = bytes(8)
         fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        self._state[self._pid] = bytes(8)  # once let go (see the top)
 
     def holders(self) -> list[int]:
-        """The pids of the workers holding the gate or the lock (a worker that died holding
-        them may still be named until its slot is taken again)."""
+        """The pids of the workers holding the gate or the lock, or asking for them (a
+        worker that died holding them may still be named until its slot is taken again)."""
         return [pid for pid in _PER_SLOT.unpack_from(self._state, _PIDS) if pid]
 
     def _wait_loop(self) -> None:
@@ -264,9 +274,10 @@ class CpuLease:
             with self._mu:
                 if self._phase is _Phase.CLOSED:
                     return
-            # the GIL is released while it waits; the gate is held while waiting for the lock
-            fcntl.flock(self._gate_fd, fcntl.LOCK_EX)
+            # the GIL is released while it waits; the gate is held while waiting for the
+            # lock; the pid is there before either is asked for (see the top)
             self._state[self._pid] = os.getpid().to_bytes(8, "little")
+            fcntl.flock(self._gate_fd, fcntl.LOCK_EX)
             fcntl.flock(self._lock_fd, self._mode)
             fcntl.flock(self._gate_fd, fcntl.LOCK_UN)
             with self._mu:
