@@ -222,7 +222,12 @@ def _freeze_the_worker_a_request_leaves(expected, directory) -> bool:
             assert ended[which] < marked + 2.0, (ended[which] - marked, stopped)
             return False
         resumed = [t for t in timings.values() if t["resumes"]]
-        assert stopped in resumed and all(t["decode_worker"] == other for t in resumed)
+        assert stopped in resumed and all(t["decode_worker"] == other for t in resumed), (
+            which,
+            drained,
+            other,
+            timings,
+        )
         router = scrape(c.metrics["router-0"])
         assert total(router, "pdserve_router_migrations_total", outcome="failed") >= 1
         return True

@@ -31,7 +31,8 @@ two looks in a row, STOPPED_CHECK_S apart. A worker writes its pid into the stat
 before it asks for the gate or the lock, and clears it when it lets go (or was refused):
 one stopped as its flock() returned, before its next line ran, holds them with its pid
 there already (that thread may wait for the GIL there, while the thread that stops the
-process holds it: a real window, seen as a 120 s wedge of a prefill worker). A worker
+process holds it: a prefill worker waited 120 s behind a decode worker stopped that way,
+with no pid in the state file; the window is inferred from that state). A worker
 stopped while it still waited is named too: who waits behind it computes without the lease
 for a turn, cheaper than the stall timeout behind a holder nobody can name. Any other wait
 longer than `stall_timeout_s` (a stuck step) gives up too. Either way the waiter logs it
