@@ -277,9 +277,9 @@ def test_a_stopped_holder_is_not_waited_for(tmp_path, caplog):
         holder.send_signal(signal.SIGCONT)
         holder.send_signal(signal.SIGKILL)  # the lock comes free: turns again
         _until(lambda: lease.acquire(), "the lease to be taken again")
-        assert os.getpid() in lease.holders()  # (the killed one's pid may stay: dead)
+        assert lease.holders() == [os.getpid()]  # the killed one holds nothing
         lease.release()
-        assert os.getpid() not in lease.holders()
+        assert lease.holders() == []
     finally:
         _stop(holder)
         lease.close()
@@ -309,14 +309,16 @@ lease.acquire()
 @pytest.mark.parametrize("where", ["free", "waiting"])
 def test_a_worker_stopped_as_it_got_the_gate_is_named(tmp_path, caplog, where):
     """Stopped between its flock() and its next line, a worker holds the gate: whoever waits
-    behind it must see its pid (written before it asked), not wait out the stall timeout."""
+    behind it must see it (the kernel's record), not wait out the stall timeout. (When the
+    workers wrote their pids into the state file, after their flock(), both waited 20 s.)"""
     path = str(tmp_path / "cpu")
     first = CpuLease.open(path)
     second = CpuLease.open(path, stall_timeout_s=20.0)
-    if where == "waiting":
-        assert first.acquire()  # held: the other's turn goes through its waiting thread
-    worker = _start(STOPPED_AT_THE_GATE, path, where)
+    worker = None
     try:
+        if where == "waiting":
+            assert first.acquire()  # held: the other's turn goes through its waiting thread
+        worker = _start(STOPPED_AT_THE_GATE, path, where)
         assert worker.stdout.readline().strip() == "open"
         _until(lambda: cpu_lease._stopped(worker.pid), "the worker to stop at the gate")
         assert _gate_held(path)
@@ -327,11 +329,39 @@ def test_a_worker_stopped_as_it_got_the_gate_is_named(tmp_path, caplog, where):
         assert time.monotonic() - start < 5 * cpu_lease.STOPPED_CHECK_S + 5
         assert f"held by a stopped process (pid {worker.pid})" in caplog.text
     finally:
-        if worker.poll() is None:
-            worker.send_signal(signal.SIGCONT)
-        _stop(worker)
+        if worker is not None:
+            _stop(worker)  # (SIGKILL ends a stopped process too)
         first.close()
         second.close()
+
+
+def test_a_worker_stopped_while_it_waited_is_no_holder(tmp_path):
+    """A holds the lease and runs; B waits for it (holding the gate); C waits behind B and
+    is stopped there. C holds nothing (the kernel takes a stopped waiter out of the queue),
+    so B goes on waiting for A instead of computing beside it."""
+    path = str(tmp_path / "cpu")
+    holder = _start(HOLDER, path)  # A: asleep (state S), holding the lease
+    lease = CpuLease.open(path)  # B
+    stopped = None
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        got = _acquire_in_thread(lease)
+        _until(lambda: _flags_up(path) == 1 and _gate_held(path), "B to wait at the lock")
+        stopped = _start(HOLDER, path)  # C: its flock() of the gate waits behind B
+        _until(lambda: _flags_up(path) == 2, "C to wait")
+        stopped.send_signal(signal.SIGSTOP)
+        _until(lambda: cpu_lease._stopped(stopped.pid), "C to stop")
+        assert sorted(lease.holders()) == sorted([holder.pid, os.getpid()])  # A, B: not C
+        assert not got.wait(6 * cpu_lease.STOPPED_CHECK_S)  # several looks: A is not stopped
+        assert lease._phase is cpu_lease._Phase.WAITING
+        holder.send_signal(signal.SIGKILL)
+        assert got.wait(DEADLINE_S), "B did not get its turn"
+        lease.release()
+    finally:
+        for p in (holder, stopped):
+            if p is not None:
+                _stop(p)
+        lease.close()
 
 
 def test_a_running_holder_is_waited_for(tmp_path):

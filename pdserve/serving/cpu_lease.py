@@ -27,17 +27,16 @@ a lock on a file of its own, so a dead worker's stale flag is recognised and ign
 
 A worker that dies holding the lease frees it (the kernel drops its lock); one that hangs
 holding it must not stop its neighbours. A stopped holder (SIGSTOP, a debugger) is seen at
-two looks in a row, STOPPED_CHECK_S apart. A worker writes its pid into the state file
-before it asks for the gate or the lock, and clears it when it lets go (or was refused):
-one stopped as its flock() returned, before its next line ran, holds them with its pid
-there already (that thread may wait for the GIL there, while the thread that stops the
-process holds it: a prefill worker waited 120 s behind a decode worker stopped that way,
-with no pid in the state file; the window is inferred from that state). A worker
-stopped while it still waited is named too: who waits behind it computes without the lease
-for a turn, cheaper than the stall timeout behind a holder nobody can name. Any other wait
-longer than `stall_timeout_s` (a stuck step) gives up too. Either way the waiter logs it
-and computes without the lease (its CPUs are idle: the holder is not computing either)
-until the lock comes free again.
+two looks in a row, STOPPED_CHECK_S apart: the holders are the kernel's own record, the
+flock lines of the gate and the lock files in /proc/locks (a worker that waits for one is
+not listed as holding it, and one stopped while it waited leaves the queue), each looked
+up in /proc/<pid>/stat. (Pids that workers wrote into the state file were not exact: a
+worker stopped as its flock() returned, before it wrote its pid, held the gate unnamed,
+and a prefill worker waited out the stall timeout behind it.) Any other wait longer than
+`stall_timeout_s` (a stuck step) gives up too. Either way the waiter logs it and computes
+without the lease (its CPUs are idle: the holder is not computing either) until the lock
+comes free again. Without /proc (not Linux) no holder is seen stopped: only the stall
+timeout ends a wait.
 
 Only an engine's driver takes the lease: tensor-parallel ranks compute in lockstep with it
 (their collectives would deadlock on a lock their driver holds).
@@ -66,13 +65,11 @@ STALL_TIMEOUT_S = 120.0
 STOPPED_CHECK_S = 0.25
 _POLL_S = 0.0002
 # the state file, per slot: the turns its worker took (8 bytes; one writer each, so shared
-# turns taken at once lose no count), its pid while its worker holds the gate or the lock
-# (8 bytes; 0: neither), its waiting flag (a byte)
+# turns taken at once lose no count), its waiting flag (a byte)
 _TURNS = 0
-_PIDS = 8 * SLOTS
-_FLAGS = 16 * SLOTS
-_SIZE = 17 * SLOTS
-_PER_SLOT = struct.Struct(f"<{SLOTS}Q")  # the turns, or the pids, of every slot
+_FLAGS = 8 * SLOTS
+_SIZE = 9 * SLOTS
+_PER_SLOT = struct.Struct(f"<{SLOTS}Q")  # the turns of every slot
 log = logging.getLogger(__name__)
 
 
@@ -106,7 +103,6 @@ class CpuLease:
         self.slot = slot
         self._mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         self._flag = _FLAGS + slot  # this worker's waiting flag in the state file
-        self._pid = _field(_PIDS, slot)  # and its pid
         self._turn = _field(_TURNS, slot)  # and its turns
         self._state = state
         self._base = base
@@ -147,8 +143,7 @@ class CpuLease:
                 if fd is not None:
                     os.close(fd)
             raise
-        state[_FLAGS + slot] = 0  # a dead worker's flag and pid in this slot are not ours
-        state[_field(_PIDS, slot)] = bytes(8)
+        state[_FLAGS + slot] = 0  # a dead worker's flag in this slot is not ours
         return cls((lock_fd, gate_fd, slot_fd), slot, state, base, stall_timeout_s, shared)
 
     @contextmanager
@@ -207,25 +202,18 @@ class CpuLease:
     def _try_lock(self) -> bool:
         """The lock now, or False. Through the gate: while an exclusive worker waits for
         shared holders to finish it holds the gate, so that no new shared turn starts."""
-        # the pid goes up before either is asked for and down only once both are let go
-        # (see the top): stopped anywhere in between, this worker is named
-        self._state[self._pid] = os.getpid().to_bytes(8, "little")
         try:
             fcntl.flock(self._gate_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self._state[self._pid] = bytes(8)
             return False
-        got = False
         try:
             fcntl.flock(self._lock_fd, self._mode | fcntl.LOCK_NB)
-            got = True
         except BlockingIOError:
-            pass
+            return False
+        else:
+            return True
         finally:
             fcntl.flock(self._gate_fd, fcntl.LOCK_UN)
-            if not got:
-                self._state[self._pid] = bytes(8)
-        return got
 
     def _await_grant(self) -> str:
         """Wait for the waiting thread's grant, at most the stall timeout and only until a
@@ -245,12 +233,9 @@ class CpuLease:
             suspect = stopped
 
     def _stopped_holder(self) -> int:
-        """The pid of another live worker that holds the gate or the lock and is stopped,
-        or 0 (a dead worker's pid, left in its slot, is not looked at: its slot is free)."""
-        for i, pid in enumerate(_PER_SLOT.unpack_from(self._state, _PIDS)):
-            if i != self.slot and pid and _stopped(pid) and self._slot_alive(i):
-                return pid
-        return 0
+        """The pid of another process that holds the gate or the lock and is stopped, or 0."""
+        me = os.getpid()
+        return next((pid for pid in self.holders() if pid != me and _stopped(pid)), 0)
 
     def _take(self) -> bool:
         self._phase = _Phase.HELD
@@ -261,12 +246,11 @@ class CpuLease:
     def _unlock(self) -> None:
         self._phase = _Phase.IDLE
         fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-        self._state[self._pid] = bytes(8)  # once let go (see the top)
 
     def holders(self) -> list[int]:
-        """The pids of the workers holding the gate or the lock, or asking for them (a
-        worker that died holding them may still be named until its slot is taken again)."""
-        return [pid for pid in _PER_SLOT.unpack_from(self._state, _PIDS) if pid]
+        """The pids of the processes holding the gate or the lock now (the kernel's record:
+        none without /proc/locks)."""
+        return flock_holders([f"{self._base}.gate", f"{self._base}.lock"])
 
     def _wait_loop(self) -> None:
         while True:
@@ -275,9 +259,7 @@ class CpuLease:
             with self._mu:
                 if self._phase is _Phase.CLOSED:
                     return
-            # the GIL is released while it waits; the gate is held while waiting for the
-            # lock; the pid is there before either is asked for (see the top)
-            self._state[self._pid] = os.getpid().to_bytes(8, "little")
+            # the GIL is released while it waits; the gate is held while waiting for the lock
             fcntl.flock(self._gate_fd, fcntl.LOCK_EX)
             fcntl.flock(self._lock_fd, self._mode)
             fcntl.flock(self._gate_fd, fcntl.LOCK_UN)
@@ -339,7 +321,6 @@ class CpuLease:
 
     def _close_files(self) -> None:
         self._state[self._flag] = 0
-        self._state[self._pid] = bytes(8)
         self._state.close()
         for fd in (self._slot_fd, self._gate_fd, self._lock_fd):
             os.close(fd)
@@ -386,6 +367,33 @@ def is_locked(path: str) -> bool:
     finally:
         os.close(fd)  # (lets go of the lock if it was taken)
     return False
+
+
+def flock_holders(paths: list[str]) -> list[int]:
+    """The pids holding a flock() on any of the files at `paths`, from /proc/locks (its
+    lines for queued requests, "->", are not holders; a pid outside our pid namespace
+    reads 0 there and is left out) -> [] where there is no /proc/locks."""
+    keys = set()
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        keys.add(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}")
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    pids: list[int] = []
+    for line in lines:
+        # "1: FLOCK  ADVISORY  WRITE 1234 00:1b:20700 0 EOF"
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] in keys:
+            pid = int(fields[4])
+            if pid > 0 and pid not in pids:
+                pids.append(pid)
+    return pids
 
 
 def _stopped(pid: int) -> bool:
