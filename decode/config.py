@@ -21,7 +21,11 @@ class DecodeConfig:
     # a stream that produced nothing for this long, for a request the engine no longer
     # holds, is ended DEADLINE_EXCEEDED (one waiting for room to run is alive)
     stream_idle_s: float = 60.0
-    idle_wait_s: float = 0.05  # the step loop's sleep when nothing runs (woken on Start)
+    # the step loop's sleep when nothing runs but the worker holds something (reservations
+    # whose pushes and leases it watches, requests waiting for room, moving or parked), and
+    # when it holds nothing at all; either way a Reserve, a Start or a detach wakes it
+    idle_wait_s: float = 0.05
+    idle_park_s: float = 1.0
     # live migration (decode/migrate.py): pre-copy rounds at most (the last stops the
     # request), the last one comes as soon as at most `migrate_final_blocks` blocks changed
     # since the previous round, and every WRITE of a move is done within the timeout
@@ -43,6 +47,7 @@ class DecodeConfig:
             "kv_arrival_timeout_s",
             "stream_idle_s",
             "idle_wait_s",
+            "idle_park_s",
             "migrate_timeout_s",
         ):
             if getattr(self, name) <= 0:

@@ -124,6 +124,7 @@ class DecodeWorker:
                 self.metrics.refused.inc()
                 raise
             self._account()
+        self._wake.set()  # the step loop watches its push and lease from now on
         self.config.failpoints.hit("decode.reserve", request_id)
         return reserved
 
@@ -285,8 +286,18 @@ class DecodeWorker:
                 log.exception("decode step failed")
                 stepped = False
             if not stepped:
-                self._wake.wait(timeout=self.config.idle_wait_s)
+                self._wake.wait(timeout=self._idle_wait_s())
                 self._wake.clear()
+
+    def _idle_wait_s(self) -> float:
+        """The step loop's sleep with nothing to run: short while the worker holds anything
+        (a reservation's push or lease to watch, a fenced one's push, a request waiting for
+        room, moving or parked), long when it holds nothing (a woken idle loop costs a
+        notification poll and the books; 20 of them a second were 1.4% of a core here)."""
+        with self.lock:
+            empty = not len(self.reservations) and not self.reservations.fenced
+            empty = empty and self.core.holds_nothing
+        return self.config.idle_park_s if empty else self.config.idle_wait_s
 
     def _step(self) -> bool:
         """One engine step: scheduled and accounted under the lock, run outside it (the plan

@@ -235,9 +235,10 @@ def test_prometheus_endpoints_expose_the_series(cluster):
 @pytest.mark.parametrize("transfer", ["nixl", "ucxx"])
 def test_an_idle_cluster_uses_almost_no_cpu(transfer):
     """No busy-waiting anywhere: after serving a request, every process of an idle 1P2D
-    cluster stays under 10% of a core (measured here: under 2%, and 3-5% on 2026-12-06
-    while this VM ran 1.7x slow; NIXL's own progress thread used to keep each worker at 99%
-    of a core, ucxx's service thread at 12%)."""
+    cluster stays under 10% of a core (measured here: 0.9-1.8% on 2026-12-06 once the decode
+    loop slept 1 s with nothing held and NIXL's idle pace doubled to 400 ms, 1.1-2.0% before;
+    3-5% before that while this VM ran 1.7x slow; NIXL's own progress thread used to keep
+    each worker at 99% of a core, ucxx's service thread at 12%)."""
     with Cluster("tiny-llama", 1, 2, transfer=transfer, worker_args=WORKER_ARGS) as cluster:
         client = Client(cluster.address)
         assert len(client.generate([1, 2, 3], max_tokens=3, temperature=0).token_ids) == 3

@@ -326,6 +326,11 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    @property
+    def holds_nothing(self) -> bool:
+        """No request at all: none running, waiting, parked or detached (moving)."""
+        return not self.scheduler.has_unfinished and not self._detached
+
     def preempted(self) -> int:
         """Requests waiting for room after a preemption (parked, or to be computed again)."""
         s = self.scheduler
