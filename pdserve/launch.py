@@ -326,16 +326,6 @@ class Cluster:
             if "--threads" in argv
         }
 
-    def cpu_seconds(self) -> dict[str, float]:
-        """role-index -> CPU seconds (user + system) each process has used so far (Linux)."""
-        tick = os.sysconf("SC_CLK_TCK")
-        out = {}
-        for name, proc in zip(self.names, self.procs):
-            with open(f"/proc/{proc.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        return out
-
     def close(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:

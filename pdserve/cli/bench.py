@@ -65,6 +65,21 @@ def cmd_bench_migrate(args: argparse.Namespace) -> int:
     return print_report(report, format_table, args.json)
 
 
+def cmd_bench_idle(args: argparse.Namespace) -> int:
+    from pdserve.bench.idle import bench_idle, format_table
+
+    report = bench_idle(
+        args.model,
+        args.prefill,
+        args.decode,
+        window_s=args.window,
+        transfer=args.transfer,
+        share_cpus=args.share_cpus,
+        router_idle=args.router_idle,
+    )
+    return print_report(report, format_table, args.json)
+
+
 def cmd_bench_kernels(args: argparse.Namespace) -> int:
     from pdserve.bench.kernels import bench_kernels, format_table
 
@@ -345,6 +360,8 @@ def add_cpu_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_parser(sub) -> None:
+    from transfer import PROCESS_BACKENDS
+
     bench = sub.add_parser("bench", help="benchmarks (JSON out, table to stdout)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     off = bench_sub.add_parser("offline", help="LLM.generate vs transformers generate")
@@ -448,6 +465,18 @@ def add_bench_parser(sub) -> None:
     par.add_argument("--seed", type=int, default=0)
     par.add_argument("--json", default=None)
     par.set_defaults(func=cmd_bench_parity)
+
+    idle = bench_sub.add_parser(
+        "idle", help="the CPU each process of a launched cluster uses while it serves nothing"
+    )
+    idle.add_argument("--model", default="tiny-llama")
+    idle.add_argument("--prefill", type=int, default=1)
+    idle.add_argument("--decode", type=int, default=2)
+    idle.add_argument("--window", type=float, default=30.0, help="seconds measured, idle")
+    idle.add_argument("--transfer", default="nixl", choices=PROCESS_BACKENDS)
+    add_cpu_flags(idle)
+    idle.add_argument("--json", default=None)
+    idle.set_defaults(func=cmd_bench_idle)
 
     roof = bench_sub.add_parser(
         "roofline", help="decode step time against the memory roofline, measured here"
