@@ -323,6 +323,19 @@ def test_bench_tiers_on_cuda_without_it_is_one_clear_error(monkeypatch, capsys):
     assert "dtype: 'fp8'; choose auto, float32, float16, bfloat16" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--window", "0"], "window: must be a number of seconds > 0, got 0.0"),
+        (["--window", "nan"], "window: must be a number of seconds > 0, got nan"),
+        (["--decode", "0"], "a cluster needs a prefill and a decode worker, got 1P0D"),
+    ],
+)
+def test_bench_idle_refuses_bad_input_before_it_launches_anything(flags, says, capsys):
+    assert main(["bench", "idle", *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"pdserve: error: {says}"
+
+
 def test_bench_preempt_cost_reports_recompute_and_swap_in_decode_steps(tmp_path):
     out = tmp_path / "cost.json"
     proc = run_cli(

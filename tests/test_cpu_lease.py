@@ -364,6 +364,34 @@ def test_a_worker_stopped_while_it_waited_is_no_holder(tmp_path):
         lease.close()
 
 
+def test_the_holders_are_read_off_the_kernels_lock_list(tmp_path):
+    """/proc/locks as the kernel writes it: held flock()s count, queued ones ("->") do not,
+    nor pid 0 (outside our pid namespace); where no line names a file's device:inode (a
+    file system whose superblock device is not stat()'s st_dev) its inode alone is matched."""
+    path = tmp_path / "cpu.lock"
+    path.touch()
+    st = os.stat(path)
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    locks = tmp_path / "locks"
+    locks.write_text(
+        f"1: FLOCK  ADVISORY  WRITE 101 {dev}:{st.st_ino} 0 EOF\n"
+        f"1: -> FLOCK  ADVISORY  WRITE 102 {dev}:{st.st_ino} 0 EOF\n"
+        f"2: FLOCK  ADVISORY  READ 103 {dev}:{st.st_ino} 0 EOF\n"
+        f"3: FLOCK  ADVISORY  WRITE 0 {dev}:{st.st_ino} 0 EOF\n"
+        f"4: POSIX  ADVISORY  WRITE 104 {dev}:{st.st_ino} 0 EOF\n"
+        f"5: FLOCK  ADVISORY  WRITE 105 {dev}:{st.st_ino + 1} 0 EOF\n"
+        f"6: FLOCK  ADVISORY  WRITE 101 {dev}:{st.st_ino} 0 EOF\n"
+    )
+    assert cpu_lease.flock_holders([str(path)], str(locks)) == [101, 103]
+    locks.write_text(
+        f"1: FLOCK  ADVISORY  WRITE 106 ab:cd:{st.st_ino} 0 EOF\n"
+        f"2: -> FLOCK  ADVISORY  WRITE 107 ab:cd:{st.st_ino} 0 EOF\n"
+    )
+    assert cpu_lease.flock_holders([str(path)], str(locks)) == [106]  # by inode alone
+    assert cpu_lease.flock_holders([str(path)], str(tmp_path / "none")) == []
+    assert cpu_lease.flock_holders([str(tmp_path / "gone")], str(locks)) == []
+
+
 def test_a_running_holder_is_waited_for(tmp_path):
     path = str(tmp_path / "cpu")
     holder = _start(HOLDER, path)  # another process, asleep (state S) holding the lease

@@ -5,7 +5,8 @@ own progress thread kept each worker at 99% of a core once), no loop waking ofte
 to add up. The bench launches a cluster, serves one short request (every path warm: a
 reservation, a KV push, a decode), waits until no worker holds a block, then reads each
 process's CPU time (user + system, /proc) over a window in which nothing is sent, and
-reports each process's share of one core, its busiest threads (by their kernel names:
+reports each process's share of one core (its own total: threads that ended meanwhile
+count), its busiest threads at the end (by their kernel names:
 gRPC's and UCX's threads are named there, Python's are all "python"), and whether every
 process stayed under the bar (2% of a core: the performance issue's).
 
@@ -14,6 +15,7 @@ process stayed under the bar (2% of a core: the performance issue's).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -27,20 +29,38 @@ SETTLE_TIMEOUT_S = 60.0  # for every worker to hold no block after the warm-up r
 _TOP_THREADS = 4
 
 
+def _cpu_seconds(stat: str) -> float:
+    """utime + stime of a /proc .../stat line, in seconds."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds `pid` has used, every thread's, ended ones too (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return _cpu_seconds(f.read())
+
+
 def thread_cpu_seconds(pid: int) -> dict[tuple[int, str], float]:
     """(tid, kernel thread name) -> CPU seconds each thread of `pid` has used (Linux)."""
-    tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+                used = _cpu_seconds(f.read())
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
                 name = f.read().strip()
         except OSError:  # the thread ended meanwhile
             continue
-        out[(int(tid), name)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        out[(int(tid), name)] = used
     return out
+
+
+def _alive(cluster: Cluster) -> None:
+    """RuntimeError naming a process of the cluster that is gone (its CPU would read 0)."""
+    gone = [n for n, p in zip(cluster.names, cluster.procs) if p.poll() is not None]
+    if gone:
+        raise RuntimeError(f"{', '.join(gone)} exited while the cluster was idle")
 
 
 def _settle(client: Client, deadline: float) -> None:
@@ -61,8 +81,10 @@ def bench_idle(
     share_cpus: bool | None = None,
     router_idle: bool | None = None,
 ) -> dict:
-    if window_s <= 0:
-        raise ValueError(f"window: must be > 0 seconds, got {window_s}")
+    if not (math.isfinite(window_s) and window_s > 0):
+        raise ValueError(f"window: must be a number of seconds > 0, got {window_s}")
+    if prefill < 1 or decode < 1:
+        raise ValueError(f"a cluster needs a prefill and a decode worker, got {prefill}P{decode}D")
     with Cluster(
         model,
         prefill,
@@ -75,20 +97,24 @@ def bench_idle(
         with Client(cluster.address, security=cluster.security) as client:
             served = client.generate([1, 2, 3], max_tokens=3, temperature=0)
             _settle(client, time.monotonic() + SETTLE_TIMEOUT_S)
+        _alive(cluster)
         pids = {name: proc.pid for name, proc in zip(cluster.names, cluster.procs)}
+        total_before = {name: process_cpu_seconds(pid) for name, pid in pids.items()}
         before = {name: thread_cpu_seconds(pid) for name, pid in pids.items()}
         started = time.monotonic()
         ticks = max(1, round(window_s))
         for i in progress(range(ticks), desc="idle", unit="s", leave=False):
             time.sleep(max(0.0, started + window_s * (i + 1) / ticks - time.monotonic()))
         elapsed = time.monotonic() - started
+        _alive(cluster)
+        total = {name: process_cpu_seconds(pid) - total_before[name] for name, pid in pids.items()}
         after = {name: thread_cpu_seconds(pid) for name, pid in pids.items()}
     processes = {}
     for name in pids:
         used = {k: v - before[name].get(k, 0.0) for k, v in after[name].items()}
         busiest = sorted(used.items(), key=lambda kv: -kv[1])[:_TOP_THREADS]
         processes[name] = {
-            "cpu_share": sum(used.values()) / elapsed,
+            "cpu_share": total[name] / elapsed,
             "threads": [
                 {"tid": tid, "name": tname, "cpu_share": s / elapsed}
                 for (tid, tname), s in busiest

@@ -189,7 +189,7 @@ class CpuLease:
             raise
         with self._mu:
             self._state[self._flag] = 0
-            if self._phase is _Phase.WAITING:  # (the thread, still in flock, keeps our pid)
+            if self._phase is _Phase.WAITING:  # (the thread is still in flock)
                 self._phase = _Phase.ABANDONED
                 log.warning(
                     "the CPU lease %s %s: computing without it until it comes free",
@@ -369,31 +369,39 @@ def is_locked(path: str) -> bool:
     return False
 
 
-def flock_holders(paths: list[str]) -> list[int]:
+def flock_holders(paths: list[str], locks: str = "/proc/locks") -> list[int]:
     """The pids holding a flock() on any of the files at `paths`, from /proc/locks (its
-    lines for queued requests, "->", are not holders; a pid outside our pid namespace
-    reads 0 there and is left out) -> [] where there is no /proc/locks."""
-    keys = set()
+    lines for queued requests, "->", are not holders; a holder outside our pid namespace
+    is not listed, or listed as 0, and left out) -> [] where there is no /proc/locks.
+
+    A line names its file as the kernel's device:inode, the device of the file system's
+    superblock. That is stat()'s st_dev on tmpfs (/dev/shm, where leases live) and ext4,
+    not on btrfs subvolumes or some overlayfs upper layers: when no line matches a file's
+    device:inode, its inode alone is matched (another file system's file of the same
+    inode number, flock()ed by a stopped process, would then be taken for a holder)."""
+    keys, inodes = set(), set()
     for path in paths:
         try:
             st = os.stat(path)
         except FileNotFoundError:
             continue
         keys.add(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}")
+        inodes.add(str(st.st_ino))
     try:
-        with open("/proc/locks") as f:
+        with open(locks) as f:
             lines = f.read().splitlines()
     except OSError:
         return []
-    pids: list[int] = []
+    held = []  # (pid, device:inode) of every flock() held, not queued
     for line in lines:
         # "1: FLOCK  ADVISORY  WRITE 1234 00:1b:20700 0 EOF"
         fields = line.split()
-        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] in keys:
-            pid = int(fields[4])
-            if pid > 0 and pid not in pids:
-                pids.append(pid)
-    return pids
+        if len(fields) >= 6 and fields[1] == "FLOCK":
+            held.append((int(fields[4]), fields[5]))
+    ours = [pid for pid, key in held if key in keys]
+    if not ours:
+        ours = [pid for pid, key in held if key.rsplit(":", 1)[-1] in inodes]
+    return list(dict.fromkeys(pid for pid in ours if pid > 0))
 
 
 def _stopped(pid: int) -> bool:
