@@ -267,6 +267,10 @@ def test_the_comparison_says_how_far_the_machine_drifted_from_its_profile(monkey
     [a] = [x for x in lines if "before its a points" in x]
     [b] = [x for x in lines if "before its b points" in x]
     assert "0.97x" in a and "stale" not in a and "0.80x" in b and "stale" in b
+    probes.append({"policy": None, "measured_over_profile": 1.02, "steps": 118})
+    lines = format_table({**report, "drift": probes}).splitlines()
+    [end] = [x for x in lines if "after the last points" in x]
+    assert "1.02x" in end
     roofline = dataclasses.replace(profile, kind="roofline", memory_bytes_s=1.0, flops=1.0)
     cmp = Comparison("tiny-llama", roofline, ("greedy+recompute",), (2,), 16, 4, 8, 16, 0, "")
     assert engine_drift(cmp) is None
@@ -288,10 +292,13 @@ def test_rescale_simulates_the_profile_scaled_by_the_probe_and_as_given():
         mean_output=8,
         rescale=True,
     )
-    [probe] = report["drift"]
-    assert probe["policy"] == "greedy+recompute" and probe["steps"] >= 100
-    factor = probe["measured_over_profile"]
+    first, last = report["drift"]  # before the points and after them
+    assert (first["policy"], last["policy"]) == ("greedy+recompute", None)
+    assert first["steps"] >= 100 and last["steps"] >= 100
     [point] = report["points"]
+    factor = point["engine_factor"]
+    x0, x1 = first["measured_over_profile"], last["measured_over_profile"]
+    assert min(x0, x1) <= factor <= max(x0, x1)
     scaled, raw = point["sim"], point["unscaled"]["sim"]
     assert (
         scaled["generated_tokens"] == raw["generated_tokens"] == point["real"]["generated_tokens"]
@@ -302,12 +309,13 @@ def test_rescale_simulates_the_profile_scaled_by_the_probe_and_as_given():
     assert "--rescale" in format_table(report)
 
 
-def test_each_policy_is_probed_right_before_its_points(monkeypatch):
-    """The engine half probes the machine before each policy's points, after the previous
-    policy's engine is closed, and --rescale scales that policy's points by its own probe."""
+def test_the_engine_is_probed_around_each_policys_points(monkeypatch):
+    """The engine half probes the machine before the first policy's points, between two
+    policies (after one's engine is closed, before the next is built) and after the last;
+    --rescale scales each point by the probes' factor interpolated at its time."""
     from pdserve.sim import vs_real
 
-    events, factors = [], iter((1.5, 3.0))
+    events, factors = [], iter((1.5, 3.0, 4.5))
     real_build = vs_real.build_engine
 
     def probe(cmp):
@@ -338,14 +346,32 @@ def test_each_policy_is_probed_right_before_its_points(monkeypatch):
         mean_output=8,
         rescale=True,
     )
-    assert events == ["probe", "engine", "closed", "probe", "engine", "closed"]
-    assert [(p["policy"], p["measured_over_profile"]) for p in report["drift"]] == [
+    assert events == ["probe", "engine", "closed", "probe", "engine", "closed", "probe"]
+    probes = report["drift"]
+    assert [(p["policy"], p["measured_over_profile"]) for p in probes] == [
         ("greedy+recompute", 1.5),
         ("greedy+tiered", 3.0),
+        (None, 4.5),
     ]
-    for point, factor in zip(report["points"], (1.5, 3.0), strict=True):
+    assert probes[0]["at_s"] < probes[1]["at_s"] < probes[2]["at_s"]
+    for point, (b, a) in zip(report["points"], zip(probes, probes[1:]), strict=True):
+        assert b["at_s"] < point["at_s"] < a["at_s"]
+        frac = (point["at_s"] - b["at_s"]) / (a["at_s"] - b["at_s"])
+        factor = point["engine_factor"]
+        x0, x1 = b["measured_over_profile"], a["measured_over_profile"]
+        assert factor == pytest.approx(x0 + frac * (x1 - x0)) and x0 < factor < x1
         raw = point["unscaled"]["sim"]
         assert point["sim"]["tpot_p50_s"] == pytest.approx(factor * raw["tpot_p50_s"], rel=1e-6)
+
+
+def test_a_factor_between_two_probes():
+    from pdserve.sim.vs_real import between
+
+    b = {"measured_over_profile": 1.0, "at_s": 10.0}
+    a = {"measured_over_profile": 2.0, "at_s": 30.0}
+    assert between(b, a, 15.0) == pytest.approx(1.25)
+    assert between(b, a, 5.0) == 1.0 and between(b, a, 40.0) == 2.0  # held at the ends
+    assert between(b, {**a, "at_s": 10.0}, 20.0) == 1.0  # no time between them
 
 
 def test_a_profile_with_its_engine_steps_scaled():

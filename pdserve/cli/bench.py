@@ -676,10 +676,10 @@ def add_bench_parser(sub) -> None:
     svr.add_argument(
         "--rescale",
         action="store_true",
-        help="scale the profile's engine step costs by the engine's probe made before each "
-        "policy's points, and each launched cluster's decode and prefill costs by that "
-        "cluster's own probe "
-        "(the figures with the profile as given are reported too)",
+        help="scale the profile's engine step costs by the engine's probes (made before, "
+        "between and after the policies' points; each point's factor interpolated at its "
+        "time), and each launched cluster's decode and prefill costs by that cluster's own "
+        "probe (the figures with the profile as given are reported too)",
     )
     svr.add_argument("--seed", type=int, default=0)
     svr.add_argument("--json", default=None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import tempfile
+import time
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -82,9 +83,10 @@ class Comparison:
     seed: int
     spill_dir: str
     decode_workers: int = 1  # of the launched cluster (1P1D, 1P2D, ...)
-    # --rescale: each policy's points simulated with the step costs scaled by the probe
-    # made right before them (the engine's, or that policy's launched cluster's), and with
-    # the profile as given too
+    # --rescale: each point simulated with the step costs scaled by the probes (an engine
+    # point's factor interpolated in time between the engine's probes on either side of it,
+    # a cluster point's from its policy's launched cluster's probe), and with the profile as
+    # given too
     rescale: bool = False
 
     def simulate(self, setup: Setup, policy: str, specs, concurrency: int, label: str):
@@ -140,22 +142,33 @@ def engine_drift(cmp: Comparison) -> dict | None:
 
 
 def engine_points(cmp: Comparison) -> tuple[list[dict], list[dict]]:
-    """-> (the engine's points, the probe made before each policy's points). The machine's
-    speed moves within a run too (on 2026-12-06 the points run after the first policy's ran
-    ~7% faster than a probe made before them all), so each policy is probed right before its
-    own points, on an engine of its own (its core is built after the probe's is closed)."""
+    """-> (the engine's points, its probes of the machine). The machine's speed moves within
+    a run (on 2026-12-06 the engine slowed from 1.22x to 1.73x the profile's step time over
+    15 minutes), so the engine is probed before the first policy's points, between two
+    policies (after one's engine is closed, before the next one's is built: one engine at a
+    time) and after the last, and each point's factor is interpolated in time between the
+    probes on either side of it, at the middle of its run. A point is simulated once the
+    probe after it is made."""
     config = model_config(cmp.model)
     base = EngineArgs(
         num_kv_blocks=cmp.num_kv_blocks, spill_dir=cmp.spill_dir, enable_prefix_caching=False
     )
-    points, drifts = [], []
-    for policy in cmp.policies:
+    started = time.monotonic()
+    probes: list[dict] = []
+
+    def probe(policy: str | None) -> dict | None:
+        """The machine now, before `policy`'s points (None: after the last)."""
+        t0 = time.monotonic()
         drift = engine_drift(cmp)
-        profile = cmp.profile
-        if drift is not None:
-            drifts.append({"policy": policy, **drift})
-            if cmp.rescale:
-                profile = cmp.profile.engine_scaled(drift["measured_over_profile"])
+        if drift is None:
+            return None
+        at = (t0 + time.monotonic()) / 2 - started
+        probes.append({"policy": policy, **drift, "at_s": at})
+        return probes[-1]
+
+    points = []
+    before = probe(cmp.policies[0])
+    for i, policy in enumerate(cmp.policies):
         admission, args = policy_args(base, policy)
         core, _ = build_engine(cmp.model, args)
         warm = [RequestSpec(0.0, 8, 2)]  # first forward passes are slow; calibrate skips them too
@@ -164,25 +177,51 @@ def engine_points(cmp: Comparison) -> tuple[list[dict], list[dict]]:
         )
         # on CUDA: the decode graphs captured before the timed runs (not in their first steps)
         warm_up_graphs(core, max(cmp.concurrencies), cmp.num_kv_blocks)
+        runs = []
         for c in cmp.concurrencies:
             specs = cmp.specs(c)
             prompts = prompts_for(specs, config.vocab_size, cmp.seed)
-            before = core.stats()
+            before_stats, t0 = core.stats(), time.monotonic()
             replica = Replica("engine", core, make_admission(admission, core))
             records = run_real(replica, specs, prompts, c, label=f"real {policy} c={c}")
-            after = core.stats()
+            at = (t0 + time.monotonic()) / 2 - started
+            after_stats = core.stats()
             real = summarize(records, SLO())
             real.update(
-                preemptions=after.preemptions - before.preemptions,
-                recomputed_tokens=after.recomputed_tokens - before.recomputed_tokens,
-                spilled_bytes=after.spilled_bytes - before.spilled_bytes,
+                preemptions=after_stats.preemptions - before_stats.preemptions,
+                recomputed_tokens=after_stats.recomputed_tokens - before_stats.recomputed_tokens,
+                spilled_bytes=after_stats.spilled_bytes - before_stats.spilled_bytes,
             )
             core.check_integrity()
+            runs.append((c, specs, real, at))
+        core.close()
+        nxt = cmp.policies[i + 1] if i + 1 < len(cmp.policies) else None
+        after = probe(nxt)
+        for c, specs, real, at in runs:
+            profile, factor = cmp.profile, None
+            if before is not None and after is not None:
+                factor = between(before, after, at)
+                if cmp.rescale:
+                    profile = cmp.profile.engine_scaled(factor)
             setup = Setup(config, profile, Topology(), args, seed=cmp.seed)
             sims = cmp.simulate(setup, policy, specs, c, f"sim {policy} c={c}")
-            points.append(cmp.point("engine", policy, c, real, sims))
-        core.close()
-    return points, drifts
+            point = cmp.point("engine", policy, c, real, sims)
+            point["at_s"] = at
+            if factor is not None:
+                point["engine_factor"] = factor
+            points.append(point)
+        before = after
+    return points, probes
+
+
+def between(before: dict, after: dict, at: float) -> float:
+    """The probes' measured-over-profile factor at time `at` (seconds into the run), linear
+    between the probe before and the probe after (their own middles), held at the ends."""
+    x0, x1 = before["measured_over_profile"], after["measured_over_profile"]
+    t0, t1 = before["at_s"], after["at_s"]
+    if t1 <= t0:
+        return x0
+    return x0 + (x1 - x0) * min(1.0, max(0.0, (at - t0) / (t1 - t0)))
 
 
 def bench_sim_vs_real(
@@ -200,10 +239,11 @@ def bench_sim_vs_real(
     rescale: bool = False,
 ) -> dict:
     """Both halves (the engine's unless `engine` is False; the cluster's, 1P`decode_workers`D,
-    with `cluster`) -> the report. `rescale`: each policy's engine points simulated with the
-    profile's engine step costs scaled by the factor of the engine probe made right before
-    them, and each launched cluster's decode and prefill costs by that cluster's probe (all
-    measured in this run), the figures with the profile as given
+    with `cluster`) -> the report. `rescale`: each engine point simulated with the profile's
+    engine step costs scaled by the engine probes' factor interpolated at its time (probes
+    before, between and after the policies' points: engine_points), and each launched
+    cluster's decode and prefill costs by that cluster's probe (all measured in this run),
+    the figures with the profile as given
     reported beside them (`unscaled` in each point)."""
     if decode_workers < 1:
         raise ValueError(f"decode_workers: at least 1, got {decode_workers}")
@@ -289,10 +329,15 @@ def format_table(report: dict) -> str:
     drift = report.get("drift")
     for probe in [drift] if isinstance(drift, dict) else drift or ():  # a dict: one, before all
         x = probe["measured_over_profile"]
-        before = f"its {probe['policy']} points" if "policy" in probe else "the runs"
+        if "policy" not in probe:  # (reports before session 51: one probe before all)
+            when = "before the runs"
+        elif probe["policy"] is None:
+            when = "after the last points"
+        else:
+            when = f"before its {probe['policy']} points"
         lines.append(
             f"this machine ran the engine's steps at {x:.2f}x the profile's time in a probe "
-            f"before {before} ({probe['steps']} steps)"
+            f"{when} ({probe['steps']} steps)"
             + ("" if abs(x - 1) <= DRIFT else ": the profile is stale, calibrate again")
         )
     for probe in report.get("cluster_drift") or ():
@@ -304,8 +349,9 @@ def format_table(report: dict) -> str:
         )
         lines.append(
             f"the simulated figures are the profile's with {scaled} step costs scaled by the "
-            "factors of the probe made before each policy's points (--rescale); with the "
-            "profile as given: "
+            "probes' factors (--rescale: an engine point's interpolated in time between the "
+            "probes on either side of it, a cluster's from the probe before its policy's "
+            "points); with the profile as given: "
             f"{report['misses_unscaled']} figures outside their bounds"
         )
     for p in report["points"]:
