@@ -3,7 +3,8 @@
 A cluster that waits for requests should cost its node nothing: no thread spinning (NIXL's
 own progress thread kept each worker at 99% of a core once), no loop waking often enough
 to add up. The bench launches a cluster, serves one short request (every path warm: a
-reservation, a KV push, a decode), waits until no worker holds a block, then reads each
+reservation, a KV push, a decode), waits until no worker holds a block or a spill entry
+(the sweep's own check), then reads each
 process's CPU time (user + system, /proc) over a window in which nothing is sent, and
 reports each process's share of one core (its own total: threads that ended meanwhile
 count), its busiest threads at the end (by their kernel names:
@@ -20,12 +21,12 @@ import os
 import time
 
 from pdserve.bench.report import machine_info
+from pdserve.bench.sweep import wait_drained
 from pdserve.client import Client
 from pdserve.launch import Cluster
 from pdserve.progress import progress
 
 BAR = 0.02  # of one core, every process
-SETTLE_TIMEOUT_S = 60.0  # for every worker to hold no block after the warm-up request
 _TOP_THREADS = 4
 
 
@@ -63,14 +64,6 @@ def _alive(cluster: Cluster) -> None:
         raise RuntimeError(f"{', '.join(gone)} exited while the cluster was idle")
 
 
-def _settle(client: Client, deadline: float) -> None:
-    """Until no worker holds a block (the warm-up request's end and leases are over)."""
-    while any(w.free_blocks != w.total_blocks for w in client.workers()):
-        if time.monotonic() > deadline:
-            raise TimeoutError("a worker still holds blocks after the warm-up request")
-        time.sleep(0.1)
-
-
 def bench_idle(
     model: str,
     prefill: int = 1,
@@ -96,7 +89,7 @@ def bench_idle(
     ) as cluster:
         with Client(cluster.address, security=cluster.security) as client:
             served = client.generate([1, 2, 3], max_tokens=3, temperature=0)
-            _settle(client, time.monotonic() + SETTLE_TIMEOUT_S)
+        wait_drained(cluster, [a for k, a in cluster.metrics.items() if k.startswith("decode")])
         _alive(cluster)
         pids = {name: proc.pid for name, proc in zip(cluster.names, cluster.procs)}
         total_before = {name: process_cpu_seconds(pid) for name, pid in pids.items()}
