@@ -12,8 +12,9 @@ import pytest
 
 from pdserve.bench.workload import specs_of
 from pdserve.engine.args import EngineArgs
+from pdserve.sim import fit
 from pdserve.sim.calibrate_cluster import _steps, check_decodes
-from pdserve.sim.profile import load_profile, profile_from_dict
+from pdserve.sim.profile import load_profile, per_seq_term, profile_from_dict
 from pdserve.sim.run import Setup, Topology, simulate
 from pdserve.weights import model_config
 
@@ -174,25 +175,35 @@ def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch
     assert probe["decode"]["steps"] >= 128  # each load's requests decode 64 tokens, 2 a client
     assert probe["prefill"]["steps"] >= vs_cluster.MIN_PREFILLS
     x, y = probe["factors"]["decode"], probe["factors"]["prefill"]
-    assert x == probe["decode"]["measured_over_profile"] != pytest.approx(1.0, abs=0.05)
+    # the probe's batches of 2 x 12 one-block requests split its decode factor in two
+    split = probe["split"]
+    assert split is not None and split["large"]["steps"] >= fit.MIN_GROUP
+    xs = probe["factors"]["decode_per_seq"]
+    assert (x, xs) == (split["base"], split["per_seq"])
+    assert probe["decode"]["measured_over_profile"] != pytest.approx(1.0, abs=0.05)
     assert y == probe["prefill"]["measured_over_profile"] != pytest.approx(1.0, abs=0.05)
     # the point simulated scaled, then as given
     (decodes, scaled, scaled_prefill), (_, given, given_prefill) = decode_costs
     measured = shared.cluster_prefill
-    for cost, coefficients, factor in (
-        (scaled, two, x),
-        (given, two, 1.0),
-        (scaled_prefill, measured, y),
-        (given_prefill, measured, 1.0),
+    for cost, coefficients, factor, per_seq in (
+        (scaled, two, x, xs),
+        (given, two, 1.0, 1.0),
+        (scaled_prefill, measured, y, y),
+        (given_prefill, measured, 1.0, 1.0),
     ):
         assert decodes == 2
         assert cost.intercept == pytest.approx(factor * coefficients.get("intercept", 0.0))
         assert dict(cost.terms) == pytest.approx(
-            {f: factor * c for f, c in coefficients.items() if f != "intercept" and c}
+            {
+                f: (per_seq if per_seq_term(f) else factor) * c
+                for f, c in coefficients.items()
+                if f != "intercept" and c
+            }
         )
     table = format_table(report)
     assert report["cluster"] == "1P2D" and "cluster 1P2D" in table
-    assert f"decode {x:.2f}x" in table and f"prefill {y:.2f}x" in table
+    assert f"prefill {y:.2f}x" in table
+    assert f"split {x:.2f}x whatever the batch, {xs:.2f}x per sequence" in table
     assert "the cluster's step costs scaled" in table  # --no-engine
     [point] = report["points"]
     assert point["kind"] == "cluster" and point["concurrency"] == 4
@@ -411,14 +422,96 @@ def test_a_profile_with_a_clusters_steps_scaled():
     for bad in ((0.0, 1.0), (1.0, -1.0), (float("nan"), 1.0), (1.0, float("inf"))):
         with pytest.raises(ValueError, match="positive finite"):
             p.cluster_scaled(1, *bad)
+    with pytest.raises(ValueError, match="positive finite"):
+        p.cluster_scaled(1, 1.0, 1.0, decode_per_seq=0.0)
     with pytest.raises(ValueError, match="only a fitted profile"):
         load_profile("h200").cluster_scaled(1, 2.0, 2.0)
 
 
+def test_a_clusters_per_sequence_terms_scale_by_their_own_factor():
+    """decode_per_seq multiplies the terms that grow with the batch (seqs, sampled, past
+    each knee) and `decode` the rest (intercept, context): a step of n sequences then costs
+    decode x base(n) + decode_per_seq x per_seq(n)."""
+    from pdserve.sim.cost import FittedCost, StepWork
+    from pdserve.sim.profile import per_seq_term
+
+    one = {"intercept": 0.05, "seqs": 1e-3, "sampled": 2e-4, "decode_context": 4e-6}
+    p = dataclasses.replace(_profile(), cluster={**one, "seqs_past_8": 5e-4})
+    scaled = p.cluster_scaled(1, 0.8, 1.0, decode_per_seq=1.3)
+    assert scaled.cluster == pytest.approx(
+        {
+            "intercept": 0.04,
+            "seqs": 1.3e-3,
+            "sampled": 2.6e-4,
+            "decode_context": 3.2e-6,
+            "seqs_past_8": 6.5e-4,
+        }
+    )
+    assert "per seq x1.3" in scaled.name
+    for n in (1, 8, 16):
+        w = StepWork(n, n, 100 * n, 0, 0.0, n, 0)
+        fixed = 0.05 + 4e-6 * 100 * n
+        grows = 1e-3 * n + 2e-4 * n + 5e-4 * max(0, n - 8)
+        assert FittedCost(scaled.cluster).step_seconds(w) == pytest.approx(
+            0.8 * fixed + 1.3 * grows
+        )
+    assert [per_seq_term(t) for t in ("intercept", "decode_context", "prefill_tokens")] == [
+        False,
+        False,
+        False,
+    ]
+    assert all(per_seq_term(t) for t in ("seqs", "sampled", "seqs_past_4", "seqs_past_128"))
+    # without decode_per_seq every term scales by `decode`, as before
+    assert p.cluster_scaled(1, 0.8, 1.0).cluster == pytest.approx(
+        {k: 0.8 * v for k, v in p.cluster.items()}
+    )
+
+
+def test_the_split_of_a_probes_steps_into_two_factors():
+    """split_over: small and large batches' median ratios, each against its median share of
+    per-sequence time, give back the factors the steps were made with, whatever a few
+    outlying steps (a prefill turn) measure; None where the groups are too few or absent."""
+    from pdserve.sim.cost import FittedCost, StepWork
+    from pdserve.sim.fit import MIN_GROUP, split_over
+    from pdserve.sim.profile import per_seq_term
+
+    coef = load_profile(str(CPU_PROFILE)).cluster
+    base = FittedCost({k: v for k, v in coef.items() if not per_seq_term(k)})
+    grows = FittedCost({k: v for k, v in coef.items() if per_seq_term(k)})
+
+    def steps(batches, a, b, repeat=11):
+        return [
+            (w, a * base.step_seconds(w) + b * grows.step_seconds(w))
+            for n in batches
+            for _ in range(repeat)
+            if (w := StepWork(n, n, 60 * n, 0, 0.0, n, 0))
+        ]
+
+    made = steps((1,), 0.8, 1.3) + steps((12,), 0.8, 1.3)
+    split = split_over(made, coef)
+    assert split["base"] == pytest.approx(0.8) and split["per_seq"] == pytest.approx(1.3)
+    assert split["small"]["steps"] == split["large"]["steps"] == 11
+    assert split["large"]["measured_over_profile"] > split["small"]["measured_over_profile"]
+    # a few steps that ran long (twice the time) at either size move neither factor
+    slow = [(w, 2 * t) for w, t in steps((1, 12), 0.8, 1.3, repeat=3)]
+    again = split_over(made + slow, coef)
+    assert again["base"] == pytest.approx(0.8, rel=0.02)
+    assert again["per_seq"] == pytest.approx(1.3, rel=0.05)
+    # batches between the groups are not used
+    assert split_over(made + steps((6,), 3.0, 3.0), coef)["base"] == pytest.approx(0.8)
+    assert split_over(steps((1, 2, 3, 4), 0.8, 1.3), coef) is None  # no large batch
+    few = steps((1,), 0.8, 1.3) + steps((12,), 0.8, 1.3, repeat=MIN_GROUP - 1)
+    assert split_over(few, coef) is None
+    # a per-sequence factor that would have to be negative: no split
+    assert split_over(steps((1,), 1.0, 1.0) + steps((12,), 0.2, 0.2), coef) is None
+
+
 def test_a_cluster_probe_uses_its_prefill_factor_only_after_enough_batches(monkeypatch):
     """The probe's factors: measured over the profile's predicted time, per part; prefill's
-    only from MIN_PREFILLS batches on (else 1.0, as given); no figures from a pool too small
-    for the probe or a probe with no decode step."""
+    only from MIN_PREFILLS batches on (else 1.0, as given) and never from the batches of
+    BATCHES' short prompts; the decode factor split in two when the steps of BATCHES give
+    enough large batches (else one); no figures from a pool too small for the probe or a
+    probe with no decode step."""
     from pdserve.sim import vs_cluster
     from pdserve.sim.cost import FittedCost, StepWork
     from pdserve.sim.vs_real import Comparison
@@ -435,14 +528,23 @@ def test_a_cluster_probe_uses_its_prefill_factor_only_after_enough_batches(monke
         for n in (1, 2, 3)
         if (w := StepWork(n, 32 * n, 0, 32 * n, 528.0 * n, n, 32 * n, prefill_seqs=n))
     ]
+    short_prompts = [(w, 10 * t) for w, t in prefill]  # BATCHES' prefills: never used
     served = []
-    monkeypatch.setattr(vs_cluster, "serve_loads", lambda *a: served.append(a) or [])
+
+    def serve(address, vocab, loads, decodes, seed):
+        served.append((address, vocab, loads, decodes, seed))
+        return [loads]  # the "traces" _steps is handed below
+
+    def steps_of(probe, batches):
+        return lambda traces: probe if traces == [vs_cluster.PROBE] else batches
+
+    monkeypatch.setattr(vs_cluster, "serve_loads", serve)
     cmp = Comparison("tiny-llama", p, ("greedy+recompute",), (2,), 32, 4, 8, 16, 0, "")
     enough, few = prefill[: vs_cluster.MIN_PREFILLS], prefill[: vs_cluster.MIN_PREFILLS - 1]
     for seen, factor in (([], 1.0), (few, 1.0), (enough, 0.5)):
-        monkeypatch.setattr(vs_cluster, "_steps", lambda traces, seen=seen: (decode, seen))
+        monkeypatch.setattr(vs_cluster, "_steps", steps_of((decode, seen), ([], short_prompts)))
         drift = vs_cluster.cluster_drift("address", cmp, p)
-        assert drift["decode"]["steps"] == 3
+        assert drift["decode"]["steps"] == 3 and drift["split"] is None  # no large batch
         assert drift["factors"] == pytest.approx({"decode": 1.2, "prefill": factor})
         if seen:
             assert drift["prefill"]["measured_over_profile"] == pytest.approx(0.5)
@@ -451,7 +553,22 @@ def test_a_cluster_probe_uses_its_prefill_factor_only_after_enough_batches(monke
         assert scaled.cluster_prefill == pytest.approx(
             {k: factor * v for k, v in p.cluster_prefill.items()}
         )
-    assert len(served) == 3 and served[0][2] == vs_cluster.PROBE
+    assert [s[2] for s in served] == [vs_cluster.PROBE, vs_cluster.BATCHES] * 3
+    # BATCHES' steps of 12 sequences at 1.2x the intercept and 1.5x per sequence: the split
+    grows = FittedCost({k: v for k, v in p.cluster.items() if per_seq_term(k)})
+    small, large = (
+        [
+            (w, 1.2 * decode_cost.step_seconds(w) + 0.3 * grows.step_seconds(w))
+            for n in batches
+            if (w := StepWork(n, n, 10 * n, 0, 0.0, n, 0))
+        ]
+        for batches in ((1, 2, 4) * 4, (12,) * fit.MIN_GROUP)
+    )
+    monkeypatch.setattr(vs_cluster, "_steps", steps_of((small, enough), (large, [])))
+    drift = vs_cluster.cluster_drift("address", cmp, p)
+    assert drift["split"]["large"]["steps"] == fit.MIN_GROUP
+    assert drift["factors"] == pytest.approx({"decode": 1.2, "decode_per_seq": 1.5, "prefill": 0.5})
+    assert drift["decode"]["steps"] == 12 + fit.MIN_GROUP  # the median still over every step
     # a 1P2D cluster is measured against 1P2D's coefficients (twice 1P1D's here), and a
     # profile without cluster_prefill against the engine's, as the simulator costs them
     two = dataclasses.replace(
@@ -459,18 +576,18 @@ def test_a_cluster_probe_uses_its_prefill_factor_only_after_enough_batches(monke
     )
     engine_cost = FittedCost(p.engine)
     by_engine = [(w, 0.5 * engine_cost.step_seconds(w)) for w, _ in prefill]
-    monkeypatch.setattr(vs_cluster, "_steps", lambda traces: (decode, by_engine))
+    monkeypatch.setattr(vs_cluster, "_steps", steps_of((decode, by_engine), ([], [])))
     drift = vs_cluster.cluster_drift("address", dataclasses.replace(cmp, decode_workers=2), two)
     assert drift["factors"] == pytest.approx({"decode": 0.6, "prefill": 0.5})
     assert two.cluster_scaled(2, 0.6, 0.5).cluster_prefill == pytest.approx(
         {k: 0.5 * v for k, v in p.engine.items()}
     )
-    assert served[-1][3] == 2  # clients doubled for two decode workers
+    assert served[-1][3] == served[-2][3] == 2  # clients doubled for two decode workers
     monkeypatch.setattr(vs_cluster, "_steps", lambda traces: ([], prefill))
     assert "no decode step" in vs_cluster.cluster_drift("address", cmp, p)["skipped"]
     small = dataclasses.replace(cmp, num_kv_blocks=vs_cluster.PROBE_BLOCKS - 1)
     assert "the probe needs" in vs_cluster.cluster_drift("address", small, p)["skipped"]
-    assert len(served) == 5  # the small pool was not probed
+    assert len(served) == 12  # the small pool was not probed
     vs_cluster.check_cluster_probe(small)  # without --rescale the points run unprobed
     with pytest.raises(ValueError, match=f"needs {vs_cluster.PROBE_BLOCKS} blocks"):
         vs_cluster.check_cluster_probe(dataclasses.replace(small, rescale=True))

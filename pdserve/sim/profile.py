@@ -23,6 +23,14 @@ from types import MappingProxyType
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
 
+def per_seq_term(name: str) -> bool:
+    """Whether a fitted step cost's term (pdserve/sim/cost.py FEATURES) grows with the
+    batch: one row of every GEMM (`seqs`), one sampled token, the steeper slope past each
+    knee. The intercept and the context and prefill terms are what a step costs whatever
+    its batch (reading the weights, the KV each request attends to)."""
+    return name in ("seqs", "sampled") or name.startswith("seqs_past_")
+
+
 @dataclass(frozen=True)
 class TierCost:
     spill_bytes_s: float
@@ -142,14 +150,21 @@ class Profile:
         engine = {k: v * factor for k, v in self.engine.items()}
         return replace(self, name=f"{self.name} engine x{factor:.3g}", engine=engine)
 
-    def cluster_scaled(self, decodes: int, decode: float, prefill: float) -> Profile:
+    def cluster_scaled(
+        self, decodes: int, decode: float, prefill: float, decode_per_seq: float | None = None
+    ) -> Profile:
         """The same profile with a 1P`decodes`D cluster's decode steps `decode` times as long
-        (the coefficients `cluster_decode(decodes)` picks) and its prefill batches `prefill`
-        times (`cluster_prefill`, or the engine's where it has none, as the simulator picks
-        them); the engine, tiers, link and handoff as measured."""
-        self._check_scale(decode, prefill)
+        (the coefficients `cluster_decode(decodes)` picks; their terms per sequence
+        `decode_per_seq` times instead, where given: per_seq_term) and its prefill batches
+        `prefill` times (`cluster_prefill`, or the engine's where it has none, as the
+        simulator picks them); the engine, tiers, link and handoff as measured."""
+        per_seq = decode if decode_per_seq is None else decode_per_seq
+        self._check_scale(decode, prefill, per_seq)
         key = self._cluster_decode_key(decodes)
-        steps = {k: v * decode for k, v in self.cluster_decode(decodes).items()}
+        steps = {
+            k: v * (per_seq if per_seq_term(k) else decode)
+            for k, v in self.cluster_decode(decodes).items()
+        }
         more = dict(self.cluster_decodes)
         if key is None:
             cluster = steps
@@ -157,7 +172,9 @@ class Profile:
             cluster, more[key] = self.cluster, steps
         return replace(
             self,
-            name=f"{self.name} 1P{decodes}D decode x{decode:.3g} prefill x{prefill:.3g}",
+            name=f"{self.name} 1P{decodes}D decode x{decode:.3g}"
+            + ("" if decode_per_seq is None else f" per seq x{per_seq:.3g}")
+            + f" prefill x{prefill:.3g}",
             cluster=cluster,
             cluster_decodes=more,
             cluster_prefill={

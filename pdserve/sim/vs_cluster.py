@@ -6,11 +6,12 @@ The real points are `bench sweep`'s (pdserve/bench/sweep.py run_point: closed-lo
 clients, the decode worker's Prometheus counters before and after); the simulated ones use
 the profile's cluster costs (`pdserve sim calibrate --cluster`).
 
-Each launched cluster is probed before its points (`cluster_drift`): two short loads from
-the calibration's grid, their decode steps and prefill batches read off the traces as
+Each launched cluster is probed before its points (`cluster_drift`): three short loads
+(batches of 1 to 12), their decode steps and prefill batches read off the traces as the
 calibration reads them, measured over the profile's predicted time. With `--rescale` that
-cluster's points are simulated with its decode steps and prefill batches scaled by those
-factors (and with the profile as given, beside them)."""
+cluster's points are simulated with its prefill batches scaled by the prefill factor and
+its decode steps by two (what a step costs whatever its batch, and per sequence), and with
+the profile as given, beside them."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pdserve.bench.sweep import COUNTERS, run_point, scrape, wait_drained
 from pdserve.bench.workload import Workload, prompts_for
 from pdserve.engine.args import EngineArgs
 from pdserve.sim.calibrate_cluster import _steps, serve_loads
-from pdserve.sim.fit import measured_over
+from pdserve.sim.fit import measured_over, split_over
 from pdserve.sim.profile import Profile
 from pdserve.sim.run import Setup, Topology, policy_args
 from pdserve.sim.vs_real import Comparison
@@ -41,9 +42,16 @@ def check_cluster_costs(cmp: Comparison) -> None:
 
 
 # (clients per decode worker, prompt tokens, output tokens): two of the calibration's loads
-# (calibrate_cluster.LOADS), whose requests fit PROBE_BLOCKS blocks per decode worker at once
+# (calibrate_cluster.LOADS), and BATCHES, batches of up to 12 requests of one block each
+# (the comparison's loaded points run batches of 8-16, and the machine's speed-up since a
+# calibration was not the same at those as at 1-4: docs/simulator.md), for the decode
+# steps only (4-token prompts are off the calibration's prefill grid). Each load's requests
+# fit PROBE_BLOCKS blocks per decode worker at once; BATCHES' even if the router sends a
+# 1P2D's all to one worker (it did: a probe of 2 x 12 clients saw a batch of 24), since a
+# preempted request's recompute would run inside a decode step the probe reads as pure decode
 PROBE = ((1, 48, 64), (4, 32, 64))
-PROBE_BLOCKS = max(clients * -(-(prompt + output) // 16) for clients, prompt, output in PROBE)
+BATCHES = ((12, 4, 12),)
+PROBE_BLOCKS = max(c * -(-(prompt + output) // 16) for c, prompt, output in PROBE + BATCHES)
 MIN_PREFILLS = 3  # prefill batches a probe needs before its prefill factor is used
 
 
@@ -58,10 +66,13 @@ def check_cluster_probe(cmp: Comparison) -> None:
 
 def cluster_drift(address: str, cmp: Comparison, profile: Profile) -> dict:
     """How fast this launched cluster runs now against `profile`: PROBE served on it (about
-    15 s) -> for its decode steps and its prefill batches, the median of measured over the
+    25 s) -> for its decode steps and its prefill batches, the median of measured over the
     profile's predicted time (the coefficients the simulated cluster uses: pdserve/sim/run.py
-    Setup.cost), and `factors`, what --rescale applies: the decode one, and the prefill one
-    when the probe saw MIN_PREFILLS batches (else 1.0, prefill as given). The engine's probe
+    Setup.cost), the decode steps' `split` (pdserve/sim/fit.py split_over: one factor for
+    what a step costs whatever its batch, one for its terms per sequence; None where the
+    steps cannot tell them apart), and `factors`, what --rescale applies: the split's two
+    (`decode`, `decode_per_seq`), else the decode median alone, and the prefill one when the
+    probe saw MIN_PREFILLS batches (else 1.0, prefill as given). The engine's probe
     does not say this: on this machine a cluster's speed did not move with the engine's
     (docs/simulator.md). A pool too small for the probe, or a probe that saw no decode
     step, gives no figures (`skipped` says why)."""
@@ -69,21 +80,34 @@ def cluster_drift(address: str, cmp: Comparison, profile: Profile) -> dict:
         return {"skipped": f"pool of {cmp.num_kv_blocks} blocks < {PROBE_BLOCKS} the probe needs"}
     config = model_config(cmp.model)
     traces = serve_loads(address, config.vocab_size, PROBE, cmp.decode_workers, cmp.seed + 7919)
+    batched = serve_loads(address, config.vocab_size, BATCHES, cmp.decode_workers, cmp.seed + 1)
     decode, prefill = _steps(traces)
+    decode = decode + _steps(batched)[0]
+    steps = profile.cluster_decode(cmp.decode_workers)
     drift = {
-        "decode": measured_over(decode, profile.cluster_decode(cmp.decode_workers)),
+        "decode": measured_over(decode, steps),
         "prefill": measured_over(prefill, profile.cluster_prefill or profile.engine),
     }
     if drift["decode"] is None:
-        return {**drift, "skipped": f"no decode step came back from {len(traces)} traces"}
+        seen = len(traces) + len(batched)
+        return {**drift, "skipped": f"no decode step came back from {seen} traces"}
     used = drift["prefill"] is not None and drift["prefill"]["steps"] >= MIN_PREFILLS
     drift["decode"]["used"] = True
     if drift["prefill"] is not None:
         drift["prefill"]["used"] = used
-    drift["factors"] = {
-        "decode": drift["decode"]["measured_over_profile"],
-        "prefill": drift["prefill"]["measured_over_profile"] if used else 1.0,
-    }
+    split = drift["split"] = split_over(decode, steps)
+    prefill_factor = drift["prefill"]["measured_over_profile"] if used else 1.0
+    if split is None:
+        drift["factors"] = {
+            "decode": drift["decode"]["measured_over_profile"],
+            "prefill": prefill_factor,
+        }
+    else:
+        drift["factors"] = {
+            "decode": split["base"],
+            "decode_per_seq": split["per_seq"],
+            "prefill": prefill_factor,
+        }
     return drift
 
 

@@ -351,7 +351,8 @@ def format_table(report: dict) -> str:
             f"the simulated figures are the profile's with {scaled} step costs scaled by the "
             "probes' factors (--rescale: an engine point's interpolated in time between the "
             "probes on either side of it, a cluster's from the probe before its policy's "
-            "points); with the profile as given: "
+            "points, its decode steps by the probe's split where it has one); with the "
+            "profile as given: "
             f"{report['misses_unscaled']} figures outside their bounds"
         )
     for p in report["points"]:
@@ -376,6 +377,15 @@ def _cluster_probe_line(probe: dict) -> str:
         used = seen.get("used", True)
         parts.append(f"{part} {x:.2f}x ({seen['steps']}{'' if used else ', too few: not used'})")
         worst = max(worst, abs(x - 1)) if used else worst
+    split = probe.get("split")
+    if split is not None:  # (probes before session 53 have none)
+        small, large = split["small"], split["large"]
+        parts.append(
+            f"batches <= 4 {small['measured_over_profile']:.2f}x ({small['steps']}), "
+            f">= 8 {large['measured_over_profile']:.2f}x ({large['steps']}): split "
+            f"{split['base']:.2f}x whatever the batch, {split['per_seq']:.2f}x per sequence"
+        )
+        worst = max(worst, abs(split["base"] - 1), abs(split["per_seq"] - 1))
     return f"{head}: the cluster ran at the profile's time times {', '.join(parts)}" + (
         "" if worst <= DRIFT else ": the profile is stale, calibrate again"
     )
