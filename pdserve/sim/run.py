@@ -64,6 +64,11 @@ class Topology:
         return f"DP={self.dp}, TP={self.tp}"
 
 
+# the terms of a fitted step cost that only a step carrying a prefill chunk pays
+# (pdserve/sim/cost.py FEATURES)
+RECOMPUTE_TERMS = ("prefill_tokens", "prefill_attention", "prefill_seqs", "prefill_step")
+
+
 @dataclass(frozen=True)
 class Setup:
     """Everything a simulated run needs besides its policy and load."""
@@ -91,13 +96,19 @@ class Setup:
         return ModelShape.of(self.config, self.weight_dtype_bytes, kv, self.topology.tp)
 
     def cost(self, role: str = "engine") -> CostModel:
+        """A role's step cost. A fitted profile's decode steps were measured without a
+        prefill in them (pdserve/sim/calibrate_cluster.py), but a decode worker computes a
+        recompute preemption's context itself, in its steps: those chunks cost what the
+        in-process engine's steps pay for a prefill (its RECOMPUTE_TERMS; the same core and
+        runner), on top of the decode step's own terms. Before 2026-12-06 they cost only a
+        sequence's share."""
         p = self.profile
         if p.kind == "fitted":
-            fitted = {
-                "engine": p.engine,
-                "decode": p.cluster_decode(self.topology.decode),
-                "prefill": p.cluster_prefill,
-            }
+            decode = p.cluster_decode(self.topology.decode)
+            if decode:
+                recompute = {k: v for k, v in p.engine.items() if k in RECOMPUTE_TERMS}
+                decode = {**recompute, **decode}
+            fitted = {"engine": p.engine, "decode": decode, "prefill": p.cluster_prefill}
             if role not in fitted:
                 raise ValueError(f"cost role: {role!r}; choose one of {', '.join(fitted)}")
             return FittedCost(fitted[role] or p.engine)

@@ -351,8 +351,8 @@ def format_table(report: dict) -> str:
             f"the simulated figures are the profile's with {scaled} step costs scaled by the "
             "probes' factors (--rescale: an engine point's interpolated in time between the "
             "probes on either side of it, a cluster's from the probe before its policy's "
-            "points, its decode steps by the probe's split where it has one); with the "
-            "profile as given: "
+            "points, its decode steps by the probe's split where it has one, and its "
+            "handoff as the probe measured it); with the profile as given: "
             f"{report['misses_unscaled']} figures outside their bounds"
         )
     for p in report["points"]:
@@ -386,6 +386,14 @@ def _cluster_probe_line(probe: dict) -> str:
             f"{split['base']:.2f}x whatever the batch, {split['per_seq']:.2f}x per sequence"
         )
         worst = max(worst, abs(split["base"] - 1), abs(split["per_seq"] - 1))
+    handoff = probe.get("handoff")
+    if handoff is not None:  # (probes before session 53 have none)
+        calls = sum(v for k, v in handoff.items() if k != "link_latency_s")
+        latency = handoff.get("link_latency_s")
+        parts.append(
+            f"handoff {1000 * calls:.1f} ms a request"
+            + ("" if latency is None else f", push latency {1000 * latency:.1f} ms")
+        )
     return f"{head}: the cluster ran at the profile's time times {', '.join(parts)}" + (
         "" if worst <= DRIFT else ": the profile is stale, calibrate again"
     )
