@@ -144,8 +144,10 @@ def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch
 
     def simulate_(setup, *args, **kwargs):
         decode_costs.append((setup.topology.decode, setup.cost("decode"), setup.cost("prefill")))
+        handoffs.append((setup.profile.handoff, setup.profile.link))
         return real_simulate(setup, *args, **kwargs)
 
+    handoffs = []
     monkeypatch.setattr(launch, "Cluster", cluster)
     monkeypatch.setattr(vs_real, "simulate", simulate_)
     shared = load_profile(
@@ -192,12 +194,14 @@ def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch
     # the point simulated scaled, then as given
     (decodes, scaled, scaled_prefill), (_, given, given_prefill) = decode_costs
     measured = shared.cluster_prefill
-    # a decode worker's recompute chunks cost the engine's prefill terms, as measured
+    # a decode worker's recompute chunks cost the engine's prefill terms, at the decode
+    # worker's speed (its intercept over the engine's, scaled with it under --rescale)
     recompute = {f: c for f, c in shared.engine.items() if f in RECOMPUTE_TERMS}
     assert recompute and not set(recompute) & set(two)
+    slower = two["intercept"] / shared.engine["intercept"]
     for cost, coefficients, factor, per_seq, more in (
-        (scaled, two, x, xs, recompute),
-        (given, two, 1.0, 1.0, recompute),
+        (scaled, two, x, xs, {f: x * slower * c for f, c in recompute.items()}),
+        (given, two, 1.0, 1.0, {f: slower * c for f, c in recompute.items()}),
         (scaled_prefill, measured, y, y, {}),
         (given_prefill, measured, 1.0, 1.0, {}),
     ):
@@ -216,6 +220,14 @@ def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch
     assert f"prefill {y:.2f}x" in table
     if split is not None:
         assert f"split {x:.2f}x whatever the batch, {xs:.2f}x per sequence" in table
+    # the scaled point with the probe's handoff and push latency, the other as given
+    (handoff, link), (given_handoff, given_link) = handoffs
+    assert (given_handoff, given_link) == (shared.handoff, shared.link)
+    now = probe["handoff"]
+    assert dataclasses.asdict(handoff) == {k: v for k, v in now.items() if k != "link_latency_s"}
+    assert link.bytes_s == shared.link.bytes_s and link.latency_s == now["link_latency_s"]
+    assert handoff != shared.handoff  # measured again, not the profile's
+    assert probe["preemptions"] >= 0
     calls = sum(v for k, v in probe["handoff"].items() if k != "link_latency_s")
     assert f"handoff {1000 * calls:.1f} ms a request" in table
     assert "the cluster's step costs scaled" in table  # --no-engine
@@ -482,22 +494,27 @@ def test_a_clusters_per_sequence_terms_scale_by_their_own_factor():
 
 
 def test_the_split_of_a_probes_steps_into_two_factors():
-    """split_over: small and large batches' median ratios, each against its median share of
-    per-sequence time, give back the factors the steps were made with, whatever a few
-    outlying steps (a prefill turn) measure; None where the groups are too few or absent."""
+    """split_over: each batch size's median ratio at its median share of per-sequence time,
+    the small batches' and the large ones' averaged, give back the factors the steps were
+    made with, whatever a few outlying steps (a prefill turn) measure and however the steps
+    fall between batch sizes of a group; None where the groups are too few or absent."""
     from pdserve.sim.cost import FittedCost, StepWork
-    from pdserve.sim.fit import MIN_GROUP, split_over
+    from pdserve.sim.fit import MIN_BIN, MIN_GROUP, split_over
     from pdserve.sim.profile import per_seq_term
 
     coef = load_profile(str(CPU_PROFILE)).cluster
     base = FittedCost({k: v for k, v in coef.items() if not per_seq_term(k)})
     grows = FittedCost({k: v for k, v in coef.items() if per_seq_term(k)})
 
-    def steps(batches, a, b, repeat=11):
+    def steps(batches, a, b, repeat=11, noise=0.0):
         return [
-            (w, a * base.step_seconds(w) + b * grows.step_seconds(w))
+            (
+                w,
+                (a * base.step_seconds(w) + b * grows.step_seconds(w))
+                * (1 + noise * (0, 1, -1)[i % 3]),
+            )
             for n in batches
-            for _ in range(repeat)
+            for i in range(repeat)
             if (w := StepWork(n, n, 60 * n, 0, 0.0, n, 0))
         ]
 
@@ -505,14 +522,31 @@ def test_the_split_of_a_probes_steps_into_two_factors():
     split = split_over(made, coef)
     assert split["base"] == pytest.approx(0.8) and split["per_seq"] == pytest.approx(1.3)
     assert split["small"]["steps"] == split["large"]["steps"] == 11
+    assert split["small"]["batches"] == [1] and split["large"]["batches"] == [12]
     assert split["large"]["measured_over_profile"] > split["small"]["measured_over_profile"]
     # a few steps that ran long (twice the time) at either size move neither factor
     slow = [(w, 2 * t) for w, t in steps((1, 12), 0.8, 1.3, repeat=3)]
     again = split_over(made + slow, coef)
     assert again["base"] == pytest.approx(0.8, rel=0.02)
     assert again["per_seq"] == pytest.approx(1.3, rel=0.05)
-    # batches between the groups are not used
+    # groups that mix batch sizes, in either proportion, with +-5% on every step: a group's
+    # median ratio and median share taken over the group would come from different steps
+    # and move per_seq by ~0.16 between the two (found in review); per batch size they
+    # do not
+    for ones, fours in ((131, 125), (125, 131)):
+        mixed = (
+            steps((1,), 0.82, 1.4, ones, 0.05)
+            + steps((4,), 0.82, 1.4, fours, 0.05)
+            + steps((11, 12), 0.82, 1.4, 11, 0.05)
+        )
+        got = split_over(mixed, coef)
+        assert got["small"]["batches"] == [1, 4] and got["large"]["batches"] == [11, 12]
+        assert got["base"] == pytest.approx(0.82, rel=0.01)
+        assert got["per_seq"] == pytest.approx(1.4, rel=0.02)
+    # batches between the groups, and batch sizes with fewer than MIN_BIN steps, are not used
     assert split_over(made + steps((6,), 3.0, 3.0), coef)["base"] == pytest.approx(0.8)
+    rare = steps((16,), 3.0, 3.0, repeat=MIN_BIN - 1)
+    assert split_over(made + rare, coef)["per_seq"] == pytest.approx(1.3)
     assert split_over(steps((1, 2, 3, 4), 0.8, 1.3), coef) is None  # no large batch
     few = steps((1,), 0.8, 1.3) + steps((12,), 0.8, 1.3, repeat=MIN_GROUP - 1)
     assert split_over(few, coef) is None
@@ -579,13 +613,14 @@ def test_a_cluster_probe_uses_its_prefill_factor_only_after_enough_batches(monke
             for n in batches
             if (w := StepWork(n, n, 10 * n, 0, 0.0, n, 0))
         ]
-        for batches in ((1, 2, 4) * 4, (12,) * fit.MIN_GROUP)
+        for batches in ((1, 2, 4) * fit.MIN_BIN, (12,) * fit.MIN_GROUP)
     )
     monkeypatch.setattr(vs_cluster, "_steps", steps_of((small, enough), (large, [])))
     drift = vs_cluster.cluster_drift("address", cmp, p)
     assert drift["split"]["large"]["steps"] == fit.MIN_GROUP
     assert drift["factors"] == pytest.approx({"decode": 1.2, "decode_per_seq": 1.5, "prefill": 0.5})
-    assert drift["decode"]["steps"] == 12 + fit.MIN_GROUP  # the median still over every step
+    # the median still over every step
+    assert drift["decode"]["steps"] == 3 * fit.MIN_BIN + fit.MIN_GROUP
     # a 1P2D cluster is measured against 1P2D's coefficients (twice 1P1D's here), and a
     # profile without cluster_prefill against the engine's, as the simulator costs them
     two = dataclasses.replace(
@@ -630,6 +665,32 @@ def test_the_table_says_how_far_each_cluster_drifted():
             probe("c", 0.8, None),
             probe("d", 1.0, 2.0, used=False),
             {"policy": "e", "skipped": "pool of 8 blocks < 24 the probe needs"},
+            {
+                **probe("f", 0.98, 1.0),
+                "split": {
+                    "base": 0.97,
+                    "per_seq": 1.6,  # far off, but not what says stale
+                    "small": {"measured_over_profile": 0.98, "batches": [1, 4], "steps": 260},
+                    "large": {"measured_over_profile": 1.04, "batches": [12], "steps": 30},
+                },
+                "handoff": {
+                    "reserve_s": 0.003,
+                    "prefill_rpc_s": 0.007,
+                    "start_s": 0.003,
+                    "per_token_s": 0.0015,
+                    "link_latency_s": 0.012,
+                },
+                "preemptions": 2,
+            },
+            {
+                **probe("g", 1.0, 1.0),
+                "split": {
+                    "base": 1.0,
+                    "per_seq": 1.0,
+                    "small": {"measured_over_profile": 1.0, "batches": [1], "steps": 100},
+                    "large": {"measured_over_profile": 1.3, "batches": [12], "steps": 30},
+                },
+            },
         ],
     }
     lines = format_table(report).splitlines()
@@ -643,6 +704,13 @@ def test_the_table_says_how_far_each_cluster_drifted():
     assert "decode 0.80x (64)" in line("c") and "stale" in line("c")
     assert "prefill 2.00x (9, too few: not used)" in line("d") and "stale" not in line("d")
     assert "skipped (pool of 8 blocks" in line("e")
+    f = line("f")
+    assert "batches <= 4 0.98x (260), >= 8 1.04x (30)" in f
+    assert "split 0.97x whatever the batch, 1.60x per sequence" in f
+    assert "handoff 14.5 ms a request, push latency 12.0 ms" in f
+    assert "2 preemptions while it ran" in f and "stale" not in f
+    assert "stale" in line("g")  # its large batches ran 1.3x the profile's time
+    assert "preemptions" not in line("a")
 
 
 def test_a_cluster_only_comparison_checks_its_profile_before_any_probe(monkeypatch):
@@ -682,7 +750,9 @@ def test_a_decode_workers_recompute_chunk_costs_the_engines_prefill_terms():
     # four decoding sequences and one 96-token context recomputed
     mixed = StepWork(5, 100, 400, 96, 96 * 48.5, 5, 500, prefill_seqs=1)
     engine = p.engine
-    added = (
+    # at the decode worker's speed: its intercept over the engine's
+    slower = p.cluster["intercept"] / engine["intercept"]
+    added = slower * (
         engine.get("prefill_tokens", 0.0) * 96
         + engine.get("prefill_attention", 0.0) * 96 * 48.5
         + engine.get("prefill_seqs", 0.0)

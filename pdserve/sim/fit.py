@@ -81,50 +81,83 @@ def measured_over(samples: list[tuple[StepWork, float]], coefficients: dict) -> 
 
 
 SMALL, LARGE = 4, 8  # split_over's groups: batches of at most SMALL and of at least LARGE
+MIN_BIN = 8  # steps a batch size needs before its median counts
 MIN_GROUP = 10  # steps each group needs before split_over answers
+MIN_SPREAD = 0.05  # how far apart the groups' per-sequence shares must lie
+
+
+def _centroid(group: dict) -> tuple[float, float]:
+    """A group's batch sizes' (median share, median ratio), weighted by their steps."""
+    weight = np.array([len(p[2]) for p in group.values()], dtype=float)
+    share = np.array([p[0] for p in group.values()])
+    ratio = np.array([p[1] for p in group.values()])
+    return float(weight @ share / weight.sum()), float(weight @ ratio / weight.sum())
 
 
 def split_over(samples: list[tuple[StepWork, float]], coefficients: dict) -> dict | None:
     """Two factors that take fitted `coefficients` to steps measured now: `base` for the
-    intercept and the context and prefill terms (what a step costs whatever its batch:
-    reading the weights and the KV), `per_seq` for the terms per sequence
-    (pdserve/sim/profile.py per_seq_term). One factor over all terms assumes a machine's
-    speed moves the same way at every batch size; on the 2-vCPU VM it did not (steps of
-    batch 1-4 at 0.78-0.80 of a day-old profile's time, of batch 12 at 0.85-0.92, in the
-    same probes: docs/simulator.md).
+    intercept and the context and prefill terms, `per_seq` for the terms per sequence
+    (pdserve/sim/profile.py per_seq_term: one row of every GEMM, one sampled token, the
+    slope past each knee). One factor over all terms assumes a machine's speed moves the
+    same way at every batch size; on the 2-vCPU VM it did not (steps of batch 1-4 at
+    0.78-0.80 of a day-old profile's time, of batch 12 at 0.85-0.92, in the same probes:
+    docs/simulator.md). `decode_context` grows with the batch too, but it is the KV's read,
+    a memory cost like the weights' (the intercept), so it sits with them: its factor is
+    measured where the probe's contexts are long, at the small batches.
 
     A step's measured / predicted time is base x (1 - s) + per_seq x s, s the share of its
-    predicted time in the per-sequence terms. Two groups of steps, small batches (<= SMALL)
-    and large ones (>= LARGE), each give its median ratio and its median share, and the two
-    equations give the two factors. Medians, not a least-squares fit: the steps around a
-    prefill turn run long whatever their batch, and a few of them moved a fit's per_seq
-    from 0.9 to 1.5 between probes of the same cluster a minute apart. None when either
-    group has fewer than MIN_GROUP steps, the shares do not differ, or either factor would
+    predicted time in the per-sequence terms. Each batch size with MIN_BIN steps gives its
+    median ratio at its median share (medians: a step around a prefill turn runs long
+    whatever its batch, and a few of them moved a least-squares fit's per_seq from 0.9 to
+    1.5 between probes of the same cluster a minute apart); the small batches' (<= SMALL)
+    points and the large ones' (>= LARGE), each averaged weighted by their steps, are two
+    points of a line whose value at share 0 is base and at share 1 per_seq. Per batch
+    size, not per group: a group's median ratio and median share would come from
+    different steps when it mixes batch sizes. Two points, not a fit through every batch
+    size: the large batches' ratio is what the comparison's loaded points need, and a fit
+    weighted by steps follows the many small batches and misses it. per_seq is the line
+    carried out to share 1 from shares of 0.03-0.3, so its own figure is noisy (1.16-1.47
+    over four probes of one 1P1D a minute apart); the ratio it gives at the large batches
+    is the measured one. None when either group has fewer than MIN_GROUP steps in
+    such batch sizes, their shares lie less than MIN_SPREAD apart, or either factor would
     not be positive (one factor then)."""
     base = FittedCost({k: v for k, v in coefficients.items() if not per_seq_term(k)})
     grows = FittedCost({k: v for k, v in coefficients.items() if per_seq_term(k)})
-    groups = []
-    for keep in (lambda n: n <= SMALL, lambda n: n >= LARGE):
-        rows = [
-            (t / (b + g), g / (b + g))
-            for w, t in samples
-            if keep(w.seqs) and (b := base.step_seconds(w)) + (g := grows.step_seconds(w)) > 0
-        ]
-        if len(rows) < MIN_GROUP:
-            return None
-        ratios, shares = zip(*rows)
-        groups.append((float(np.median(ratios)), float(np.median(shares)), len(rows)))
-    (r_small, s_small, n_small), (r_large, s_large, n_large) = groups
-    if s_large - s_small < 1e-3:
+    bins: dict[int, list[tuple[float, float]]] = {}
+    for w, t in samples:
+        b, g = base.step_seconds(w), grows.step_seconds(w)
+        if b + g > 0 and (w.seqs <= SMALL or w.seqs >= LARGE):
+            bins.setdefault(w.seqs, []).append((t / (b + g), g / (b + g)))
+    points = {
+        n: (float(np.median([s for _, s in rows])), float(np.median([r for r, _ in rows])), rows)
+        for n, rows in bins.items()
+        if len(rows) >= MIN_BIN
+    }
+    small = {n: p for n, p in points.items() if n <= SMALL}
+    large = {n: p for n, p in points.items() if n >= LARGE}
+    counts = [sum(len(p[2]) for p in g.values()) for g in (small, large)]
+    if min(counts) < MIN_GROUP:
         return None
-    per_seq_minus_base = (r_large - r_small) / (s_large - s_small)
-    factor = r_small - s_small * per_seq_minus_base
-    per_seq = factor + per_seq_minus_base
+    if min(p[0] for p in large.values()) - max(p[0] for p in small.values()) < MIN_SPREAD:
+        return None
+    (s_small, r_small), (s_large, r_large) = (_centroid(small), _centroid(large))
+    slope = (r_large - r_small) / (s_large - s_small)  # per_seq - base
+    factor = r_small - s_small * slope
+    per_seq = factor + slope
     if not (factor > 0 and per_seq > 0):
         return None
+
+    def summary(group: dict) -> dict:
+        rows = [row for p in group.values() for row in p[2]]
+        return {
+            "measured_over_profile": float(np.median([r for r, _ in rows])),
+            "batches": sorted(group),
+            "steps": len(rows),
+        }
+
     return {
-        "base": factor,
-        "per_seq": per_seq,
-        "small": {"measured_over_profile": r_small, "per_seq_share": s_small, "steps": n_small},
-        "large": {"measured_over_profile": r_large, "per_seq_share": s_large, "steps": n_large},
+        "base": float(factor),
+        "per_seq": float(per_seq),
+        "small": summary(small),
+        "large": summary(large),
     }

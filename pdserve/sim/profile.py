@@ -24,10 +24,11 @@ PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
 
 def per_seq_term(name: str) -> bool:
-    """Whether a fitted step cost's term (pdserve/sim/cost.py FEATURES) grows with the
-    batch: one row of every GEMM (`seqs`), one sampled token, the steeper slope past each
-    knee. The intercept and the context and prefill terms are what a step costs whatever
-    its batch (reading the weights, the KV each request attends to)."""
+    """Whether a fitted step cost's term (pdserve/sim/cost.py FEATURES) is a cost per
+    sequence: one row of every GEMM (`seqs`), one sampled token, the steeper slope past
+    each knee. The others are the intercept (reading the weights, once a step whatever its
+    batch), the KV's read (`decode_context`: it grows with the batch too, but as memory
+    read, like the weights) and the prefill terms (pdserve/sim/fit.py split_over)."""
     return name in ("seqs", "sampled") or name.startswith("seqs_past_")
 
 

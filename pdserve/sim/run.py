@@ -69,6 +69,11 @@ class Topology:
 RECOMPUTE_TERMS = ("prefill_tokens", "prefill_attention", "prefill_seqs", "prefill_step")
 
 
+def _ratio(num: float, den: float) -> float:
+    """num / den, or 1.0 where either is not positive (a profile without the term)."""
+    return num / den if num > 0 and den > 0 else 1.0
+
+
 @dataclass(frozen=True)
 class Setup:
     """Everything a simulated run needs besides its policy and load."""
@@ -100,13 +105,17 @@ class Setup:
         prefill in them (pdserve/sim/calibrate_cluster.py), but a decode worker computes a
         recompute preemption's context itself, in its steps: those chunks cost what the
         in-process engine's steps pay for a prefill (its RECOMPUTE_TERMS; the same core and
-        runner), on top of the decode step's own terms. Before 2026-12-06 they cost only a
-        sequence's share."""
+        runner), on top of the decode step's own terms, times the decode worker's
+        intercept over the engine's (how much slower its fixed step cost runs: a 1P2D decode
+        worker on 2 CPUs has one thread against the engine's two, 71 against 47 ms on the
+        2026-12-05 profile, and --rescale's factor scales it with the decode steps). Before
+        2026-12-06 they cost only a sequence's share."""
         p = self.profile
         if p.kind == "fitted":
             decode = p.cluster_decode(self.topology.decode)
             if decode:
-                recompute = {k: v for k, v in p.engine.items() if k in RECOMPUTE_TERMS}
+                slower = _ratio(decode.get("intercept", 0.0), p.engine.get("intercept", 0.0))
+                recompute = {k: v * slower for k, v in p.engine.items() if k in RECOMPUTE_TERMS}
                 decode = {**recompute, **decode}
             fitted = {"engine": p.engine, "decode": decode, "prefill": p.cluster_prefill}
             if role not in fitted:

@@ -7,11 +7,12 @@ clients, the decode worker's Prometheus counters before and after); the simulate
 the profile's cluster costs (`pdserve sim calibrate --cluster`).
 
 Each launched cluster is probed before its points (`cluster_drift`): three short loads
-(batches of 1 to 12), their decode steps and prefill batches read off the traces as the
-calibration reads them, measured over the profile's predicted time. With `--rescale` that
-cluster's points are simulated with its prefill batches scaled by the prefill factor, its
-decode steps by two (what a step costs whatever its batch, and per sequence) and the
-handoff as the probe measured it, and with the profile as given, beside them."""
+(batches of 1 to 12 per decode worker when the router spreads them), their decode steps
+and prefill batches read off the traces as the calibration reads them, measured over the
+profile's predicted time. With `--rescale` that cluster's points are simulated with its
+prefill batches scaled by the prefill factor, its decode steps by two (what a step costs
+whatever its batch, and per sequence) and the handoff as the probe measured it, and with
+the profile as given, beside them."""
 
 from __future__ import annotations
 
@@ -54,9 +55,11 @@ def check_cluster_costs(cmp: Comparison) -> None:
 # (the comparison's loaded points run batches of 8-16, and the machine's speed-up since a
 # calibration was not the same at those as at 1-4: docs/simulator.md), for the decode
 # steps only (4-token prompts are off the calibration's prefill grid). Each load's requests
-# fit PROBE_BLOCKS blocks per decode worker at once; BATCHES' even if the router sends a
-# 1P2D's all to one worker (it did: a probe of 2 x 12 clients saw a batch of 24), since a
-# preempted request's recompute would run inside a decode step the probe reads as pure decode
+# fit PROBE_BLOCKS blocks per decode worker at once when the router spreads them evenly;
+# it does not always (a 1P2D's probe of 2 x 12 clients saw a batch of 24 on one worker:
+# BATCHES still fits 32 blocks then, PROBE's second load not), and a preempted request's
+# recompute runs inside a decode step the probe reads as pure decode, so cluster_points
+# records the preemptions made while the probe ran and the report names them
 PROBE = ((1, 48, 64), (4, 32, 64))
 BATCHES = ((12, 4, 12),)
 PROBE_BLOCKS = max(c * -(-(prompt + output) // 16) for c, prompt, output in PROBE + BATCHES)
@@ -105,7 +108,7 @@ def cluster_drift(address: str, cmp: Comparison, profile: Profile) -> dict:
     drift["decode"]["used"] = True
     if drift["prefill"] is not None:
         drift["prefill"]["used"] = used
-    drift["handoff"] = handoff_now(traces, config, profile)
+    drift["handoff"] = handoff_now(traces + batched, config, profile)
     split = drift["split"] = split_over(decode, steps)
     prefill_factor = drift["prefill"]["measured_over_profile"] if used else 1.0
     if split is None:
@@ -122,13 +125,18 @@ def cluster_drift(address: str, cmp: Comparison, profile: Profile) -> dict:
     return drift
 
 
-def handoff_now(traces: list[dict], config, profile: Profile) -> dict[str, float]:
-    """The probe's handoff (the router's calls, medians per request, as calibration
-    measures them) and the push's latency now: the median of each push's tail less its
-    bytes at the profile's link rate (two prompt sizes cannot refit the rate). What
-    --rescale simulates the cluster's points with: on 2026-12-06 a day-old profile's
-    handoff summed 29 ms a request and a probe's 14-16 ms (its per-token stream 5.4 ms
-    against 1.5-1.8), and a 1P2D's first tokens at 2 clients came out 17-18% slow."""
+def handoff_now(traces: list[dict], config, profile: Profile) -> dict | None:
+    """The probe's handoff (the router's calls: medians per request over all of the
+    probe's loads, as calibration takes them over its own) and the push's latency now: the
+    median of each push's tail less its bytes at the profile's link rate (two prompt sizes
+    cannot refit the rate). What --rescale simulates the cluster's points with. The
+    probe's loads are lighter than calibration's (1-12 clients per decode worker against
+    1-16), so its medians lean lighter too. On 2026-12-06 a day-old profile's handoff
+    summed 29 ms a request and light loads of a probe 14-16 ms (its per-token stream 5.4
+    ms against 1.5-1.8), and a 1P2D's first tokens at 2 clients came out 17-18% slow.
+    None without a trace (the profile's handoff is kept)."""
+    if not traces:
+        return None
     latencies = [
         tail - nbytes / profile.link.bytes_s
         for nbytes, tail in push_tails(traces, launched_block_bytes(config))
@@ -166,15 +174,18 @@ def cluster_points(cmp: Comparison) -> tuple[list[dict], list[dict]]:
                     "turns at the CPUs: calibrate again (pdserve sim calibrate --cluster)"
                 )
             metrics = [a for k, a in cluster.metrics.items() if k.startswith("decode")]
+            probed = scrape(metrics)
             drift = cluster_drift(cluster.address, cmp, given)
             wait_drained(cluster, metrics)
-            drifts.append({"policy": policy, **drift})
+            preempted = scrape(metrics)["preemptions"] - probed["preemptions"]
+            drifts.append({"policy": policy, **drift, "preemptions": preempted})
             profile = given
             if cmp.rescale:
                 if "factors" not in drift:
                     raise RuntimeError(f"rescale: the cluster's probe: {drift['skipped']}")
                 profile = given.cluster_scaled(cmp.decode_workers, **drift["factors"])
-                profile = profile.with_handoff(**drift["handoff"])
+                if drift["handoff"] is not None:
+                    profile = profile.with_handoff(**drift["handoff"])
             for c in cmp.concurrencies:
                 specs = cmp.specs(c)
                 prompts = prompts_for(specs, config.vocab_size, cmp.seed)
