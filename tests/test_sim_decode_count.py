@@ -220,16 +220,9 @@ def test_sim_vs_real_compares_a_1p2d_cluster_with_the_simulated_1p2d(monkeypatch
     assert f"prefill {y:.2f}x" in table
     if split is not None:
         assert f"split {x:.2f}x whatever the batch, {xs:.2f}x per sequence" in table
-    # the scaled point with the probe's handoff and push latency, the other as given
-    (handoff, link), (given_handoff, given_link) = handoffs
-    assert (given_handoff, given_link) == (shared.handoff, shared.link)
-    now = probe["handoff"]
-    assert dataclasses.asdict(handoff) == {k: v for k, v in now.items() if k != "link_latency_s"}
-    assert link.bytes_s == shared.link.bytes_s and link.latency_s == now["link_latency_s"]
-    assert handoff != shared.handoff  # measured again, not the profile's
+    # the handoff and the link as measured, scaled or not
+    assert handoffs == [(shared.handoff, shared.link)] * 2
     assert probe["preemptions"] >= 0
-    calls = sum(v for k, v in probe["handoff"].items() if k != "link_latency_s")
-    assert f"handoff {1000 * calls:.1f} ms a request" in table
     assert "the cluster's step costs scaled" in table  # --no-engine
     [point] = report["points"]
     assert point["kind"] == "cluster" and point["concurrency"] == 4
@@ -587,15 +580,12 @@ def test_a_cluster_probe_uses_its_prefill_factor_only_after_enough_batches(monke
         return lambda traces: probe if traces == [vs_cluster.PROBE] else batches
 
     monkeypatch.setattr(vs_cluster, "serve_loads", serve)
-    now = {"reserve_s": 0.003, "prefill_rpc_s": 0.007, "start_s": 0.003, "per_token_s": 0.002}
-    monkeypatch.setattr(vs_cluster, "handoff_now", lambda traces, config, profile: now)
     cmp = Comparison("tiny-llama", p, ("greedy+recompute",), (2,), 32, 4, 8, 16, 0, "")
     enough, few = prefill[: vs_cluster.MIN_PREFILLS], prefill[: vs_cluster.MIN_PREFILLS - 1]
     for seen, factor in (([], 1.0), (few, 1.0), (enough, 0.5)):
         monkeypatch.setattr(vs_cluster, "_steps", steps_of((decode, seen), ([], short_prompts)))
         drift = vs_cluster.cluster_drift("address", cmp, p)
         assert drift["decode"]["steps"] == 3 and drift["split"] is None  # no large batch
-        assert drift["handoff"] == now
         assert drift["factors"] == pytest.approx({"decode": 1.2, "prefill": factor})
         if seen:
             assert drift["prefill"]["measured_over_profile"] == pytest.approx(0.5)
@@ -673,13 +663,6 @@ def test_the_table_says_how_far_each_cluster_drifted():
                     "small": {"measured_over_profile": 0.98, "batches": [1, 4], "steps": 260},
                     "large": {"measured_over_profile": 1.04, "batches": [12], "steps": 30},
                 },
-                "handoff": {
-                    "reserve_s": 0.003,
-                    "prefill_rpc_s": 0.007,
-                    "start_s": 0.003,
-                    "per_token_s": 0.0015,
-                    "link_latency_s": 0.012,
-                },
                 "preemptions": 2,
             },
             {
@@ -707,7 +690,6 @@ def test_the_table_says_how_far_each_cluster_drifted():
     f = line("f")
     assert "batches <= 4 0.98x (260), >= 8 1.04x (30)" in f
     assert "split 0.97x whatever the batch, 1.60x per sequence" in f
-    assert "handoff 14.5 ms a request, push latency 12.0 ms" in f
     assert "2 preemptions while it ran" in f and "stale" not in f
     assert "stale" in line("g")  # its large batches ran 1.3x the profile's time
     assert "preemptions" not in line("a")
@@ -768,61 +750,3 @@ def test_a_decode_workers_recompute_chunk_costs_the_engines_prefill_terms():
     assert engine_only.cost("decode").step_seconds(mixed) == pytest.approx(
         FittedCost(p.engine).step_seconds(mixed)
     )
-
-
-def test_a_probes_handoff_replaces_the_profiles():
-    """handoff_now: the router's calls' medians per request, and the push's latency as the
-    median tail less its bytes at the profile's link rate; with_handoff puts them in place
-    of the profile's (nothing else), and refuses a negative or infinite figure."""
-    from pdserve.sim.calibrate_cluster import launched_block_bytes
-    from pdserve.sim.profile import HandoffCost, LinkCost
-    from pdserve.sim.vs_cluster import handoff_now
-
-    config = model_config("tiny-llama")
-    p = dataclasses.replace(
-        load_profile(str(CPU_PROFILE)), link=LinkCost(bytes_s=1e8, latency_s=0.05)
-    )
-    block = launched_block_bytes(config)
-
-    def trace(prompt, reserve, tail):
-        spans = [
-            ("decode.reserve", reserve),
-            ("rpc.prefill", 0.004),
-            ("rpc.prefill_reply", 0.001),
-            ("rpc.start", 0.002),
-            ("router.stream", 0.0015),
-            ("transfer.tail", tail),
-        ]
-        return {
-            "prompt_tokens": prompt,
-            "spans": [{"name": n, "start": 1.0, "end": 1.0 + d, "worker": "w"} for n, d in spans],
-        }
-
-    # pushes of 2 and 3 blocks, each 10 ms after its bytes at 1e8 B/s; a request that
-    # pushed nothing (its blocks cached) says nothing of the latency
-    traces = [
-        trace(32, 0.003, 0.010 + 2 * block / 1e8),
-        trace(48, 0.005, 0.010 + 3 * block / 1e8),
-        trace(40, 0.004, 0.010 + 3 * block / 1e8),
-        trace(32, 0.004, 0.0),
-    ]
-    now = handoff_now(traces, config, p)
-    assert now == pytest.approx(
-        {
-            "reserve_s": 0.004,
-            "prefill_rpc_s": 0.005,
-            "start_s": 0.002,
-            "per_token_s": 0.0015,
-            "link_latency_s": 0.010,
-        }
-    )
-    q = p.with_handoff(**now)
-    assert isinstance(q.handoff, HandoffCost)
-    assert dataclasses.astuple(q.handoff) == pytest.approx((0.004, 0.005, 0.002, 0.0015))
-    assert q.link == LinkCost(bytes_s=1e8, latency_s=pytest.approx(0.010))
-    assert q.cluster == p.cluster and q.engine == p.engine and q.tiers == p.tiers
-    assert p.with_handoff(**{**now, "link_latency_s": None}).link == p.link
-    assert handoff_now([traces[-1]], config, p)["link_latency_s"] is None
-    for bad in (-0.001, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match="reserve_s must be a finite number"):
-            p.with_handoff(**{**now, "reserve_s": bad})

@@ -93,33 +93,6 @@ def _median_span(traces: list[dict], *names: str) -> float:
     return statistics.median(per_request) if per_request else 0.0
 
 
-def handoff_of(traces: list[dict]) -> dict[str, float]:
-    """The handoff's costs (pdserve/sim/profile.py HandoffCost): medians over the requests
-    of the router's calls' spans."""
-    return {
-        "reserve_s": _median_span(traces, "decode.reserve"),
-        "prefill_rpc_s": _median_span(traces, "rpc.prefill", "rpc.prefill_reply"),
-        "start_s": _median_span(traces, "rpc.start"),
-        "per_token_s": _median_span(traces, "router.stream"),
-    }
-
-
-def launched_block_bytes(config) -> int:
-    """A 16-token block's bytes as `pdserve launch` workers hold it (fp32 on CPU, bf16 on
-    CUDA: EngineArgs' defaults)."""
-    defaults = EngineArgs()
-    return bytes_per_block(config, 16, defaults.resolve_dtype(defaults.resolve_device()))
-
-
-def push_tails(traces: list[dict], block_bytes: int) -> list[tuple[int, float]]:
-    """(bytes pushed, the push's tail after the prefill: `transfer.tail`) per request."""
-    tails = []
-    for t in traces:
-        tail = sum(s["end"] - s["start"] for s in t["spans"] if s["name"] == "transfer.tail")
-        tails.append((-(-t["prompt_tokens"] // 16) * block_bytes, tail))
-    return tails
-
-
 def _traces(model: str, decodes: int, num_kv_blocks: int, seed: int) -> tuple[list, bool]:
     """Serve LOADS (the clients times `decodes`: each decode worker sees the batches a lone
     one does) on a launched 1P`decodes`D cluster -> (every request's trace, whether its
@@ -187,7 +160,13 @@ def calibrate_cluster(
     decode, prefill = _steps(traces)
     decode_coef, decode_fit = fit_steps(decode)
     prefill_coef, prefill_fit = fit_steps(prefill)
-    tails = push_tails(traces, launched_block_bytes(config))
+    defaults = EngineArgs()  # what `pdserve launch` workers run: fp32 on CPU, bf16 on CUDA
+    block = bytes_per_block(config, 16, defaults.resolve_dtype(defaults.resolve_device()))
+    tails = []
+    for t in traces:
+        tail = sum(s["end"] - s["start"] for s in t["spans"] if s["name"] == "transfer.tail")
+        blocks = -(-t["prompt_tokens"] // 16)
+        tails.append((blocks * block, tail))
     x = np.array([[1.0, b] for b, _ in tails])
     y = np.array([t for _, t in tails])
     (latency, per_byte), *_ = np.linalg.lstsq(x, y, rcond=None)
@@ -199,7 +178,12 @@ def calibrate_cluster(
             "bytes_s": 1.0 / per_byte if per_byte > 0 else float(np.sum(x[:, 1]) / np.sum(y)),
             "latency_s": max(0.0, float(latency)),
         },
-        "handoff": handoff_of(traces),
+        "handoff": {
+            "reserve_s": _median_span(traces, "decode.reserve"),
+            "prefill_rpc_s": _median_span(traces, "rpc.prefill", "rpc.prefill_reply"),
+            "start_s": _median_span(traces, "rpc.start"),
+            "per_token_s": _median_span(traces, "router.stream"),
+        },
         "fit": {"cluster": decode_fit, **more_fit, "cluster_prefill": prefill_fit},
         "shares_cpus": shares_cpus,
     }

@@ -183,18 +183,6 @@ class Profile:
             },
         )
 
-    def with_handoff(self, link_latency_s: float | None = None, **handoff: float) -> Profile:
-        """The same profile with the handoff's costs `handoff` (HandoffCost's fields, in
-        seconds) and the push's latency `link_latency_s` (None: as measured), measured
-        again (pdserve/sim/vs_cluster.py handoff_now)."""
-        for name, seconds in {**handoff, "link_latency_s": link_latency_s or 0.0}.items():
-            if not (seconds >= 0 and seconds != float("inf")):
-                raise ValueError(f"handoff: {name} must be a finite number >= 0, got {seconds}")
-        link = self.link if link_latency_s is None else replace(self.link, latency_s=link_latency_s)
-        return replace(
-            self, name=f"{self.name} handoff now", handoff=HandoffCost(**handoff), link=link
-        )
-
     def _cluster_decode_key(self, decodes: int) -> str | None:
         measured = [int(n) for n in self.cluster_decodes if int(n) <= decodes]
         return str(max(measured)) if measured else None

@@ -10,24 +10,15 @@ Each launched cluster is probed before its points (`cluster_drift`): three short
 (batches of 1 to 12 per decode worker when the router spreads them), their decode steps
 and prefill batches read off the traces as the calibration reads them, measured over the
 profile's predicted time. With `--rescale` that cluster's points are simulated with its
-prefill batches scaled by the prefill factor, its decode steps by two (what a step costs
-whatever its batch, and per sequence) and the handoff as the probe measured it, and with
-the profile as given, beside them."""
+prefill batches scaled by the prefill factor and its decode steps by two (what a step
+costs whatever its batch, and per sequence), and with the profile as given, beside them."""
 
 from __future__ import annotations
-
-import statistics
 
 from pdserve.bench.sweep import COUNTERS, run_point, scrape, wait_drained
 from pdserve.bench.workload import Workload, prompts_for
 from pdserve.engine.args import EngineArgs
-from pdserve.sim.calibrate_cluster import (
-    _steps,
-    handoff_of,
-    launched_block_bytes,
-    push_tails,
-    serve_loads,
-)
+from pdserve.sim.calibrate_cluster import _steps, serve_loads
 from pdserve.sim.fit import measured_over, split_over
 from pdserve.sim.profile import Profile
 from pdserve.sim.run import Setup, Topology, policy_args
@@ -83,9 +74,7 @@ def cluster_drift(address: str, cmp: Comparison, profile: Profile) -> dict:
     what a step costs whatever its batch, one for its terms per sequence; None where the
     steps cannot tell them apart), and `factors`, what --rescale applies: the split's two
     (`decode`, `decode_per_seq`), else the decode median alone, and the prefill one when the
-    probe saw MIN_PREFILLS batches (else 1.0, prefill as given); and `handoff`, the router's
-    calls and the push's latency as the probe measured them (handoff_now), which --rescale
-    simulates with in place of the profile's. The engine's probe
+    probe saw MIN_PREFILLS batches (else 1.0, prefill as given). The engine's probe
     does not say this: on this machine a cluster's speed did not move with the engine's
     (docs/simulator.md). A pool too small for the probe, or a probe that saw no decode
     step, gives no figures (`skipped` says why)."""
@@ -108,7 +97,6 @@ def cluster_drift(address: str, cmp: Comparison, profile: Profile) -> dict:
     drift["decode"]["used"] = True
     if drift["prefill"] is not None:
         drift["prefill"]["used"] = used
-    drift["handoff"] = handoff_now(traces + batched, config, profile)
     split = drift["split"] = split_over(decode, steps)
     prefill_factor = drift["prefill"]["measured_over_profile"] if used else 1.0
     if split is None:
@@ -123,27 +111,6 @@ def cluster_drift(address: str, cmp: Comparison, profile: Profile) -> dict:
             "prefill": prefill_factor,
         }
     return drift
-
-
-def handoff_now(traces: list[dict], config, profile: Profile) -> dict | None:
-    """The probe's handoff (the router's calls: medians per request over all of the
-    probe's loads, as calibration takes them over its own) and the push's latency now: the
-    median of each push's tail less its bytes at the profile's link rate (two prompt sizes
-    cannot refit the rate). What --rescale simulates the cluster's points with. The
-    probe's loads are lighter than calibration's (1-12 clients per decode worker against
-    1-16), so its medians lean lighter too. On 2026-12-06 a day-old profile's handoff
-    summed 29 ms a request and light loads of a probe 14-16 ms (its per-token stream 5.4
-    ms against 1.5-1.8), and a 1P2D's first tokens at 2 clients came out 17-18% slow.
-    None without a trace (the profile's handoff is kept)."""
-    if not traces:
-        return None
-    latencies = [
-        tail - nbytes / profile.link.bytes_s
-        for nbytes, tail in push_tails(traces, launched_block_bytes(config))
-        if tail > 0
-    ]
-    latency = max(0.0, float(statistics.median(latencies))) if latencies else None
-    return {**handoff_of(traces), "link_latency_s": latency}
 
 
 def cluster_points(cmp: Comparison) -> tuple[list[dict], list[dict]]:
@@ -184,8 +151,6 @@ def cluster_points(cmp: Comparison) -> tuple[list[dict], list[dict]]:
                 if "factors" not in drift:
                     raise RuntimeError(f"rescale: the cluster's probe: {drift['skipped']}")
                 profile = given.cluster_scaled(cmp.decode_workers, **drift["factors"])
-                if drift["handoff"] is not None:
-                    profile = profile.with_handoff(**drift["handoff"])
             for c in cmp.concurrencies:
                 specs = cmp.specs(c)
                 prompts = prompts_for(specs, config.vocab_size, cmp.seed)

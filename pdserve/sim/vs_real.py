@@ -351,8 +351,8 @@ def format_table(report: dict) -> str:
             f"the simulated figures are the profile's with {scaled} step costs scaled by the "
             "probes' factors (--rescale: an engine point's interpolated in time between the "
             "probes on either side of it, a cluster's from the probe before its policy's "
-            "points, its decode steps by the probe's split where it has one, and its "
-            "handoff as the probe measured it); with the profile as given: "
+            "points, its decode steps by the probe's split where it has one); with the "
+            "profile as given: "
             f"{report['misses_unscaled']} figures outside their bounds"
         )
     for p in report["points"]:
@@ -387,14 +387,6 @@ def _cluster_probe_line(probe: dict) -> str:
         )
         # (per_seq is a line carried out far past its points, noisy: not a staleness sign)
         worst = max(worst, abs(large["measured_over_profile"] - 1))
-    handoff = probe.get("handoff")
-    if handoff is not None:  # (probes before session 53 have none)
-        calls = sum(v for k, v in handoff.items() if k != "link_latency_s")
-        latency = handoff.get("link_latency_s")
-        parts.append(
-            f"handoff {1000 * calls:.1f} ms a request"
-            + ("" if latency is None else f", push latency {1000 * latency:.1f} ms")
-        )
     preempted = probe.get("preemptions") or 0
     if preempted:
         parts.append(
