@@ -49,8 +49,8 @@ def check_cluster_costs(cmp: Comparison) -> None:
 # fit PROBE_BLOCKS blocks per decode worker at once when the router spreads them evenly;
 # it does not always (a 1P2D's probe of 2 x 12 clients saw a batch of 24 on one worker:
 # BATCHES still fits 32 blocks then, PROBE's second load not), and a preempted request's
-# recompute runs inside a decode step the probe reads as pure decode, so cluster_points
-# records the preemptions made while the probe ran and the report names them
+# recompute or reload runs inside decode steps the probe reads as pure decode, so
+# cluster_points records the preemptions made while the probe ran and the report names them
 PROBE = ((1, 48, 64), (4, 32, 64))
 BATCHES = ((12, 4, 12),)
 PROBE_BLOCKS = max(c * -(-(prompt + output) // 16) for c, prompt, output in PROBE + BATCHES)

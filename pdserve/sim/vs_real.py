@@ -390,8 +390,8 @@ def _cluster_probe_line(probe: dict) -> str:
     preempted = probe.get("preemptions") or 0
     if preempted:
         parts.append(
-            f"{preempted:.0f} preemptions while it ran (a recompute inside a step it read as "
-            "pure decode)"
+            f"{preempted:.0f} preemptions while it ran (a recompute or a reload inside steps "
+            "it read as pure decode)"
         )
     return f"{head}: the cluster ran at the profile's time times {', '.join(parts)}" + (
         "" if worst <= DRIFT else ": the profile is stale, calibrate again"
