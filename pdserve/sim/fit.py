@@ -18,6 +18,8 @@ until all are >= 0, so the fitted cost never falls as work grows.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from pdserve.sim.cost import FEATURES, FittedCost, StepWork
@@ -86,11 +88,20 @@ MIN_GROUP = 10  # steps each group needs before split_over answers
 MIN_SPREAD = 0.05  # how far apart the groups' per-sequence shares must lie
 
 
-def _centroid(group: dict) -> tuple[float, float]:
+class _Bin(NamedTuple):
+    """One batch size's steps: their median per-sequence share and median measured over
+    predicted ratio, and every (ratio, share)."""
+
+    share: float
+    ratio: float
+    rows: list[tuple[float, float]]
+
+
+def _centroid(group: dict[int, _Bin]) -> tuple[float, float]:
     """A group's batch sizes' (median share, median ratio), weighted by their steps."""
-    weight = np.array([len(p[2]) for p in group.values()], dtype=float)
-    share = np.array([p[0] for p in group.values()])
-    ratio = np.array([p[1] for p in group.values()])
+    weight = np.array([len(b.rows) for b in group.values()], dtype=float)
+    share = np.array([b.share for b in group.values()])
+    ratio = np.array([b.ratio for b in group.values()])
     return float(weight @ share / weight.sum()), float(weight @ ratio / weight.sum())
 
 
@@ -129,16 +140,17 @@ def split_over(samples: list[tuple[StepWork, float]], coefficients: dict) -> dic
         if b + g > 0 and (w.seqs <= SMALL or w.seqs >= LARGE):
             bins.setdefault(w.seqs, []).append((t / (b + g), g / (b + g)))
     points = {
-        n: (float(np.median([s for _, s in rows])), float(np.median([r for r, _ in rows])), rows)
+        n: _Bin(
+            float(np.median([s for _, s in rows])), float(np.median([r for r, _ in rows])), rows
+        )
         for n, rows in bins.items()
         if len(rows) >= MIN_BIN
     }
-    small = {n: p for n, p in points.items() if n <= SMALL}
-    large = {n: p for n, p in points.items() if n >= LARGE}
-    counts = [sum(len(p[2]) for p in g.values()) for g in (small, large)]
-    if min(counts) < MIN_GROUP:
+    small = {n: b for n, b in points.items() if n <= SMALL}
+    large = {n: b for n, b in points.items() if n >= LARGE}
+    if min(sum(len(b.rows) for b in g.values()) for g in (small, large)) < MIN_GROUP:
         return None
-    if min(p[0] for p in large.values()) - max(p[0] for p in small.values()) < MIN_SPREAD:
+    if min(b.share for b in large.values()) - max(b.share for b in small.values()) < MIN_SPREAD:
         return None
     (s_small, r_small), (s_large, r_large) = (_centroid(small), _centroid(large))
     slope = (r_large - r_small) / (s_large - s_small)  # per_seq - base
@@ -147,8 +159,8 @@ def split_over(samples: list[tuple[StepWork, float]], coefficients: dict) -> dic
     if not (factor > 0 and per_seq > 0):
         return None
 
-    def summary(group: dict) -> dict:
-        rows = [row for p in group.values() for row in p[2]]
+    def summary(group: dict[int, _Bin]) -> dict:
+        rows = [row for b in group.values() for row in b.rows]
         return {
             "measured_over_profile": float(np.median([r for r, _ in rows])),
             "batches": sorted(group),

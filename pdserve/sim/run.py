@@ -69,11 +69,6 @@ class Topology:
 RECOMPUTE_TERMS = ("prefill_tokens", "prefill_attention", "prefill_seqs", "prefill_step")
 
 
-def _ratio(num: float, den: float) -> float:
-    """num / den, or 1.0 where either is not positive (a profile without the term)."""
-    return num / den if num > 0 and den > 0 else 1.0
-
-
 @dataclass(frozen=True)
 class Setup:
     """Everything a simulated run needs besides its policy and load."""
@@ -114,7 +109,8 @@ class Setup:
         if p.kind == "fitted":
             decode = p.cluster_decode(self.topology.decode)
             if decode:
-                slower = _ratio(decode.get("intercept", 0.0), p.engine.get("intercept", 0.0))
+                fixed, engine_fixed = decode.get("intercept", 0.0), p.engine.get("intercept", 0.0)
+                slower = fixed / engine_fixed if fixed > 0 and engine_fixed > 0 else 1.0
                 recompute = {k: v * slower for k, v in p.engine.items() if k in RECOMPUTE_TERMS}
                 decode = {**recompute, **decode}
             fitted = {"engine": p.engine, "decode": decode, "prefill": p.cluster_prefill}

@@ -98,18 +98,12 @@ def cluster_drift(address: str, cmp: Comparison, profile: Profile) -> dict:
     if drift["prefill"] is not None:
         drift["prefill"]["used"] = used
     split = drift["split"] = split_over(decode, steps)
-    prefill_factor = drift["prefill"]["measured_over_profile"] if used else 1.0
     if split is None:
-        drift["factors"] = {
-            "decode": drift["decode"]["measured_over_profile"],
-            "prefill": prefill_factor,
-        }
+        factors = {"decode": drift["decode"]["measured_over_profile"]}
     else:
-        drift["factors"] = {
-            "decode": split["base"],
-            "decode_per_seq": split["per_seq"],
-            "prefill": prefill_factor,
-        }
+        factors = {"decode": split["base"], "decode_per_seq": split["per_seq"]}
+    prefill_factor = drift["prefill"]["measured_over_profile"] if used else 1.0
+    drift["factors"] = {**factors, "prefill": prefill_factor}
     return drift
 
 
