@@ -63,7 +63,8 @@ ALLOWED: Mapping[str, frozenset[str]] = MappingProxyType(
         "pdserve.attention": frozenset({"kernels"}),
         # tensor parallelism's collectives and shard arithmetic (torch.distributed only)
         "pdserve.parallel": frozenset(),
-        "pdserve.models": frozenset({"pdserve.attention", "pdserve.parallel"}),
+        # a Linear's few-row CPU product is a kernel (kernels/small_gemm_cpu.py)
+        "pdserve.models": frozenset({"pdserve.attention", "pdserve.parallel", "kernels"}),
         "pdserve.tokenizer": frozenset(),
         "pdserve.weights": frozenset({"pdserve.models", "pdserve.tokenizer"}),
         # the KV core: bookkeeping here, bytes moved by kernels (pack/unpack) and transfer.tiers

@@ -58,6 +58,12 @@ def test_a_small_grid_reports_every_point_against_the_bandwidth_it_measured():
         assert r["fraction_of_bound"] == pytest.approx(r["bound_s"] / r["step_s"])
     assert report["matmul_gflop_s"] > 0
     assert "(0." in format_table(report) or "(1." in format_table(report)
+    # the few-row kernel's A/B: every point it ran at was timed again on torch's path
+    rows = report["small_gemm_rows"]
+    for r in report["rows"]:
+        assert (r["torch_linear_step_s"] is not None) == (r["batch"] <= rows), r
+    if rows:
+        assert "instead of the small-GEMM kernel" in format_table(report)
 
 
 def test_bad_grids_are_refused():

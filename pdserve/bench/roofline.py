@@ -21,6 +21,10 @@ The contexts are not prefilled (64 prompts of 2,048 tokens would take minutes on
 each request's blocks are simply there, holding random KV, and its step is one token at
 position context-1, as a decode step at that context is. The time of a step does not
 depend on what the cache holds.
+
+On a CPU, where a step's few-row projections go through pdserve's C kernel
+(kernels/small_gemm_cpu.py), each such point is timed again with the kernel off (torch's
+oneDNN or MKL product), in the same run: `torch_linear_step_s`, what the kernel is worth.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pdserve.bench.report import machine_info
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.build import build_engine
+from pdserve.models.layers import Linear
 from pdserve.progress import progress
 from pdserve.sampling_params import SamplingParams
 
@@ -183,6 +188,15 @@ def bench_roofline(
                     eager = _median_step(core.runner, chunks, steps, device)
                 finally:
                     core.runner.graphs = graphs
+            # the same step with the few-row products on torch's path, where the kernel ran
+            torch_linear = None
+            if device.type == "cpu" and 0 < batch <= Linear.native_rows:
+                native_rows = Linear.native_rows
+                Linear.native_rows = 0
+                try:
+                    torch_linear = _median_step(core.runner, chunks, steps, device)
+                finally:
+                    Linear.native_rows = native_rows
             nbytes = weights + batch * context * kv_per_token
             floor = nbytes / bandwidth
             flops = step_flops(core.runner.model, core.model_config, batch, context)
@@ -203,6 +217,7 @@ def bench_roofline(
                     "tok_s": batch / step,
                     "eager_step_s": eager,  # None: no CUDA graphs (CPU)
                     "graph_replays": replays,
+                    "torch_linear_step_s": torch_linear,  # None: the kernel did not run
                 }
             )
     finally:
@@ -214,6 +229,7 @@ def bench_roofline(
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "matmul_gflop_s": flops_per_s / 1e9,
         "attention_backend": core.runner.backend.name,
+        "small_gemm_rows": Linear.native_rows,
         "cuda_graphs": core.runner.graphs.stats() if getattr(core.runner, "graphs", None) else None,
         "weight_bytes_read": weights,
         "kv_bytes_per_token": kv_per_token,
@@ -259,4 +275,18 @@ def format_table(report: dict) -> str:
                 for c in contexts
             ]
             lines.append(f"{b:>6} " + " ".join(f"{cell:>22}" for cell in cells))
+    if any(r.get("torch_linear_step_s") for r in report["rows"]):
+        lines.append(
+            "the same steps with torch's products instead of the small-GEMM kernel, ms"
+            " (its speed-up):"
+        )
+        for b in batches:
+            cells = [
+                f"{t * 1e3:>7.1f} ({t / r['step_s']:.2f}x)"
+                if (r := at.get((b, c))) and (t := r.get("torch_linear_step_s"))
+                else ""
+                for c in contexts
+            ]
+            if any(cells):
+                lines.append(f"{b:>6} " + " ".join(f"{cell:>22}" for cell in cells))
     return "\n".join(lines)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import small_gemm_cpu
 from pdserve.parallel.comm import SINGLE, TPComm
 from pdserve.parallel.shard import vocab_shard
 
@@ -26,10 +29,31 @@ def _probe_onednn() -> bool:
 ONEDNN_LINEAR = _probe_onednn()
 
 
-class Linear(nn.Linear):
-    """nn.Linear with a fast CPU path for the small batches decode runs.
+def _native_rows() -> int:
+    """Batches of at most this many rows go through kernels/small_gemm_cpu.py on CPU (fp32):
+    `PDSERVE_SMALL_GEMM_ROWS`, 0 to turn it off; 16 by default. Where the kernel cannot
+    be built (no C compiler) torch's path runs whatever this says (2 vCPUs, SmolLM2's weights:
+    0.79-0.91x oneDNN's time at 1-16 rows, level at 24-32; docs/benchmarks.md)."""
+    raw = os.environ.get("PDSERVE_SMALL_GEMM_ROWS", "16")
+    try:
+        rows = int(raw)
+    except ValueError:
+        raise ValueError(f"PDSERVE_SMALL_GEMM_ROWS={raw!r}: a row count, 0 to turn off") from None
+    if rows < 0:
+        raise ValueError(f"PDSERVE_SMALL_GEMM_ROWS={raw!r}: a row count, 0 to turn off")
+    return rows
 
-    fp32 on CPU: after loading, `pack_for_cpu()` keeps a copy of the weight in oneDNN's
+
+NATIVE_ROWS = _native_rows()
+
+
+class Linear(nn.Linear):
+    """nn.Linear with fast CPU paths for the small batches decode runs.
+
+    fp32 on CPU, at most NATIVE_ROWS rows: the C kernel of kernels/small_gemm_cpu.py, which
+    streams the weight in place (a decode step is a pass over the weights).
+
+    Larger fp32 CPU batches: after loading, `pack_for_cpu()` keeps a copy of the weight in oneDNN's
     blocked layout and forward multiplies by it (2 cores, AMD EPYC: SmolLM2's 49152 x 576
     head 5.9 ms at 8 rows vs MKL's 14.8 ms, its 3072 x 576 projection 0.16 vs 0.44 ms; MKL
     takes slow paths on this CPU). The copy costs the weight's size again in memory; it is
@@ -40,6 +64,7 @@ class Linear(nn.Linear):
     for 7, 19 ms for 4 or 8).
     """
 
+    native_rows = NATIVE_ROWS  # at most this many rows go to the kernel (0: never)
     packed: torch.Tensor | None = None
     _packed_from: tuple[int, int] | None = None
 
@@ -55,6 +80,13 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            0 < x.shape[0] <= self.native_rows
+            and x.device.type == "cpu"
+            and small_gemm_cpu.supports(x, self.weight, self.bias)
+            and small_gemm_cpu.available()  # built on the first call, then cached
+        ):
+            return small_gemm_cpu.small_gemm(x, self.weight, self.bias)
         if self.packed is not None and x.dtype == torch.float32:
             if self._packed_from == (self.weight.data_ptr(), self.weight._version):
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -1,0 +1,109 @@
+"""The few-row CPU product of kernels/small_gemm_cpu.py against float64 products: every
+chunk of rows (its register tiles differ by row count), weight row counts off its task
+blocks, reduction lengths off its vector width, strided rows, a bias; and the Linear that
+sends a decode step's few rows to it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels import small_gemm_cpu
+from pdserve.models import layers
+
+needs_kernel = pytest.mark.skipif(
+    not small_gemm_cpu.available(), reason="the C small-GEMM kernel does not build here"
+)
+
+
+def reference(x, w, b=None):
+    y = x.double() @ w.double().T
+    return (y if b is None else y + b.double()).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [*range(1, 18), 24, 33])
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 5), (40, 48), (77, 130), (129, 576)])
+def test_matches_a_float64_product(rows, n, k):
+    gen = torch.Generator().manual_seed(rows * 1000 + n * 10 + k)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen)
+    tol = {"rtol": 1e-5, "atol": 1e-5 * k**0.5}
+    torch.testing.assert_close(small_gemm_cpu.small_gemm(x, w), reference(x, w), **tol)
+    torch.testing.assert_close(small_gemm_cpu.small_gemm(x, w, b), reference(x, w, b), **tol)
+
+
+@needs_kernel
+def test_strided_rows_are_read_in_place():
+    gen = torch.Generator().manual_seed(3)
+    big_x = torch.randn(6, 100, generator=gen)
+    big_w = torch.randn(90, 120, generator=gen)
+    x = big_x[:, 10:74]  # row stride 100, 64 columns
+    w = big_w[5:80, 20:84]  # row stride 120: a column slice, as a tensor-parallel shard is
+    assert not x.is_contiguous() and not w.is_contiguous()
+    torch.testing.assert_close(small_gemm_cpu.small_gemm(x, w), reference(x, w))
+
+
+@needs_kernel
+def test_rows_are_independent_of_their_neighbours():
+    # a row's result does not depend on which chunk or tile it went through
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(13, 96, generator=gen)
+    w = torch.randn(50, 96, generator=gen)
+    whole = small_gemm_cpu.small_gemm(x, w)
+    for i in range(13):
+        torch.testing.assert_close(
+            small_gemm_cpu.small_gemm(x[i : i + 1], w)[0], whole[i], rtol=1e-6, atol=1e-6
+        )
+
+
+@needs_kernel
+def test_empty_inputs_and_bad_ones():
+    assert small_gemm_cpu.small_gemm(torch.empty(0, 8), torch.randn(4, 8)).shape == (0, 4)
+    with pytest.raises(ValueError, match="fp32 CPU"):
+        small_gemm_cpu.small_gemm(torch.randn(2, 8).double(), torch.randn(4, 8).double())
+    with pytest.raises(ValueError, match="fp32 CPU"):
+        small_gemm_cpu.small_gemm(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(ValueError, match="fp32 CPU"):
+        small_gemm_cpu.small_gemm(torch.randn(8, 2).T, torch.randn(4, 8))  # column stride 2
+    with pytest.raises(ValueError, match="does not match"):
+        small_gemm_cpu.small_gemm(torch.randn(2, 8), torch.randn(4, 8), torch.randn(5))
+
+
+@needs_kernel
+def test_linear_sends_few_rows_to_the_kernel_and_more_to_torch(monkeypatch):
+    calls = []
+    real = small_gemm_cpu.small_gemm
+    monkeypatch.setattr(small_gemm_cpu, "small_gemm", lambda *a: calls.append(a) or real(*a))
+    torch.manual_seed(0)
+    layer = layers.Linear(64, 48, bias=True).requires_grad_(False)
+    layer.pack_for_cpu()
+    for rows in (1, layers.Linear.native_rows, layers.Linear.native_rows + 1, 70):
+        x = torch.randn(rows, 64)
+        calls.clear()
+        torch.testing.assert_close(layer(x), reference(x, layer.weight, layer.bias))
+        assert len(calls) == (rows <= layers.Linear.native_rows)
+    calls.clear()
+    layer(torch.randn(2, 3, 64))  # not 2-D: torch's path
+    layer.double()(torch.randn(2, 64).double())  # not fp32: torch's path
+    assert not calls
+
+
+def test_the_row_count_comes_from_the_environment():
+    code = "from pdserve.models import layers; print(layers.Linear.native_rows)"
+
+    def rows(value: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PDSERVE_SMALL_GEMM_ROWS": value}
+        return subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+
+    assert rows("0").stdout.strip() == "0"
+    assert rows("4").stdout.strip() == "4"
+    bad = rows("lots")
+    assert bad.returncode != 0 and "PDSERVE_SMALL_GEMM_ROWS='lots'" in bad.stderr
