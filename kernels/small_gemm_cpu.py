@@ -11,6 +11,7 @@ build it; callers keep torch's path for everything else.
 from __future__ import annotations
 
 import ctypes
+from functools import cache
 
 import torch
 
@@ -19,22 +20,22 @@ from kernels.cpu_native import NativeUnavailable, load
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 
 
-def _library() -> ctypes.CDLL:
-    lib = load("small_gemm_cpu")
-    fn = lib.small_gemm_f32
-    if fn.restype is not ctypes.c_int or fn.argtypes is None:
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, ctypes.c_int]
-    return lib
+@cache
+def _kernel():
+    """The typed C function, looked up once (it runs ~120 times a decode step); None where
+    the library cannot be built."""
+    try:
+        fn = load("small_gemm_cpu").small_gemm_f32
+    except NativeUnavailable:
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, ctypes.c_int]
+    return fn
 
 
 def available() -> bool:
     """Whether the kernel builds and loads on this machine (built once, then cached)."""
-    try:
-        _library()
-    except NativeUnavailable:
-        return False
-    return True
+    return _kernel() is not None
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -61,14 +62,34 @@ def small_gemm(
             f"small_gemm takes fp32 CPU tensors with unit-stride rows: x {tuple(x.shape)} "
             f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
         )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(
+            f"bias {tuple(bias.shape)} does not match the weight's {weight.shape[0]} rows"
+        )
+    if (fn := _kernel()) is None:
+        raise NativeUnavailable("the small-GEMM kernel does not build here")
+    return _run(fn, x, weight, bias)
+
+
+def try_small_gemm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """small_gemm, or None for inputs it does not take (or where it does not build): the
+    Linear's one check per call."""
+    if not supports(x, weight, bias) or (bias is not None and bias.shape != weight.shape[:1]):
+        return None
+    if (fn := _kernel()) is None:
+        return None
+    return _run(fn, x, weight, bias)
+
+
+def _run(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     rows, k = x.shape
     n = weight.shape[0]
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias {tuple(bias.shape)} does not match the weight's {n} rows")
     out = x.new_empty(rows, n)
     if rows == 0 or n == 0:
         return out
-    rc = _library().small_gemm_f32(
+    rc = fn(
         x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
         None if bias is None else bias.data_ptr(), out.data_ptr(), n,
         rows, n, k, torch.get_num_threads(),

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import small_gemm_cpu
+from kernels import decode_ops_cpu, small_gemm_cpu
 from pdserve.parallel.comm import SINGLE, TPComm
 from pdserve.parallel.shard import vocab_shard
 
@@ -80,13 +80,10 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            0 < x.shape[0] <= self.native_rows
-            and x.device.type == "cpu"
-            and small_gemm_cpu.supports(x, self.weight, self.bias)
-            and small_gemm_cpu.available()  # built on the first call, then cached
-        ):
-            return small_gemm_cpu.small_gemm(x, self.weight, self.bias)
+        if 0 < x.shape[0] <= self.native_rows and x.device.type == "cpu":
+            out = small_gemm_cpu.try_small_gemm(x, self.weight, self.bias)
+            if out is not None:
+                return out
         if self.packed is not None and x.dtype == torch.float32:
             if self._packed_from == (self.weight.data_ptr(), self.weight._version):
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -105,6 +102,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 on CPU: one C call, not eight ops
+        if (out := decode_ops_cpu.rms_norm(x, self.weight, self.eps)) is not None:
+            return out
         # Normalise in fp32, scale in the input dtype (as the reference implementations do).
         dtype = x.dtype
         xf = x.float()
@@ -134,7 +134,11 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        # fp32 on CPU: one C call, not three ops
+        if (act := decode_ops_cpu.silu_and_mul(gate_up)) is not None:
+            return self.comm.all_reduce(self.down_proj(act))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.comm.all_reduce(self.down_proj(F.silu(gate) * up))
 
 

@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from kernels import decode_ops_cpu
 from pdserve.config import RopeConfig
 
 RopeTable = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, dim // 2]
@@ -108,6 +109,9 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # fp32 on CPU: one C call, not seven ops
+        if (out := decode_ops_cpu.rope(x, cos, sin, self.interleaved)) is not None:
+            return out
         if self.interleaved:
             # pairs (x0, x1), (x2, x3), ...; output de-interleaved (evens then odds). q and k
             # get the same permutation, so q.k is unchanged.

@@ -1,0 +1,70 @@
+/* The small element-wise steps of a decoder layer, one call each instead of the five to
+ * ten torch ops they take (at a decode step's few rows each op is mostly its dispatch):
+ *
+ *   rms_norm_f32       out = w * x / sqrt(mean(x^2) + eps), per row
+ *   silu_and_mul_f32   out = silu(x[:, :n]) * x[:, n:]            (SwiGLU's activation)
+ *   rope_f32           out = [x1 cos - x2 sin, x2 cos + x1 sin]    per row and head, with
+ *                      (x1, x2) the two halves of the head, or its even and odd elements
+ *                      (interleaved; the output is then de-interleaved, as the torch path)
+ *
+ * fp32; strides in elements, unit stride along the last axis. Rows go to OpenMP threads
+ * only when there are enough of them to pay for waking the team (a prefill chunk).
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define PARALLEL_ELEMENTS (1 << 16) /* below this many elements, one thread */
+
+int rms_norm_f32(const float *x, int64_t ldx, const float *w, float eps, float *out,
+                 int64_t ldo, int64_t rows, int64_t dim, int num_threads) {
+    if (rows < 0 || dim < 1 || num_threads < 1) return 1;
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        float *o = out + r * ldo;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = w[i] * (xr[i] * inv);
+    }
+    return 0;
+}
+
+int silu_and_mul_f32(const float *x, int64_t ldx, float *out, int64_t ldo, int64_t rows,
+                     int64_t n, int num_threads) {
+    if (rows < 0 || n < 1 || num_threads < 1) return 1;
+#pragma omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * ldx, *u = g + n;
+        float *o = out + r * ldo;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+    return 0;
+}
+
+/* x [T, H, D] with strides (ldt, ldh, 1); cos, sin [T, D / 2] with row stride ldc;
+ * out [T, H, D] contiguous. */
+int rope_f32(const float *x, int64_t ldt, int64_t ldh, const float *cos, const float *sin,
+             int64_t ldc, float *out, int64_t tokens, int64_t heads, int64_t dim,
+             int interleaved, int num_threads) {
+    if (tokens < 0 || heads < 1 || dim < 2 || dim % 2 || num_threads < 1) return 1;
+    const int64_t half = dim / 2, step = interleaved ? 2 : 1, second = interleaved ? 1 : half;
+#pragma omp parallel for num_threads(num_threads) if (tokens * heads * dim >= PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * ldc, *s = sin + t * ldc;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xh = x + t * ldt + h * ldh;
+            float *o = out + (t * heads + h) * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = xh[i * step], x2 = xh[i * step + second];
+                o[i] = x1 * c[i] - x2 * s[i];
+                o[half + i] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+    return 0;
+}

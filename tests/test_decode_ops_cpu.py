@@ -1,0 +1,94 @@
+"""The C element-wise steps of kernels/decode_ops_cpu.py against the torch code they stand
+in for (RMSNorm, SwiGLU's activation, RoPE in both layouts): a decode step's few rows and a
+prefill chunk's many (its rows go to threads), strided views as the layers pass them, and
+the inputs they decline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import decode_ops_cpu
+from pdserve.config import RopeConfig
+from pdserve.models.layers import RMSNorm
+from pdserve.models.rope import RotaryEmbedding
+
+needs_kernel = pytest.mark.skipif(
+    not decode_ops_cpu.available(), reason="the C decode ops do not build here"
+)
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+ROWS = (1, 3, 16, 300)  # 300 x 576 and more: past the one-thread bound
+
+
+def torch_rms_norm(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dim", [1, 7, 576])
+def test_rms_norm_matches_torch(rows, dim):
+    gen = torch.Generator().manual_seed(rows + dim)
+    wide = torch.randn(rows, dim + 5, generator=gen) * 3
+    x = wide[:, 2 : 2 + dim]  # a column slice: row stride dim + 5
+    w = torch.randn(dim, generator=gen)
+    out = decode_ops_cpu.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(out, torch_rms_norm(x, w, 1e-5), **TOL)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n", [1, 5, 1536])
+def test_silu_and_mul_matches_torch(rows, n):
+    gen = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, 2 * n, generator=gen) * 4  # large |x|: both tails of the sigmoid
+    x[0, 0], x[-1, n - 1] = -100.0, 100.0
+    out = decode_ops_cpu.silu_and_mul(x)
+    torch.testing.assert_close(out, F.silu(x[:, :n]) * x[:, n:], **TOL)
+
+
+@needs_kernel
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 9, 64), (5, 3, 2), (200, 9, 64)])
+def test_rope_matches_the_torch_rotation(interleaved, tokens, heads, dim):
+    gen = torch.Generator().manual_seed(tokens * heads + dim)
+    rotary = RotaryEmbedding(RopeConfig(interleaved=interleaved), dim, 4096)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    cos, sin = rotary.lookup(positions, torch.float32)
+    # q as the attention passes it: a view of the fused q/k/v projection's output
+    qkv = torch.randn(tokens, heads * dim + 2 * dim, generator=gen)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    assert tokens == 1 or not q.is_contiguous()
+    out = decode_ops_cpu.rope(q, cos, sin, interleaved)
+    if interleaved:
+        x1, x2 = q[..., 0::2], q[..., 1::2]
+    else:
+        x1, x2 = q[..., : dim // 2], q[..., dim // 2 :]
+    expected = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    torch.testing.assert_close(out, expected, **TOL)
+
+
+@needs_kernel
+def test_what_the_kernels_decline_is_none():
+    x = torch.randn(4, 8)
+    assert decode_ops_cpu.rms_norm(x.double(), torch.ones(8).double(), 1e-5) is None
+    assert decode_ops_cpu.rms_norm(x, torch.ones(7), 1e-5) is None
+    assert decode_ops_cpu.rms_norm(x.view(2, 2, 8), torch.ones(8), 1e-5) is None
+    assert decode_ops_cpu.rms_norm(torch.randn(8, 4).T, torch.ones(8), 1e-5) is None
+    assert decode_ops_cpu.silu_and_mul(torch.randn(4, 7)) is None
+    assert decode_ops_cpu.silu_and_mul(torch.randn(4, 8).half()) is None
+    cos = sin = torch.randn(4, 1, 4)
+    assert decode_ops_cpu.rope(torch.randn(4, 2, 6), cos, sin, False) is None  # D/2 != 4
+    assert decode_ops_cpu.rope(torch.randn(4, 2, 8).double(), cos, sin, False) is None
+
+
+def test_the_layers_give_the_same_results_with_or_without_the_kernels(monkeypatch):
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(6, 64)
+    fast = norm(x)
+    monkeypatch.setattr(decode_ops_cpu, "rms_norm", lambda *a: None)  # the torch path
+    torch.testing.assert_close(fast, norm(x), **TOL)
