@@ -5,9 +5,11 @@ oracle for the Triton kernels. Nothing here imports from the rest of pdserve. On
 without a GPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set before
 triton is imported).
 
-`paged_decode_cpu` holds the CPU decode kernels in C (csrc/, compiled for this machine on
-first use by `cpu_native`), the engine's `attention_backend="cpu"`: imported as a module,
-not re-exported here, so that importing `kernels` never starts a compiler.
+The CPU kernels in C (csrc/, compiled for this machine on first use by `cpu_native`):
+`paged_decode_cpu`, the engine's `attention_backend="cpu"`; `small_gemm_cpu`, a decode
+step's few-row products (layers.Linear); `decode_ops_cpu`, RMSNorm, SwiGLU's activation
+and RoPE. Imported as modules, not re-exported here, so that importing `kernels` never
+starts a compiler.
 """
 
 from kernels.block_copy import pack_blocks, pack_blocks_ref, unpack_blocks, unpack_blocks_ref

@@ -40,14 +40,20 @@ def cache_dir() -> Path:
 
 
 def _cpu_id() -> str:
+    """The CPU's model and its instruction-set flags: two VMs of one model may expose
+    different sets (AVX-512 masked off), and a build for one must not load on the other."""
+    found: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("model name", "flags")):
-                    return line
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags") and key not in found:
+                    found[key] = line
+                if len(found) == 2:
+                    break
     except OSError:
         pass
-    return platform.processor()
+    return "".join(found.values()) or platform.processor()
 
 
 def _compiler() -> str:

@@ -62,7 +62,7 @@ def _check(rc: int, what: str) -> None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """weight * x / sqrt(mean(x^2, -1) + eps) for x [rows, dim]; None if not taken."""
-    if x.dim() != 2 or weight.shape != x.shape[1:] or not _fits(x, weight):
+    if x.dim() != 2 or x.numel() == 0 or weight.shape != x.shape[1:] or not _fits(x, weight):
         return None
     if not weight.is_contiguous() or (fns := _kernels()) is None:
         return None
@@ -78,7 +78,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """silu(x[:, :n]) * x[:, n:] for x [rows, 2n]; None if not taken."""
-    if x.dim() != 2 or x.shape[1] % 2 or x.shape[1] == 0 or not _fits(x):
+    if x.dim() != 2 or x.numel() == 0 or x.shape[1] % 2 or not _fits(x):
         return None
     if (fns := _kernels()) is None:
         return None
@@ -95,7 +95,7 @@ def rope(
     """x [T, H, D] rotated by cos, sin [T, 1, D/2] (or [T, D/2]) -> a new [T, H, D]: the two
     halves of each head (or its even and odd elements, written out evens first, then odds)
     as (x1 cos - x2 sin, x2 cos + x1 sin); None if not taken."""
-    if x.dim() != 3 or x.shape[-1] % 2 or not _fits(x, cos, sin):
+    if x.dim() != 3 or x.numel() == 0 or x.shape[-1] % 2 or not _fits(x, cos, sin):
         return None
     if (fns := _kernels()) is None:
         return None

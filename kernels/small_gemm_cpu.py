@@ -3,7 +3,7 @@ csrc/small_gemm_cpu.c: y = x w^T (+ b), x [M, K], w [N, K] as torch keeps a Line
 
 At a few rows a projection is a stream over its weight, and oneDNN's packed GEMM reads it
 well below the machine's bandwidth (2 vCPUs, SmolLM2-135M's 121 projections and head per
-step: 24-31 ms at 1-8 rows where the kernel takes 20-25 ms; docs/benchmarks.md). The kernel
+step: 26-32 ms at 1-8 rows where the kernel takes 20-26 ms; docs/benchmarks.md). The kernel
 reads the weight in place, so it needs no copy. `available()` says whether this machine can
 build it; callers keep torch's path for everything else.
 """

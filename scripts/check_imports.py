@@ -63,7 +63,7 @@ ALLOWED: Mapping[str, frozenset[str]] = MappingProxyType(
         "pdserve.attention": frozenset({"kernels"}),
         # tensor parallelism's collectives and shard arithmetic (torch.distributed only)
         "pdserve.parallel": frozenset(),
-        # a Linear's few-row CPU product is a kernel (kernels/small_gemm_cpu.py)
+        # CPU kernels a layer calls: a Linear's few-row product, RMSNorm, SwiGLU, RoPE
         "pdserve.models": frozenset({"pdserve.attention", "pdserve.parallel", "kernels"}),
         "pdserve.tokenizer": frozenset(),
         "pdserve.weights": frozenset({"pdserve.models", "pdserve.tokenizer"}),

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kernels import decode_ops_cpu
 from pdserve.config import RopeConfig
-from pdserve.models.layers import RMSNorm
+from pdserve.models.layers import GatedMLP, RMSNorm
 from pdserve.models.rope import RotaryEmbedding
 
 needs_kernel = pytest.mark.skipif(
@@ -83,12 +83,35 @@ def test_what_the_kernels_decline_is_none():
     assert decode_ops_cpu.rope(torch.randn(4, 2, 8).double(), cos, sin, False) is None
 
 
+@needs_kernel
 def test_the_layers_give_the_same_results_with_or_without_the_kernels(monkeypatch):
     torch.manual_seed(0)
     norm = RMSNorm(64, 1e-6)
     with torch.no_grad():
         norm.weight.normal_()
+    mlp = GatedMLP(64, 96).requires_grad_(False)
+    interleaved = RotaryEmbedding(RopeConfig(interleaved=True), 32, 256)
+    halves = RotaryEmbedding(RopeConfig(), 32, 256)
     x = torch.randn(6, 64)
-    fast = norm(x)
-    monkeypatch.setattr(decode_ops_cpu, "rms_norm", lambda *a: None)  # the torch path
-    torch.testing.assert_close(fast, norm(x), **TOL)
+    rope = halves.lookup(torch.tensor([0, 5, 9, 100, 200, 255]), torch.float32)
+    # as MLA passes them: q_pe a slice of wider heads, k_pe one head [T, 1, dr]
+    q_pe = torch.randn(6, 4, 48)[..., 16:]
+    k_pe = torch.randn(6, 40)[:, 8:].unsqueeze(1)
+
+    def layers_out():
+        return [norm(x), mlp(x), *halves(rope, q_pe, k_pe), *interleaved(rope, q_pe, k_pe)]
+
+    fast = layers_out()
+    for name in ("rms_norm", "silu_and_mul", "rope"):  # every kernel declines: torch's path
+        monkeypatch.setattr(decode_ops_cpu, name, lambda *a: None)
+    for got, want in zip(fast, layers_out(), strict=True):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_empty_inputs_are_declined():
+    assert decode_ops_cpu.rms_norm(torch.empty(0, 8), torch.ones(8), 1e-5) is None
+    assert decode_ops_cpu.silu_and_mul(torch.empty(0, 8)) is None
+    assert (
+        decode_ops_cpu.rope(torch.empty(0, 2, 8), torch.empty(0, 1, 4), torch.empty(0, 1, 4), False)
+        is None
+    )

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from kernels import small_gemm_cpu
 from pdserve.bench.roofline import bench_roofline, format_table, weight_bytes_read
+from pdserve.models.layers import Linear
 
 
 def test_a_tied_table_is_read_once_and_an_untied_input_table_not_at_all():
@@ -60,6 +62,7 @@ def test_a_small_grid_reports_every_point_against_the_bandwidth_it_measured():
     assert "(0." in format_table(report) or "(1." in format_table(report)
     # the few-row kernel's A/B: every point it ran at was timed again on torch's path
     rows = report["small_gemm_rows"]
+    assert rows == (Linear.native_rows if small_gemm_cpu.available() else 0)
     for r in report["rows"]:
         assert (r["torch_linear_step_s"] is not None) == (r["batch"] <= rows), r
     if rows:

@@ -9,7 +9,8 @@
  * a block of weight rows, each chunk of x through it in turn (past MT rows of x the block
  * is read again, from L2, not from memory). R
  * shrinks as the chunk of x grows so that the accumulators, R weight vectors and one x
- * vector fit the register file (32 vectors with AVX-512, 16 with AVX2). Row blocks are
+ * vector about fit the register file (32 vectors with AVX-512, 16 with AVX2; at one row
+ * of x the weights are used once and go straight from memory into the FMAs). Row blocks are
  * spread over OpenMP threads (the process's own runtime: torch loads libgomp.so.1 first,
  * and this library reuses it).
  *
@@ -38,24 +39,34 @@ typedef int vi __attribute__((vector_size(VL * 4)));
 /* One level of summing vectors across their lanes: a and b each hold VL / W sums, W lanes
  * apiece, side by side; the result holds a's then b's, each folded to W / 2 lanes (its two
  * halves added). Order is kept, so after log2(VL) levels lane i is the i-th vector's sum.
- * The lane indices (b's lanes count from VL) are spelled out: built in a loop, GCC makes
- * them at run time. */
-#if VL == 16
-#define LO16 {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}
-#define LO8 {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}
-#define LO4 {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}
-#define LO2 {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}
+ * The lane indices (b's lanes count from VL) are literals, as Clang's shufflevector needs
+ * them (GCC's __builtin_shuffle, with a mask built in a loop, made them at run time). */
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
-#define LO16 {0}
-#define LO8 {0, 1, 2, 3, 8, 9, 10, 11}
-#define LO4 {0, 1, 4, 5, 8, 9, 12, 13}
-#define LO2 {0, 2, 4, 6, 8, 10, 12, 14}
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
+#if VL == 16
+#define FOLD16(a, b) (SHUFFLE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) + \
+                      SHUFFLE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+#define FOLD8(a, b) (SHUFFLE(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) + \
+                     SHUFFLE(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31))
+#define FOLD4(a, b) (SHUFFLE(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) + \
+                     SHUFFLE(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31))
+#define FOLD2(a, b) (SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) + \
+                     SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31))
+#else
+#define FOLD16(a, b) FOLD8(a, b) /* no 16-lane level: never taken */
+#define FOLD8(a, b) (SHUFFLE(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + \
+                     SHUFFLE(a, b, 4, 5, 6, 7, 12, 13, 14, 15))
+#define FOLD4(a, b) (SHUFFLE(a, b, 0, 1, 4, 5, 8, 9, 12, 13) + \
+                     SHUFFLE(a, b, 2, 3, 6, 7, 10, 11, 14, 15))
+#define FOLD2(a, b) (SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + \
+                     SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15))
 #endif
 
 INLINE vf fold(vf a, vf b, const int W) {
-    static const vi lo16 = LO16, lo8 = LO8, lo4 = LO4, lo2 = LO2;
-    const vi lo = W == 16 ? lo16 : W == 8 ? lo8 : W == 4 ? lo4 : lo2;
-    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, lo + W / 2);
+    return W == 16 ? FOLD16(a, b) : W == 8 ? FOLD8(a, b) : W == 4 ? FOLD4(a, b) : FOLD2(a, b);
 }
 
 /* Lane i: the sum of v[i]'s lanes, for i < VL (v has VL vectors, zeros past the used ones). */
@@ -70,8 +81,9 @@ INLINE vf sum_lanes(vf *v) {
 
 /* Rows n0 .. n0 + R - 1 of y, for the M rows of x starting at x. M and R are constants at
  * every call site, so the loops unroll and the accumulators live in registers. While it
- * reads its rows, a task asks for the next R rows (the next task's, on this thread) to be
- * on their way from memory: without it the loads wait on memory between FMAs. */
+ * reads its rows, a tile asks for the next R rows (the next tile's) to be on their way from
+ * memory: without it the loads wait on memory between FMAs. For the last tile of a weight
+ * those are past its end: a prefetch never faults, and nothing is read from them. */
 INLINE void tile(const int M, const int R, const float *x, int64_t ldx, const float *w,
                  int64_t ldw, int64_t K, const float *b, float *y, int64_t ldy, int64_t n0) {
     vf acc[VL];

@@ -156,6 +156,9 @@ def bench_roofline(
         bandwidth = read_bandwidth(device, bandwidth_bytes)
         flops_per_s = matmul_flops(device, core.kv_pool.dtype)
         weights = weight_bytes_read(core.runner.model)
+        # where the few-row kernel runs, each such point is timed again without it
+        model_dtype = next(core.runner.model.parameters()).dtype
+        kernel_rows = Linear.kernel_rows(device, model_dtype)
         kv_per_token = core.model_config.kv_elements_per_token * core.kv_pool.element_size()
         vocab = core.model_config.vocab_size
         gen = torch.Generator().manual_seed(seed)
@@ -190,7 +193,7 @@ def bench_roofline(
                     core.runner.graphs = graphs
             # the same step with the few-row products on torch's path, where the kernel ran
             torch_linear = None
-            if device.type == "cpu" and 0 < batch <= Linear.native_rows:
+            if 0 < batch <= kernel_rows:
                 native_rows = Linear.native_rows
                 Linear.native_rows = 0
                 try:
@@ -229,7 +232,7 @@ def bench_roofline(
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "matmul_gflop_s": flops_per_s / 1e9,
         "attention_backend": core.runner.backend.name,
-        "small_gemm_rows": Linear.native_rows,
+        "small_gemm_rows": kernel_rows,
         "cuda_graphs": core.runner.graphs.stats() if getattr(core.runner, "graphs", None) else None,
         "weight_bytes_read": weights,
         "kv_bytes_per_token": kv_per_token,

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from kernels import small_gemm_cpu
+from kernels import decode_ops_cpu, small_gemm_cpu
 from pdserve.attention import AttentionMetadata, TorchAttentionBackend
 from pdserve.config import ModelConfig
 from pdserve.models.layers import Linear, RMSNorm, StackedLoader, VocabParallelEmbedding
@@ -121,13 +121,16 @@ class CausalLM(nn.Module):
 
     def after_load(self) -> None:
         """Derive inference-only tensors from loaded weights (after the final dtype/device):
-        fp32 CPU models lay every Linear's weight out for oneDNN, and build the few-row
-        kernel now rather than in their first step (see layers.Linear)."""
+        fp32 CPU models lay every Linear's weight out for oneDNN, and build the C kernels
+        of their few-row products and element-wise steps now rather than in their first
+        step (see layers.Linear, layers.RMSNorm)."""
         fp32_cpu = False
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
                 w = module.weight
                 fp32_cpu = fp32_cpu or (w.device.type == "cpu" and w.dtype == torch.float32)
-        if fp32_cpu and Linear.native_rows:
-            small_gemm_cpu.available()
+        if fp32_cpu:
+            decode_ops_cpu.available()
+            if Linear.native_rows:
+                small_gemm_cpu.available()

@@ -33,7 +33,7 @@ def _native_rows() -> int:
     """Batches of at most this many rows go through kernels/small_gemm_cpu.py on CPU (fp32):
     `PDSERVE_SMALL_GEMM_ROWS`, 0 to turn it off; 16 by default. Where the kernel cannot
     be built (no C compiler) torch's path runs whatever this says (2 vCPUs, SmolLM2's weights:
-    0.79-0.91x oneDNN's time at 1-16 rows, level at 24-32; docs/benchmarks.md)."""
+    0.74-0.89x oneDNN's time at 1-16 rows, level at 24-32; docs/benchmarks.md)."""
     raw = os.environ.get("PDSERVE_SMALL_GEMM_ROWS", "16")
     try:
         rows = int(raw)
@@ -67,6 +67,14 @@ class Linear(nn.Linear):
     native_rows = NATIVE_ROWS  # at most this many rows go to the kernel (0: never)
     packed: torch.Tensor | None = None
     _packed_from: tuple[int, int] | None = None
+
+    @classmethod
+    def kernel_rows(cls, device: torch.device, dtype: torch.dtype) -> int:
+        """The most rows that go to the small-GEMM kernel for weights on `device` in `dtype`
+        (0: none, e.g. on a GPU, in bf16, or where the kernel does not build)."""
+        if device.type != "cpu" or dtype != torch.float32 or not cls.native_rows:
+            return 0
+        return cls.native_rows if small_gemm_cpu.available() else 0
 
     def pack_for_cpu(self) -> bool:
         """Lay the weight out for oneDNN if it is fp32 on a CPU that has it; True if packed."""
