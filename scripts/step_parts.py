@@ -2,6 +2,8 @@
 `--batch` requests at `--context` tokens (random KV, as `bench roofline` sets it up), with
 each part's wall time summed over the step by wrapping its Python entry point. Parts nest
 (an attention layer's time includes its projections), and the wrappers add ~1 us per call.
+scripts/profile_steps.py gives torch's profile by operator instead, where the C kernels
+(called through ctypes) do not show.
 
     python scripts/step_parts.py [--model smollm2-135m] [--batch 8] [--context 128]
 """
