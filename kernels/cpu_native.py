@@ -1,9 +1,10 @@
 """Building and loading the C kernels in kernels/csrc/ for the CPU this process runs on.
 
 A kernel is compiled the first time a process needs it, with the machine's C compiler
-(`$CC`, else `cc`) for its own instruction set (-march=native), and cached as a shared
-library under `$PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`), named by a
-hash of the source, the flags, the compiler and the CPU, so that another machine sharing
+(`$CC`, else `cc`) for its own instruction set (-march=native; `$PDSERVE_KERNEL_MARCH`
+names another target), and cached as a shared library under `$PDSERVE_KERNEL_CACHE`
+(default `~/.cache/pdserve/kernels`), named by a hash of the source, the flags, the
+compiler and the CPU (its model and its flags), so that another machine sharing
 the directory never loads a build it cannot run. Concurrent builds (a prefill and a decode
 worker starting together) each write a private file and rename it into place.
 
@@ -26,7 +27,15 @@ from functools import cache
 from pathlib import Path
 
 SOURCES = Path(__file__).parent / "csrc"
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC")
+FLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC")
+
+
+def _flags() -> tuple[str, ...]:
+    """FLAGS plus the target: this machine's (`-march=native`), or `$PDSERVE_KERNEL_MARCH`
+    (e.g. `haswell`: the AVX2 build on an AVX-512 machine, for testing the other path)."""
+    return (*FLAGS, f"-march={os.environ.get('PDSERVE_KERNEL_MARCH') or 'native'}")
+
+
 BUILD_TIMEOUT_S = 120.0
 
 
@@ -87,7 +96,8 @@ def _build(name: str) -> Path:
     source = SOURCES / f"{name}.c"
     cc = _compiler()
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), cc.encode(), _cpu_id().encode()):
+    flags = _flags()
+    for part in (source.read_bytes(), " ".join(flags).encode(), cc.encode(), _cpu_id().encode()):
         key.update(part)
     target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -99,7 +109,7 @@ def _build(name: str) -> Path:
     # sets flush-to-zero for the whole process when the library loads.
     obj = tmp[: -len(".so")] + ".o"
     steps = [
-        [cc, *FLAGS, "-c", str(source), "-o", obj],
+        [cc, *flags, "-c", str(source), "-o", obj],
         [cc, "-shared", "-fopenmp", obj, "-o", tmp, "-lm"],
     ]
     try:
