@@ -32,7 +32,10 @@ FLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC")
 
 def _flags() -> tuple[str, ...]:
     """FLAGS plus the target: this machine's (`-march=native`), or `$PDSERVE_KERNEL_MARCH`
-    (e.g. `haswell`: the AVX2 build on an AVX-512 machine, for testing the other path)."""
+    (e.g. `haswell`: the AVX2 build on an AVX-512 machine, for testing the other path).
+    For tests only: a target this CPU lacks builds, loads and then dies on an illegal
+    instruction; the cache's promise not to load a build the CPU cannot run holds for
+    `native` only."""
     return (*FLAGS, f"-march={os.environ.get('PDSERVE_KERNEL_MARCH') or 'native'}")
 
 
@@ -48,21 +51,33 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "pdserve" / "kernels"
 
 
+# the /proc/cpuinfo fields that say which instructions a build may use: x86's model and
+# flags, ARM's implementer, part and features (per-core and changing fields, such as the
+# clock, must stay out: the key would change under a running machine)
+_CPU_FIELDS = frozenset(
+    {"model name", "flags", "Features", "CPU implementer", "CPU architecture", "CPU variant",
+     "CPU part"}
+)  # fmt: skip
+
+
 def _cpu_id() -> str:
-    """The CPU's model and its instruction-set flags: two VMs of one model may expose
+    """The CPU's model and its instruction-set flags (x86), or its implementer, part and
+    features (ARM), from the first processor's block: two VMs of one model may expose
     different sets (AVX-512 masked off), and a build for one must not load on the other."""
     found: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
+                if not line.strip():
+                    if found:
+                        break  # the first processor's block is enough
+                    continue
                 key = line.split(":", 1)[0].strip()
-                if key in ("model name", "flags") and key not in found:
+                if key in _CPU_FIELDS and key not in found:
                     found[key] = line
-                if len(found) == 2:
-                    break
     except OSError:
         pass
-    return "".join(found.values()) or platform.processor()
+    return "".join(found.values()) or f"{platform.machine()} {platform.processor()}"
 
 
 def _compiler() -> str:

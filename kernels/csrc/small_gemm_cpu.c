@@ -154,3 +154,6 @@ int small_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, con
     }
     return 0;
 }
+
+/* The fp32 lanes of this build's vectors (16 with AVX-512, 8 otherwise): for tests. */
+int small_gemm_lanes(void) { return VL; }
