@@ -3,7 +3,7 @@ csrc/small_gemm_cpu.c: y = x w^T (+ b), x [M, K], w [N, K] as torch keeps a Line
 
 At a few rows a projection is a stream over its weight, and oneDNN's packed GEMM reads it
 well below the machine's bandwidth (2 vCPUs, SmolLM2-135M's 121 projections and head per
-step: 26-32 ms at 1-8 rows where the kernel takes 20-26 ms; docs/benchmarks.md). The kernel
+step: 24-32 ms at 1-8 rows where the kernel takes 20-26 ms; docs/benchmarks.md). The kernel
 reads the weight in place, so it needs no copy. `available()` says whether this machine can
 build it; callers keep torch's path for everything else.
 """
@@ -56,19 +56,17 @@ def small_gemm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) for `supports()` inputs; any row count (past 8 rows each
-    weight row is read again per 8, from the caches)."""
-    if not supports(x, weight, bias):
-        raise ValueError(
-            f"small_gemm takes fp32 CPU tensors with unit-stride rows: x {tuple(x.shape)} "
-            f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
-        )
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(
-            f"bias {tuple(bias.shape)} does not match the weight's {weight.shape[0]} rows"
-        )
-    if (fn := _kernel()) is None:
+    weight row is read again per 8, from the caches). NativeUnavailable where the kernel
+    does not build, ValueError for inputs it does not take."""
+    if not available():
         raise NativeUnavailable("the small-GEMM kernel does not build here")
-    return _run(fn, x, weight, bias)
+    if (out := try_small_gemm(x, weight, bias)) is None:
+        raise ValueError(
+            f"small_gemm takes fp32 CPU tensors with unit-stride rows and a bias of the "
+            f"weight's rows: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
+            f"{weight.dtype}, bias {None if bias is None else tuple(bias.shape)}"
+        )
+    return out
 
 
 def try_small_gemm(
@@ -80,10 +78,6 @@ def try_small_gemm(
         return None
     if (fn := _kernel()) is None:
         return None
-    return _run(fn, x, weight, bias)
-
-
-def _run(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     rows, k = x.shape
     n = weight.shape[0]
     out = x.new_empty(rows, n)

@@ -1,8 +1,8 @@
 """The few-row CPU product (kernels/small_gemm_cpu.py) against torch's, in the same process:
-one decode step's worth of a model's projections and LM head, with distinct random weights
-of the model's shapes (as large as its weights, so that they are read from memory, not the
-caches), for a grid of row counts. Paths: the kernel, oneDNN's packed product (what
-layers.Linear runs past the kernel's rows) and torch's plain `x @ w.T` (MKL).
+one decode step's worth of a model's projections and LM head: every Linear of the model
+as the engine loads it, so as large as its weights (read from memory, not the caches), for
+a grid of row counts. Paths: the kernel, oneDNN's packed product (each Linear's own copy:
+what layers.Linear runs past the kernel's rows) and torch's plain `x @ w.T` (MKL).
 
     python scripts/small_gemm_ab.py [--model smollm2-135m] [--rows 1,2,4,8,12,16,24,32] \
         [--json out.json]
@@ -21,24 +21,9 @@ import torch
 
 from kernels import small_gemm_cpu
 from pdserve.bench.report import machine_info
-from pdserve.models.layers import ONEDNN_LINEAR
-from pdserve.weights import resolve
-
-
-def step_shapes(model: str) -> list[tuple[int, int]]:
-    """(out, in) of every Linear a dense model's decode step multiplies by: per layer the
-    fused q/k/v, o, fused gate/up and down projections, then the LM head."""
-    c = resolve(model).config
-    if c.mla is not None or c.moe is not None:
-        raise ValueError(f"{model}: dense GQA models only")
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    layer = [
-        (q + 2 * kv, c.hidden_size),
-        (c.hidden_size, q),
-        (2 * c.intermediate_size, c.hidden_size),
-        (c.hidden_size, c.intermediate_size),
-    ]
-    return layer * c.num_layers + [(c.vocab_size, c.hidden_size)]
+from pdserve.engine.args import EngineArgs
+from pdserve.engine.build import build_engine
+from pdserve.models.layers import Linear
 
 
 def main() -> None:
@@ -51,10 +36,13 @@ def main() -> None:
     if not small_gemm_cpu.available():
         raise SystemExit("the small-GEMM kernel does not build here (no C compiler?)")
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen) for n, k in step_shapes(args.model)]
-    packed = (
-        [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights] if ONEDNN_LINEAR else None
-    )
+    core, _ = build_engine(args.model, EngineArgs(num_kv_blocks=4, enable_prefix_caching=False))
+    core.close()  # the model stays: its Linears are what is timed
+    linears = [m for m in core.runner.model.modules() if isinstance(m, Linear)]
+    if not all(m.weight.dtype == torch.float32 for m in linears):
+        raise SystemExit(f"{args.model}: the kernel is for fp32 weights")
+    weights = [m.weight.detach() for m in linears]
+    packed = [m.packed for m in linears] if all(m.packed is not None for m in linears) else None
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     paths = {
         "kernel": lambda x, i: small_gemm_cpu.small_gemm(x, weights[i]),

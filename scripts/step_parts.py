@@ -18,8 +18,8 @@ import torch
 
 from kernels import paged_decode_cpu
 from pdserve import attention
+from pdserve.bench.roofline import decode_chunks
 from pdserve.engine.args import EngineArgs
-from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.build import build_engine
 from pdserve.models import deepseek, layers, llama, rope
 from pdserve.sampling_params import SamplingParams
@@ -68,18 +68,10 @@ def main() -> None:
     core, _ = build_engine(args.model, engine_args)
     try:
         core.kv_pool.normal_()
-        params = SamplingParams(temperature=0)
-        chunks = [
-            ScheduledChunk(
-                token_ids=[100 + i],
-                start=args.context - 1,
-                block_ids=list(range(1 + i * per_request, 1 + (i + 1) * per_request)),
-                sample=True,
-                params=params,
-                generator=None,
-            )
-            for i in range(args.batch)
-        ]
+        tokens = [100 + i for i in range(args.batch)]
+        chunks = decode_chunks(
+            tokens, args.context, block, per_request, SamplingParams(temperature=0)
+        )
         for _ in range(3):
             core.runner.execute(chunks)
         spent.clear()

@@ -113,6 +113,26 @@ def weight_bytes_read(model: torch.nn.Module) -> int:
     return total
 
 
+def decode_chunks(
+    tokens: list[int], context: int, block_size: int, per_request: int, params: SamplingParams
+) -> list[ScheduledChunk]:
+    """One decode step of len(tokens) requests at `context` tokens each: request i owns
+    blocks 1 + i * per_request onward (block 0 stays out: the runner pads block tables
+    with it), whatever KV they hold."""
+    blocks = -(-context // block_size)
+    return [
+        ScheduledChunk(
+            token_ids=[token],
+            start=context - 1,
+            block_ids=list(range(1 + i * per_request, 1 + i * per_request + blocks)),
+            sample=True,
+            params=params,
+            generator=None,
+        )
+        for i, token in enumerate(tokens)
+    ]
+
+
 def _median_step(runner, chunks, steps: int, device: torch.device) -> float:
     times = []
     for s in range(steps + 1):  # the first is a warm-up (and captures a CUDA graph)
@@ -166,19 +186,8 @@ def bench_roofline(
         rows = []
         grid = [(b, c) for c in contexts for b in batches]
         for batch, context in progress(grid, desc="bench roofline", unit="point"):
-            blocks = -(-context // block_size)
-            chunks = [
-                ScheduledChunk(
-                    token_ids=[int(torch.randint(3, vocab, (1,), generator=gen))],
-                    start=context - 1,
-                    # block 0 stays out: the runner pads block tables with it
-                    block_ids=list(range(1 + i * per_request, 1 + i * per_request + blocks)),
-                    sample=True,
-                    params=params,
-                    generator=None,
-                )
-                for i in range(batch)
-            ]
+            tokens = torch.randint(3, vocab, (batch,), generator=gen).tolist()
+            chunks = decode_chunks(tokens, context, block_size, per_request, params)
             graphs, eager = getattr(core.runner, "graphs", None), None
             replays = graphs.replays if graphs is not None else 0
             step = _median_step(core.runner, chunks, steps, device)

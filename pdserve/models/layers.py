@@ -33,7 +33,7 @@ def _native_rows() -> int:
     """Batches of at most this many rows go through kernels/small_gemm_cpu.py on CPU (fp32):
     `PDSERVE_SMALL_GEMM_ROWS`, 0 to turn it off; 16 by default. Where the kernel cannot
     be built (no C compiler) torch's path runs whatever this says (2 vCPUs, SmolLM2's weights:
-    0.74-0.89x oneDNN's time at 1-16 rows, level at 24-32; docs/benchmarks.md)."""
+    0.74-0.93x oneDNN's time at 1-16 rows, level at 24-32; docs/benchmarks.md)."""
     raw = os.environ.get("PDSERVE_SMALL_GEMM_ROWS", "16")
     try:
         rows = int(raw)
@@ -44,13 +44,10 @@ def _native_rows() -> int:
     return rows
 
 
-NATIVE_ROWS = _native_rows()
-
-
 class Linear(nn.Linear):
     """nn.Linear with fast CPU paths for the small batches decode runs.
 
-    fp32 on CPU, at most NATIVE_ROWS rows: the C kernel of kernels/small_gemm_cpu.py, which
+    fp32 on CPU, at most `native_rows` rows: the C kernel of kernels/small_gemm_cpu.py, which
     streams the weight in place (a decode step is a pass over the weights).
 
     Larger fp32 CPU batches: after loading, `pack_for_cpu()` keeps a copy of the weight in oneDNN's
@@ -64,7 +61,7 @@ class Linear(nn.Linear):
     for 7, 19 ms for 4 or 8).
     """
 
-    native_rows = NATIVE_ROWS  # at most this many rows go to the kernel (0: never)
+    native_rows = _native_rows()  # at most this many rows go to the kernel (0: never)
     packed: torch.Tensor | None = None
     _packed_from: tuple[int, int] | None = None
 
