@@ -5,7 +5,8 @@ pdserve_decode_kv_usage_ratio, pdserve_transfer_bytes_total{direction="received"
 pdserve_transfer_seconds{direction="received"} (reserve -> KV arrived),
 pdserve_decode_preemptions_total, pdserve_decode_rotations_total (parked requests brought
 back by parking running ones: each counts its victims as preemptions too),
-pdserve_decode_recomputed_tokens_total,
+pdserve_decode_recomputed_tokens_total, pdserve_decode_local_prefills_total (prompts computed
+here, not pushed: conditional disaggregation, docs/architecture.md),
 pdserve_decode_admission_refused_total, pdserve_decode_spilled_bytes_total{tier},
 pdserve_decode_reloaded_bytes_total{tier}, pdserve_decode_spill_used_blocks{tier},
 pdserve_decode_reservations{state="held"|"fenced"} (reservations waiting for their push, and
@@ -57,6 +58,11 @@ class DecodeMetrics:
         self.transfer_bytes, self.transfer_seconds = transfer_metrics(r)
         self.preemptions = Counter(
             "pdserve_decode_preemptions", "running requests preempted", registry=r
+        )
+        self.local_prefills = Counter(
+            "pdserve_decode_local_prefills",
+            "prompts computed here instead of on a prefill worker (conditional disaggregation)",
+            registry=r,
         )
         self.rotations = Counter(
             "pdserve_decode_rotations",

@@ -5,7 +5,6 @@ SIGTERM: the router's Drain with stop calls it once nothing is left here)."""
 from __future__ import annotations
 
 import queue
-import time
 from collections.abc import Callable
 
 import grpc
@@ -73,12 +72,15 @@ class DecodeService(rpc.DecodeServicer):
     def Start(self, request: pb.StartRequest, context):
         worker, rid = self.worker, request.request_id
         try:
-            stream = worker.start(
-                rid,
-                request.first_token,
-                list(request.more_token_ids),
-                request.first_token_sent,
-            )
+            if request.prefill_here:
+                stream = worker.start_here(rid)
+            else:
+                stream = worker.start(
+                    rid,
+                    request.first_token,
+                    list(request.more_token_ids),
+                    request.first_token_sent,
+                )
         except UnknownRequest as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except ValueError as e:  # a migration's tokens outgrew its reservation (now ended)
@@ -100,8 +102,7 @@ class DecodeService(rpc.DecodeServicer):
                 last = [] if event.last_token is None else [event.last_token]
                 produced += len(last)
                 # decode-side TPOT: first token handed over -> last token, per later token
-                elapsed = time.monotonic() - stream.started
-                tpot = elapsed / (produced - 1) if produced > 1 else 0.0
+                tpot = stream.tpot(produced)
                 if produced > 1:
                     worker.metrics.tpot.observe(tpot)
                 yield pb.TokenChunk(

@@ -5,6 +5,7 @@ policy, output-length estimator and reservations.
     renew(id, fence, lease_s) -> bool                    the router keeps a lease alive
     note_arrivals(notes)                                 push notifications (fenced)
     start(id, first_token) -> (Reservation, output|None) the KV is in: decode from here
+    start_here(id) -> Reservation                        no KV is coming: prefill it here
     release(id) -> (found, output|None)                  abort, whatever state it is in
     expire()                                             leases that ran out, fences whose
                                                          push is over: blocks come back
@@ -149,6 +150,16 @@ class DecodeState:
                     f"{len(req.block_ids)} blocks reserved for {request_id!r}"
                 )
         return res, self.core.admit_prefilled(req, first_token)
+
+    def start_here(self, request_id: str) -> Reservation:
+        """No prefill worker computes the prompt: this worker does, in its reserved blocks, in
+        its next steps (conditional disaggregation) -> the reservation. Nothing was pushed
+        into its blocks, and nothing can be: its push window is never used."""
+        res = self.reservations.pop(request_id)
+        if res is None:
+            raise UnknownRequest(f"no reservation for {request_id!r} (expired or released)")
+        self.core.admit_reserved(res.request)
+        return res
 
     def release(
         self, request_id: str, unpushed: bool = False

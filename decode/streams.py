@@ -35,8 +35,11 @@ StreamEvent = TokenEvent | EndEvent
 class Stream:
     worker: str
     events: queue.Queue[StreamEvent] = field(default_factory=queue.Queue)
-    started: float = field(default_factory=time.monotonic)
     last_token: float = field(default_factory=time.monotonic)
+    first_token: float | None = None  # time.monotonic() when the first token was handed over
+    # its prompt is computed here (conditional disaggregation): its first token is sampled
+    # here too, and a decode.prefill span marks first step -> first token
+    prefill_here: bool = False
     # trace (wall clock): Start received, first step, pending preemption, finished spans
     received: float = field(default_factory=now)
     first_step: float | None = None
@@ -52,7 +55,18 @@ class Stream:
     def token_gap(self) -> float:
         t = time.monotonic()
         gap, self.last_token = t - self.last_token, t
+        if self.first_token is None:
+            self.first_token = t
+            if self.prefill_here:
+                start = self.first_step if self.first_step is not None else self.received
+                self.spans.append(Span("decode.prefill", start, now(), self.worker))
         return gap
+
+    def tpot(self, tokens: int) -> float:
+        """Mean seconds per token after the first of `tokens` handed over (0 for one)."""
+        if tokens < 2 or self.first_token is None:
+            return 0.0
+        return (self.last_token - self.first_token) / (tokens - 1)
 
     def stepped(self, start: float, end: float) -> None:
         if self.first_step is None:

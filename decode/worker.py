@@ -133,6 +133,18 @@ class DecodeWorker:
         with self.lock:
             return self.state.renew(request_id, fence, lease_s)
 
+    def start_here(self, request_id: str) -> Stream:
+        """No prefill worker computes the prompt (conditional disaggregation): the step loop
+        computes it in the reserved blocks beside the running batch, and the stream's first
+        token is the one it samples then."""
+        with self.lock:
+            self.state.start_here(request_id)
+            self.metrics.local_prefills.inc()
+            stream = Stream(self.worker_id, prefill_here=True)
+            self.streams[request_id] = stream
+        self._wake.set()
+        return stream
+
     def start(
         self,
         request_id: str,

@@ -422,6 +422,9 @@ def run_launch(args) -> int:
         worker_args += ["--memory-per-rank", str(args.memory_per_rank)]
     if args.gpu_memory_utilization is not None:
         worker_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    router_args = []
+    if args.local_prefill_tokens is not None:
+        router_args += ["--local-prefill-tokens", str(args.local_prefill_tokens)]
     print(
         f"starting router, {args.prefill} prefill and {args.decode} decode workers ...", flush=True
     )
@@ -432,6 +435,7 @@ def run_launch(args) -> int:
         args.port,
         args.transfer,
         worker_args,
+        router_args,
         http_port=args.http_port,
         tls=tls,
         api_key_file=args.api_key_file,

@@ -28,7 +28,9 @@ Detail spans sit inside those and are not part of the tiling: `push.layer` (one 
 the write posted -> seen complete; `push.all` when every layer goes in one write after the
 forward pass), `prefill.part` (a part of a long prompt computed in a turn of its own,
 prefill/turns.py), `decode.step` (each step the request took part in) and
-`decode.preempted` (preempted -> running again). What is left between top-level spans is
+`decode.preempted` (preempted -> running again), `decode.prefill` (a prompt the decode
+worker computed itself, conditional disaggregation: its first step -> its first token; such a
+request has no rpc.prefill .. rpc.prefill_reply). What is left between top-level spans is
 thread hand-offs inside the router; `coverage` measures how much of the request is spanned.
 """
 

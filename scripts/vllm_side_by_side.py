@@ -28,11 +28,17 @@ What it does:
    other (idle) side uses, so that a busy-waiting idle server would show.
 4. Reports throughput, TTFT and TPOT p50/p99 per point and the medians over rounds, and the
    ratio pdserve / vLLM of throughput and of TPOT p50.
+
+With `--pdserve-local-prefill-tokens N` a second pdserve 1P1D cluster serves as a third side,
+`pdserve-local`, in the same interleaved rounds: its router sends prompts of at most N tokens
+to the decode worker to compute beside its batch (conditional disaggregation) instead of to
+the prefill worker.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -196,6 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         help="pdserve launch --router-idle: the router at idle scheduling priority "
         "(default: as launch does)",
     )
+    ap.add_argument(
+        "--pdserve-local-prefill-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also serve from a second pdserve 1P1D cluster whose router sends prompts of at "
+        "most N tokens to the decode worker to compute (conditional disaggregation), as a "
+        "third side `pdserve-local` in the same interleaved rounds",
+    )
     ap.add_argument("--api", choices=["chat", "completions"], default="chat")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
@@ -211,39 +226,55 @@ def main(argv: list[str] | None = None) -> int:
     bind = args.vllm_threads_bind
     vllm, vllm_url, vllm_argv = start_vllm(args.vllm_python, model_dir, log, 2048, bind)
     decode_args = ["--num-kv-blocks", str(args.num_kv_blocks)]
+    local = args.pdserve_local_prefill_tokens
+    router_args = {"pdserve": []}
+    if local is not None:
+        router_args["pdserve-local"] = ["--local-prefill-tokens", str(local)]
     try:
-        with Cluster(
-            MODEL,
-            1,
-            1,
-            http_port=0,
-            decode_args=decode_args,
-            decode_threads=args.pdserve_decode_threads,
-            share_cpus=args.pdserve_share_cpus,
-            router_idle=args.pdserve_router_idle,
-        ) as cluster:
+        with contextlib.ExitStack() as clusters:
+            pdserve = {
+                side: clusters.enter_context(
+                    Cluster(
+                        MODEL,
+                        1,
+                        1,
+                        http_port=0,
+                        decode_args=decode_args,
+                        router_args=extra,
+                        decode_threads=args.pdserve_decode_threads,
+                        share_cpus=args.pdserve_share_cpus,
+                        router_idle=args.pdserve_router_idle,
+                    )
+                )
+                for side, extra in router_args.items()
+            }
+            cluster = pdserve["pdserve"]
             threads = cluster.threads()
             cpus = cluster.cpus()
-            urls = {"vllm": vllm_url, "pdserve": f"http://{cluster.http_address}"}
+            urls = {"vllm": vllm_url}
+            urls |= {side: f"http://{c.http_address}" for side, c in pdserve.items()}
             names = {"vllm": wait_ready(vllm_url, vllm, log, READY_TIMEOUT_S)}
-            names["pdserve"] = get_json(f"{urls['pdserve']}/v1/models")["data"][0]["id"]
-            roots = {"vllm": [vllm.pid], "pdserve": [p.pid for p in cluster.procs]}
+            roots = {"vllm": [vllm.pid]}
+            for side, c in pdserve.items():
+                names[side] = get_json(f"{urls[side]}/v1/models")["data"][0]["id"]
+                roots[side] = [p.pid for p in c.procs]
             for side in urls:  # warm-up: first-call allocations, compiled graphs
                 run_point(urls[side], names[side], 2, prompt_texts(2, -1), 8, args.api)
             points = []
             steps = [(r, c) for r in range(args.rounds) for c in concurrencies]
+            sides = list(urls)
             for i, (r, c) in enumerate(steps):
                 n = args.requests or max(4, 2 * c)
                 texts = prompt_texts(n, args.seed + 1000 * r + c)
-                order = ("vllm", "pdserve") if r % 2 == 0 else ("pdserve", "vllm")
+                order = sides if r % 2 == 0 else sides[::-1]
                 for side in order:
-                    other = "pdserve" if side == "vllm" else "vllm"
-                    idle_before = sum(tree_cpu_seconds(p) for p in roots[other])
+                    others = [p for other in sides if other != side for p in roots[other]]
+                    idle_before = sum(tree_cpu_seconds(p) for p in others)
                     desc = f"[{i + 1}/{len(steps)}] {side} c={c} round {r}"
                     point = run_point(
                         urls[side], names[side], c, texts, args.max_tokens, args.api, desc=desc
                     )
-                    idle_cpu = sum(tree_cpu_seconds(p) for p in roots[other]) - idle_before
+                    idle_cpu = sum(tree_cpu_seconds(p) for p in others) - idle_before
                     point.update(
                         server=side,
                         round=r,
@@ -255,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop(vllm)
 
-    report = summarize_runs(points, concurrencies)
+    report = summarize_runs(points, concurrencies, sides)
     report.update(
         benchmark="vllm-side-by-side",
         model=MODEL,
@@ -272,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         pdserve={
             "topology": "1P1D",
             "decode_args": decode_args,
+            "router_args": router_args,
             "threads": threads,
             **cpus,
         },
@@ -295,12 +327,14 @@ def vllm_version(python: str) -> str:
     return out.stdout.strip() or "unknown"
 
 
-def summarize_runs(points: list[dict], concurrencies: list[int]) -> dict:
-    """Medians over rounds per server and concurrency, and the pdserve / vLLM ratios."""
+def summarize_runs(points: list[dict], concurrencies: list[int], sides: list[str]) -> dict:
+    """Medians over rounds per server and concurrency, and each pdserve side's ratios to
+    vLLM (`throughput_ratio` and `tpot_p50_ratio`: the plain 1P1D cluster's; `ratios`: every
+    pdserve side's)."""
     medians = {}
     for c in concurrencies:
         row = {}
-        for side in ("vllm", "pdserve"):
+        for side in sides:
             mine = [p for p in points if p["server"] == side and p["concurrency"] == c]
             row[side] = {
                 "throughput_tok_s": statistics.median(p["throughput_tok_s"] for p in mine),
@@ -311,25 +345,34 @@ def summarize_runs(points: list[dict], concurrencies: list[int]) -> dict:
                 "errors": sum(p["errors"] for p in mine),
                 "idle_other_cpu_cores_max": max(p["idle_other_cpu_cores"] for p in mine),
             }
-        row["throughput_ratio"] = (
-            row["pdserve"]["throughput_tok_s"] / row["vllm"]["throughput_tok_s"]
-        )
-        row["tpot_p50_ratio"] = row["pdserve"]["tpot_p50_s"] / row["vllm"]["tpot_p50_s"]
+        v = row["vllm"]
+        row["ratios"] = {
+            side: {
+                "throughput_ratio": row[side]["throughput_tok_s"] / v["throughput_tok_s"],
+                "tpot_p50_ratio": row[side]["tpot_p50_s"] / v["tpot_p50_s"],
+            }
+            for side in sides
+            if side != "vllm"
+        }
+        row.update(row["ratios"]["pdserve"])
         medians[str(c)] = row
     return {"medians": medians}
 
 
 def format_report(report: dict) -> str:
-    lines = ["", "medians over rounds (pdserve / vLLM: throughput ratio, TPOT p50 ratio)"]
-    lines.append(f"{'c':>4} {'vLLM tok/s':>11} {'pdserve tok/s':>14} {'ratio':>6} "
-                 f"{'vLLM TPOT p50':>14} {'pdserve TPOT p50':>17} {'ratio':>6}")  # fmt: skip
+    lines = ["", "medians over rounds (each pdserve side / vLLM: throughput and TPOT p50 ratios)"]
+    lines.append(f"{'c':>4} {'side':>14} {'tok/s':>8} {'ratio':>6} {'TPOT p50':>10} "
+                 f"{'ratio':>6} {'TTFT p50':>10}")  # fmt: skip
     for c, row in report["medians"].items():
-        v, p = row["vllm"], row["pdserve"]
-        lines.append(
-            f"{c:>4} {v['throughput_tok_s']:>11.1f} {p['throughput_tok_s']:>14.1f} "
-            f"{row['throughput_ratio']:>6.2f} {v['tpot_p50_s'] * 1e3:>12.1f}ms "
-            f"{p['tpot_p50_s'] * 1e3:>15.1f}ms {row['tpot_p50_ratio']:>6.2f}"
-        )
+        for side, m in row.items():
+            if not isinstance(m, dict) or "throughput_tok_s" not in m:
+                continue
+            r = row["ratios"].get(side, {"throughput_ratio": 1.0, "tpot_p50_ratio": 1.0})
+            lines.append(
+                f"{c:>4} {side:>14} {m['throughput_tok_s']:>8.1f} {r['throughput_ratio']:>6.2f} "
+                f"{m['tpot_p50_s'] * 1e3:>8.1f}ms {r['tpot_p50_ratio']:>6.2f} "
+                f"{m['ttft_p50_s'] * 1e3:>8.1f}ms"
+            )
     lines.append(HEADER)
     lines += [point_row(p["server"], p) for p in report["points"]]
     return "\n".join(lines)

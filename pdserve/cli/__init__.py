@@ -145,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
         "workers' compute (default: on when the workers compute on the CPU, each decode "
         "rank on more than one thread; docs/benchmarks.md)",
     )
+    launch.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the router's --local-prefill-tokens: prompts of at most N tokens are computed by "
+        "their decode worker (conditional disaggregation; default 0: none)",
+    )
     launch.add_argument("--port", type=int, default=0)
     launch.add_argument("--transfer", default="nixl", choices=PROCESS_BACKENDS)
     launch.add_argument(

@@ -118,6 +118,7 @@ def run_router(args: argparse.Namespace) -> int:
                 ("migrate_timeout_s", args.migrate_timeout),
                 ("migrate_policy", args.migrate_policy),
                 ("migrate_low_free", args.migrate_low_free),
+                ("local_prefill_tokens", args.local_prefill_tokens),
             )
             if value is not None
         },
@@ -353,6 +354,16 @@ def add_serve_parser(sub) -> None:
                 default=None,
                 help="the pressure policy moves requests off a decode worker with less than "
                 "this fraction of its pool free (default 0.2)",
+            )
+            p.add_argument(
+                "--local-prefill-tokens",
+                type=int,
+                default=None,
+                metavar="N",
+                help="conditional disaggregation: a prompt of at most N tokens is computed by "
+                "the decode worker that reserved it, beside its running batch, not on a "
+                "prefill worker (default 0: every prompt goes to a prefill worker; "
+                "docs/architecture.md)",
             )
             p.add_argument(
                 "--lease",

@@ -222,6 +222,15 @@ class EngineCore:
         self.scheduler.admit_running(request)
         return None
 
+    def admit_reserved(self, request: Request) -> None:
+        """A reserved request whose prompt no one computed (conditional disaggregation): it
+        joins the running batch and its prompt is computed here, after its cached tokens, in
+        the next steps' token budgets beside the decoding requests (which go first), then it
+        samples its first token and decodes."""
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = time.monotonic()
+        self.scheduler.admit_running(request)
+
     def abort(self, request_id: str) -> FinishedRequest | None:
         """Abort a request the scheduler holds -> its output (reason "abort"), or None when
         the core does not hold it. During a run, the abort waits for end_step()."""

@@ -45,6 +45,11 @@ class RouterConfig:
     migrate_low_free: float = 0.2
     migrate_min_gap: float = 0.25
     migrate_interval_s: float = 0.5
+    # conditional disaggregation: a context of at most this many tokens is computed by the
+    # decode worker that reserved it, in its next steps beside its running batch, instead of
+    # on a prefill worker (no push, no second pass over the weights on the node); 0: every
+    # prompt goes to a prefill worker (docs/architecture.md)
+    local_prefill_tokens: int = 0
     heartbeat_s: float = HEARTBEAT_S  # told to every worker that registers
     missed_heartbeats: int = 5  # then a worker gets no new requests (its streams go on)
     forget_after_s: float = 120.0  # then it leaves the registry and its channel is closed
@@ -54,6 +59,8 @@ class RouterConfig:
             raise ValueError(f"max_queue: must be >= 1, got {self.max_queue}")
         if self.max_resumes < 0:
             raise ValueError(f"max_resumes: must be >= 0, got {self.max_resumes}")
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens: must be >= 0, got {self.local_prefill_tokens}")
         for name in (
             "max_model_len",
             "queue_timeout_s",

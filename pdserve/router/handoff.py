@@ -120,6 +120,8 @@ class Inflight:
     run: Run | None = None  # what the client has been sent (a migration reads it)
     handover: Handover | None = None  # a live KV move under way (pdserve/router/migrate.py)
     streaming: bool = False  # its decode stream runs: the request may be moved
+    # its decode worker computes the prompt (no push is ever posted: a release needs no fence)
+    prefill_here: bool = False
 
 
 @dataclass(eq=False)
@@ -238,6 +240,12 @@ class Handoff:
                 self.release_later(decode, rid, unpushed=True)
                 return Failure(_Code.CANCELLED, "aborted", "router")
             entry.worker, entry.worker_request_id = decode, rid
+            # short enough to compute beside the decode worker's batch: no prefill worker
+            entry.prefill_here = len(prompt) <= self.config.local_prefill_tokens
+        if entry.prefill_here:
+            self.metrics.local_prefills.inc()
+            here = pb.PrefillResponse(worker_id=decode.worker_id)
+            return (yield from self._stream(run, entry, context, decode, here, now(), here=True))
         lease = self.leases.hold(decode, rid, reserved.fence)
         # a prefill worker is waited for queue_timeout_s (from the attempt's start; from
         # now for one under way, which may have waited longer for room)
@@ -307,13 +315,18 @@ class Handoff:
                 entry.call = None
         return (yield from self._stream(run, entry, context, decode, done, prefill_sent))
 
-    def _stream(self, run: Run, entry: Inflight, context, decode: Worker, done, prefill_sent):
+    def _stream(
+        self, run: Run, entry: Inflight, context, decode: Worker, done, prefill_sent, here=False
+    ):
         """Start on the decode worker and relay its tokens; when its stream ends "migrated"
-        (the request's KV moved, pdserve/router/migrate.py), on the worker it moved to."""
+        (the request's KV moved, pdserve/router/migrate.py), on the worker it moved to.
+        `here`: no prefill ran, the decode worker computes the prompt itself."""
         prefill_back = start_sent = now()
         if entry.released:  # aborted while its prefill ran
             return Failure(_Code.CANCELLED, "aborted", "router")
-        start = pb.StartRequest(request_id=entry.worker_request_id, first_token=done.first_token)
+        start = pb.StartRequest(
+            request_id=entry.worker_request_id, first_token=done.first_token, prefill_here=here
+        )
         while True:
             marks = (prefill_sent, prefill_back, start_sent)
             result = yield from self._relay(run, entry, context, decode, done, marks, start)
@@ -402,6 +415,7 @@ class Handoff:
             moved.state = "switched"
             moved.switched.set()
             entry.worker, entry.worker_request_id = moved.dest, moved.request_id
+            entry.prefill_here = False  # its KV was pushed into the destination's blocks
             return moved
 
     def _final(self, run: Run, reason: str, finished: Finished | None) -> pb.GenerateResponse:
@@ -565,6 +579,7 @@ class Handoff:
         with self._lock:
             worker, wrid = entry.worker, entry.worker_request_id
             entry.worker, entry.worker_request_id = None, ""
+            unpushed = unpushed or entry.prefill_here
         if worker is not None:
             self.release_later(worker, wrid, unpushed)
 
@@ -587,6 +602,7 @@ class Handoff:
         with self._lock:
             removed.released = True
             worker, wrid, call = removed.worker, removed.worker_request_id, removed.call
+            unpushed = removed.prefill_here
             if removed.handover is not None:  # its stream will not switch: the mover decides
                 removed.handover.switched.set()
         if call is not None:
@@ -595,5 +611,5 @@ class Handoff:
             # from the release threads: this runs in gRPC's callback of a finished call,
             # where a frozen worker's Release would hold up the server (if the worker is
             # gone, its lease returns the blocks)
-            self.release_later(worker, wrid)
+            self.release_later(worker, wrid, unpushed)
         return True

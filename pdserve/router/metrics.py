@@ -6,7 +6,9 @@ pdserve_router_transfer_bytes_total, pdserve_router_requests_total{outcome} (sto
 length, abort; cancelled: the client went away; failed_<status>: the router gave up;
 invalid, rejected), pdserve_router_kv_usage_ratio{worker} (each decode worker, from its
 heartbeats; the series goes when the registry forgets the worker),
-pdserve_router_resumes_total{stage} (requests resumed after their prefill or decode failed)
+pdserve_router_resumes_total{stage} (requests resumed after their prefill or decode failed),
+pdserve_router_local_prefills_total (prompts their decode worker computed: conditional
+disaggregation, RouterConfig.local_prefill_tokens),
 pdserve_router_migrations_total{outcome="completed"|"failed"} (live KV moves between decode
 workers: pdserve/router/migrate.py), pdserve_router_migration_switch_seconds (the source's
 last token -> the destination's first: the stall a migrated request's client sees)
@@ -47,6 +49,12 @@ class RouterMetrics:
             "pdserve_router_resumes",
             "requests resumed on another worker, by the stage that failed",
             ["stage"],
+            registry=r,
+        )
+        self.local_prefills = Counter(
+            "pdserve_router_local_prefills",
+            "prompts sent to their decode worker to compute, not to a prefill worker "
+            "(conditional disaggregation: RouterConfig.local_prefill_tokens)",
             registry=r,
         )
         self.migrations = Counter(

@@ -94,6 +94,11 @@ class Run:
             self.failed_at = None
 
 
+def _span_s(spans, name: str) -> float:
+    """The duration of the first span called `name` (proto spans), 0 when there is none."""
+    return next((s.end - s.start for s in spans if s.name == name), 0.0)
+
+
 def final_message(
     run: Run, reason: str, finished: Finished | None, tokenizer: Tokenizer | None
 ) -> pb.GenerateResponse:
@@ -109,7 +114,8 @@ def final_message(
         done, chunk = finished.prefill, finished.chunk
         timings = pb.Timings(
             queue_s=run.queued_s,
-            prefill_s=done.prefill_s,
+            # a prompt its decode worker computed (conditional disaggregation): its span there
+            prefill_s=done.prefill_s or _span_s(chunk.spans, "decode.prefill"),
             transfer_s=done.transfer_s,
             # the decode worker's own unless resumed or moved
             tpot_s=chunk.tpot_s if run.resumes == 0 and run.migrations == 0 else client_tpot,

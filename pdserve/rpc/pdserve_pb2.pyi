@@ -305,16 +305,18 @@ class RenewResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class StartRequest(_message.Message):
-    __slots__ = ("request_id", "first_token", "more_token_ids", "first_token_sent")
+    __slots__ = ("request_id", "first_token", "more_token_ids", "first_token_sent", "prefill_here")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MORE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_SENT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     more_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_sent: bool
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., more_token_ids: _Optional[_Iterable[int]] = ..., first_token_sent: _Optional[bool] = ...) -> None: ...
+    prefill_here: bool
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., more_token_ids: _Optional[_Iterable[int]] = ..., first_token_sent: _Optional[bool] = ..., prefill_here: _Optional[bool] = ...) -> None: ...
 
 class MigrateRequest(_message.Message):
     __slots__ = ("request_id", "dest_request_id", "dest_worker_id", "dest_block_ids", "dest_layout", "dest_agent_metadata", "dest_cached_blocks", "dest_fence", "dest_ranks", "max_rounds")
