@@ -346,10 +346,14 @@ class DecodeWorker:
             if new.request_id in ending:  # goes out with the end (decode/streams.py)
                 last[new.request_id] = new.token
             elif (stream := self.streams.get(new.request_id)) is not None:
-                self.metrics.itl.observe(stream.token(new.token))
+                first = stream.first_token is None
+                gap = stream.token(new.token)
+                if not first:  # the first one (computed here) is no inter-token gap
+                    self.metrics.itl.observe(gap)
         for done in out.finished:
             token = last.get(done.request_id)
-            if token is not None and (stream := self.streams.get(done.request_id)) is not None:
+            stream = self.streams.get(done.request_id)
+            if token is not None and stream is not None and stream.first_token is not None:
                 self.metrics.itl.observe(time.monotonic() - stream.last_token)
             self._close(done, token)
         self._account()

@@ -78,6 +78,28 @@ def test_a_prompt_started_here_is_computed_beside_the_batch_in_its_reserved_bloc
     assert state.stats().free_blocks == 8
 
 
+def test_a_decoder_admitted_later_goes_ahead_of_a_prompt_still_computed_here(books):
+    """The step's token budget goes to the running list in order: a prompt computed here
+    ahead of a request whose KV was pushed would take all of it, step after step."""
+    state = books
+    core = state.core
+    state.reserve("long", LONG, GREEDY)
+    state.start_here("long")
+    assert core.computing_context("long")
+    state.reserve("pushed", SHORT, GREEDY)
+    pushed = state.reservations.get("pushed").request
+    first = core.prefill([pushed])[0]  # its KV in its blocks, as a prefill worker's push
+    state.start("pushed", first)
+    batch, _ = step(state)
+    assert [(r.request_id, len(c.token_ids)) for r, c in zip(batch.requests, batch.chunks)] == [
+        ("pushed", 1),
+        ("long", 15),
+    ]
+    while core.computing_context("long"):
+        step(state)
+    assert core.kv_of("long")[1] == len(LONG)  # computed, its first token sampled
+
+
 def test_only_a_held_reservation_starts_here(books):
     state = books
     with pytest.raises(UnknownRequest):

@@ -231,6 +231,28 @@ def test_a_request_that_is_not_running_is_not_moved(trio):
     assert b.stats().free_blocks == NUM_BLOCKS
 
 
+def test_a_request_still_computing_its_context_is_not_moved(trio):
+    """Its blocks do not hold its context yet (a prompt A computes itself, conditional
+    disaggregation): the destination would decode on KV never computed. Refused before any
+    WRITE, retryable (once it decodes it may move)."""
+    _, _, a, b = trio
+    a._stop.set()  # no step runs on A: the prompt stays uncomputed
+    a._wake.set()
+    a._loop.join(timeout=10)
+    a.reserve("x", PROMPT, params(), lease_s=30)
+    a.start_here("x")
+    assert a.core.computing_context("x")
+    reserved = b.reserve("x~m1", PROMPT, params(), lease_s=30, extra_tokens=16)
+    with pytest.raises(MigrationFailed, match="still computing its context") as e:
+        a.migrate("x", destination(b, reserved), "x~m1")
+    assert e.value.retryable
+    b.release("x~m1", unpushed=True)
+    a.release("x")
+    for w in (a, b):
+        w.check_integrity()
+        assert w.stats().free_blocks == NUM_BLOCKS
+
+
 def wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

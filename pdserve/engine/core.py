@@ -253,6 +253,13 @@ class EngineCore:
             return None
         return list(req.block_ids), req.num_computed_tokens, req.max_total_tokens
 
+    def computing_context(self, request_id: str) -> bool:
+        """Whether the request is here with part of its context still to compute (a prompt
+        its decode worker computes, conditional disaggregation, or one computed again after
+        a preemption): its blocks do not hold its context yet, so its KV cannot move."""
+        req = self.scheduler.find(request_id)
+        return req is not None and req.num_computed_tokens < req.num_tokens - 1
+
     def hold(self, request_id: str, tokens: int | None) -> bool:
         """Let a running request's KV grow to `tokens` at most (None: no bound again): it
         waits there, not scheduled, until the bound goes (a move whose destination holds no

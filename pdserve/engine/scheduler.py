@@ -88,7 +88,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.running_since = self.steps
         if request.preempted_at_step is None:
-            self.running.append(request)
+            self._join(request)
             return
         request.stalled_steps += self.steps - request.preempted_at_step
         request.preempted_at_step = None
@@ -98,7 +98,21 @@ class Scheduler:
         if self.rotation is not None and request.num_tokens - request.num_computed_tokens <= 1:
             self.running.insert(0, request)
         else:
-            self.running.append(request)
+            self._join(request)
+
+    def _join(self, request: Request) -> None:
+        """Into the running list: at its end, or, for a request with only its next token to
+        compute, ahead of the first one still computing its context (a prompt its decode
+        worker computes, or a context computed again). The running list spends each step's
+        token budget in order: a long context ahead of it would take the whole budget and
+        leave it, and every decoder after it, out of the step."""
+        running = self.running
+        if request.num_tokens - request.num_computed_tokens <= 1:
+            for i, other in enumerate(running):
+                if other.num_tokens - other.num_computed_tokens > 1:
+                    running.insert(i, request)
+                    return
+        running.append(request)
 
     @property
     def has_unfinished(self) -> bool:

@@ -62,6 +62,9 @@ _CLIENT_CODES = (_Code.RESOURCE_EXHAUSTED, _Code.UNAVAILABLE)
 _CALL_ERRORS = (grpc.RpcError, ValueError)
 # how often a request waiting its turn for decode room checks its client and its deadline
 _TURN_CHECK_S = 0.2
+# the push window of a reservation whose decode worker computes the prompt itself (no push
+# ever comes; 0 would mean "as long as the lease")
+LOCAL_PUSH_WINDOW_S = 0.001
 
 
 MIGRATED = "migrated"  # a decode stream's end when its request's KV moved to another worker
@@ -240,8 +243,7 @@ class Handoff:
                 self.release_later(decode, rid, unpushed=True)
                 return Failure(_Code.CANCELLED, "aborted", "router")
             entry.worker, entry.worker_request_id = decode, rid
-            # short enough to compute beside the decode worker's batch: no prefill worker
-            entry.prefill_here = len(prompt) <= self.config.local_prefill_tokens
+            entry.prefill_here = self._prefill_here(prompt)
         if entry.prefill_here:
             self.metrics.local_prefills.inc()
             here = pb.PrefillResponse(worker_id=decode.worker_id)
@@ -427,13 +429,19 @@ class Handoff:
         m.e2e.observe(t.e2e_s)
         if finished is not None:
             m.queue.observe(t.queue_s)
-            m.transfer.observe(t.transfer_s)
+            if t.prefill_worker != t.decode_worker:  # else computed there: nothing moved
+                m.transfer.observe(t.transfer_s)
             m.transfer_bytes.inc(finished.prefill.transfer_bytes)
             if len(run.tokens) > 1:
                 m.tpot.observe(t.tpot_s)
         return msg
 
     # -- waiting and reserving -----------------------------------------------------------
+    def _prefill_here(self, context: list[int]) -> bool:
+        """Whether the decode worker that reserves `context` computes it too, beside its
+        running batch (conditional disaggregation): short enough, no prefill worker."""
+        return len(context) <= self.config.local_prefill_tokens
+
     def _pause(self, pause: float) -> float:
         """Back off between tries: many waiting requests polling every 10 ms kept the
         workers' CPUs busy answering Reserve (seen in the capacity sweep on 2 cores)."""
@@ -526,7 +534,14 @@ class Handoff:
                         prompt_token_ids=prompt,
                         sampling=sampling,
                         lease_s=self.config.lease_s,
-                        push_window_s=self.config.push_window_s,
+                        # no push will come when it computes the prompt itself: a
+                        # reservation whose Start never comes (this router died) is not
+                        # fenced for a push window after its lease
+                        push_window_s=(
+                            LOCAL_PUSH_WINDOW_S
+                            if self._prefill_here(prompt)
+                            else self.config.push_window_s
+                        ),
                     ),
                     timeout=self.config.reserve_rpc_timeout_s,
                 )

@@ -115,7 +115,8 @@ def final_message(
         timings = pb.Timings(
             queue_s=run.queued_s,
             # a prompt its decode worker computed (conditional disaggregation): its span there
-            prefill_s=done.prefill_s or _span_s(chunk.spans, "decode.prefill"),
+            # (in the run's spans when the request moved to another decode worker since)
+            prefill_s=done.prefill_s or _span_s([*chunk.spans, *run.spans], "decode.prefill"),
             transfer_s=done.transfer_s,
             # the decode worker's own unless resumed or moved
             tpot_s=chunk.tpot_s if run.resumes == 0 and run.migrations == 0 else client_tpot,

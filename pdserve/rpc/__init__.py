@@ -3,8 +3,10 @@
 # 2: KVLayout.planes_per_layer, ReserveResponse.headroom_cost_blocks
 # 3: GenerateRequest.continuation (a version-2 router refuses version-3 requests, so it
 #    never ignores a continuation and repeats tokens; version-2 clients are still served)
-PROTOCOL_VERSION = 3
-GENERATE_VERSIONS = frozenset({0, 2, PROTOCOL_VERSION})  # what a router's Generate accepts
+# 4: StartRequest.prefill_here (a version-3 decode worker would ignore it and wait for a push
+#    that never comes: the router registers only workers of its own version)
+PROTOCOL_VERSION = 4
+GENERATE_VERSIONS = frozenset({0, 2, 3, PROTOCOL_VERSION})  # what a router's Generate accepts
 # Generate's metadata: the router sends ACCEPTED_KEY at once (it has the request) and
 # STATUS_KEY in the trailers of every status it ends a call with, so a client tells a
 # router that vanished mid-request (resume it: pdserve/client.py) from one that answered

@@ -103,6 +103,8 @@ class SimMigrations:
         running = src.engine.core.kv_of(req.request_id) is not None
         if not (running or src.engine.core.kv.is_parked(req.request_id)):
             return Moved(False, "not running or parked")
+        if src.engine.core.computing_context(req.request_id):  # as decode/migrate.py refuses
+            return Moved(False, "still computing its context")
         # every token but its last (whose KV is not computed), to the same total length
         context = req.token_ids[:-1]
         left = req.max_total_tokens - len(context)
