@@ -99,13 +99,19 @@ def computes_on_cpu(args: list[str]) -> bool:
     return device == "cpu"
 
 
-def router_idles(on_cpu: bool, decode_threads_per_rank: int) -> bool:
+def router_idles(on_cpu: bool, decode_threads_per_rank: int, local_prefill: bool = False) -> bool:
     """Whether a local cluster's router runs at idle priority by default. A wake-up of the
     router preempts one thread of a decode rank's OpenMP team and the others wait for it at
     the next barrier; at idle priority it waits for a free CPU instead. That pays off only
     where a rank computes on several threads (1P1D on 2 CPUs, decode on both: 1.03-1.10x at
     32 clients); with one thread per decode worker the router's own delay is the larger
-    cost (1P2D on 2 CPUs: 0.87-0.97x; docs/benchmarks.md). SCHED_IDLE is Linux's."""
+    cost (1P2D on 2 CPUs: 0.87-0.97x; docs/benchmarks.md). Not when decode workers compute
+    prompts too (`local_prefill`, conditional disaggregation): their steps then follow one
+    another with no gap, a router that waits for a free CPU hands prompts and tokens on late
+    (1P1D on 2 CPUs at 32 clients: 0.96-0.97x of the router at normal priority, two
+    interleaved rounds). SCHED_IDLE is Linux's."""
+    if local_prefill:
+        return False
     return on_cpu and decode_threads_per_rank > 1 and hasattr(os, "SCHED_IDLE")
 
 
@@ -131,6 +137,7 @@ class Cluster:
         decode_threads: int | None = None,
         share_cpus: bool | None = None,
         router_idle: bool | None = None,
+        local_prefill_tokens: int = 0,
     ) -> None:
         """`worker_args` go to every worker, `prefill_args`/`decode_args` to one role;
         `prefill_tp`/`decode_tp`: each worker of that role is a tensor-parallel group of
@@ -142,13 +149,18 @@ class Cluster:
         the workers compute on the CPU, True insists (ValueError for GPU workers), False
         splits the CPUs evenly; `router_idle`: the router runs at idle priority, yielding
         the CPUs to the workers' compute (`serve router --sched-idle`,
-        pdserve/serving/sched.py): None (the default) as router_idles() decides."""
+        pdserve/serving/sched.py): None (the default) as router_idles() decides;
+        `local_prefill_tokens`: the router's --local-prefill-tokens (conditional
+        disaggregation: prompts of at most that many tokens computed by their decode worker;
+        0, the default: none)."""
         for name, value in (
             ("prefill_threads", prefill_threads),
             ("decode_threads", decode_threads),
         ):
             if value is not None and value < 1:
                 raise ValueError(f"{name}: {value} (must be >= 1)")
+        if local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens: {local_prefill_tokens} (must be >= 0)")
         secret = secrets.token_urlsafe(32)
         tls_pem = TLS.from_files(tls.cert, tls.key, tls.ca) if tls else None
         self.security = Security(cluster_secret=secret, tls=tls_pem)
@@ -183,7 +195,9 @@ class Cluster:
             )
         }
         if router_idle is None:
-            router_idle = router_idles(on_cpu, threads_of["decode"] // decode_tp)
+            router_idle = router_idles(
+                on_cpu, threads_of["decode"] // decode_tp, local_prefill_tokens > 0
+            )
         self.router_idle = bool(router_idle)  # started with --sched-idle
         self.lease_dir = None  # the CPU lease's files, removed by close()
         self._lease_owner = None  # held locked while the cluster lives (make_lease_dir)
@@ -197,6 +211,8 @@ class Cluster:
                 router += ["--api-key-file", api_key_file]
             if router_idle:
                 router.append("--sched-idle")
+            if local_prefill_tokens:
+                router += ["--local-prefill-tokens", str(local_prefill_tokens)]
             self.address = self._spawn([*router, *(router_args or [])])
             # a restarted router must come back where the workers look for it
             self.argvs[0][self.argvs[0].index("--port") + 1] = self.address.rsplit(":", 1)[1]
@@ -422,9 +438,6 @@ def run_launch(args) -> int:
         worker_args += ["--memory-per-rank", str(args.memory_per_rank)]
     if args.gpu_memory_utilization is not None:
         worker_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    router_args = []
-    if args.local_prefill_tokens is not None:
-        router_args += ["--local-prefill-tokens", str(args.local_prefill_tokens)]
     print(
         f"starting router, {args.prefill} prefill and {args.decode} decode workers ...", flush=True
     )
@@ -435,7 +448,6 @@ def run_launch(args) -> int:
         args.port,
         args.transfer,
         worker_args,
-        router_args,
         http_port=args.http_port,
         tls=tls,
         api_key_file=args.api_key_file,
@@ -445,6 +457,7 @@ def run_launch(args) -> int:
         decode_threads=args.decode_threads,
         share_cpus=args.share_cpus,
         router_idle=args.router_idle,
+        local_prefill_tokens=args.local_prefill_tokens,
     ) as c:
         print(f"cluster ready: router at {c.address}  (Ctrl-C stops everything)", flush=True)
         if c.http_address:

@@ -227,9 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     vllm, vllm_url, vllm_argv = start_vllm(args.vllm_python, model_dir, log, 2048, bind)
     decode_args = ["--num-kv-blocks", str(args.num_kv_blocks)]
     local = args.pdserve_local_prefill_tokens
-    router_args = {"pdserve": []}
+    local_tokens = {"pdserve": 0}
     if local is not None:
-        router_args["pdserve-local"] = ["--local-prefill-tokens", str(local)]
+        local_tokens["pdserve-local"] = local
     try:
         with contextlib.ExitStack() as clusters:
             pdserve = {
@@ -240,17 +240,17 @@ def main(argv: list[str] | None = None) -> int:
                         1,
                         http_port=0,
                         decode_args=decode_args,
-                        router_args=extra,
+                        local_prefill_tokens=tokens,
                         decode_threads=args.pdserve_decode_threads,
                         share_cpus=args.pdserve_share_cpus,
                         router_idle=args.pdserve_router_idle,
                     )
                 )
-                for side, extra in router_args.items()
+                for side, tokens in local_tokens.items()
             }
             cluster = pdserve["pdserve"]
             threads = cluster.threads()
-            cpus = cluster.cpus()
+            cpus = {side: c.cpus() for side, c in pdserve.items()}
             urls = {"vllm": vllm_url}
             urls |= {side: f"http://{c.http_address}" for side, c in pdserve.items()}
             names = {"vllm": wait_ready(vllm_url, vllm, log, READY_TIMEOUT_S)}
@@ -303,9 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         pdserve={
             "topology": "1P1D",
             "decode_args": decode_args,
-            "router_args": router_args,
+            "local_prefill_tokens": local_tokens,
             "threads": threads,
-            **cpus,
+            "cpus": cpus,
         },
         machine=machine_info(),
         points=points,

@@ -431,6 +431,8 @@ def test_launch_takes_threads_per_role_and_refuses_zero():
             assert (args.share_cpus, args.router_idle) == (None, want), (bench, flags)
     with pytest.raises(ValueError, match="decode_threads: 0"):
         Cluster("no-such-model", decode_threads=0)  # before any process starts
+    with pytest.raises(ValueError, match="local_prefill_tokens: -1"):
+        Cluster("no-such-model", local_prefill_tokens=-1)
 
 
 def test_the_router_idles_by_default_only_beside_multithreaded_cpu_decode():
@@ -439,6 +441,8 @@ def test_the_router_idles_by_default_only_beside_multithreaded_cpu_decode():
     assert router_idles(True, 2) and router_idles(True, 16)
     assert not router_idles(True, 1)  # one thread per decode worker (1P2D on 2 CPUs)
     assert not router_idles(False, 16)  # GPU workers
+    # decode workers that compute prompts too step without a gap: the router keeps up
+    assert not router_idles(True, 2, local_prefill=True)
 
 
 def test_workers_share_the_cpus_only_when_they_compute_on_them(monkeypatch):

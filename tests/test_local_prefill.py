@@ -132,7 +132,7 @@ def test_a_cluster_computes_short_prompts_on_the_decode_worker():
         1,
         1,
         worker_args=["--num-kv-blocks", "64"],
-        router_args=["--local-prefill-tokens", str(limit)],
+        local_prefill_tokens=limit,
     ) as cluster:
         client = Client(cluster.address)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
