@@ -140,6 +140,11 @@ class Migrator:
         timeout_s: float,
     ) -> Migrated:
         worker = self.worker
+        with worker.lock:
+            if worker.core.computing_context(request_id):  # the destination would decode
+                raise MigrationFailed(  # on KV that was never computed
+                    f"{request_id!r} is still computing its context here", True
+                )
         try:
             legs = plan_legs(worker.endpoint, dest)  # the same model, heads we can map
         except HandshakeRefused as e:
@@ -151,10 +156,6 @@ class Migrator:
         move = _Move(dest, dest_request_id, legs, time.monotonic() + timeout_s)
         bs = worker.core.block_size
         with worker.lock:
-            if worker.core.computing_context(request_id):  # the destination would decode
-                raise MigrationFailed(  # on KV that was never computed
-                    f"{request_id!r} is still computing its context here", True
-                )
             parked = worker.core.detach_parked(request_id)
         if parked is not None:
             return self._move_parked(parked, move)

@@ -33,7 +33,7 @@ from types import MappingProxyType
 
 import grpc
 
-from pdserve.rpc import ACCEPTED_KEY, PROTOCOL_VERSION, STATUS_KEY
+from pdserve.rpc import ACCEPTED_KEY, GENERATE_VERSION, STATUS_KEY
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.sampling_params import SamplingParams
@@ -169,7 +169,7 @@ def build_request(
     RESOURCE_EXHAUSTED, which reads as "retry later")."""
     params = SamplingParams(**sampling)
     msg = pb.GenerateRequest(
-        protocol_version=PROTOCOL_VERSION,
+        protocol_version=GENERATE_VERSION,
         sampling=sampling_to_proto(params),
         request_id=request_id,
     )

@@ -22,12 +22,12 @@ What it does:
    pdserve computes) and a pdserve 1P1D cluster with its OpenAI front door (`pdserve launch
    --http-port`), each with its own defaults for threads.
 3. At every concurrency, for every round, sends the same chat completions (greedy,
-   `--max-tokens` outputs, EOS ignored) to one server and then the other through
-   pdserve.bench.openai_load (one client for both); the order alternates between rounds so
-   that a noisy neighbour hits both. While one side runs, the script measures the CPU the
-   other (idle) side uses, so that a busy-waiting idle server would show.
-4. Reports throughput, TTFT and TPOT p50/p99 per point and the medians over rounds, and the
-   ratio pdserve / vLLM of throughput and of TPOT p50.
+   `--max-tokens` outputs, EOS ignored) to each server in turn through
+   pdserve.bench.openai_load (one client for all); the order reverses between rounds so
+   that a noisy neighbour hits every side. While one side runs, the script measures the CPU
+   the others (idle) use, so that a busy-waiting idle server would show.
+4. Reports throughput, TTFT and TPOT p50/p99 per point and the medians over rounds, and each
+   pdserve side's ratio to vLLM of throughput and of TPOT p50.
 
 With `--pdserve-local-prefill-tokens N` a second pdserve 1P1D cluster serves as a third side,
 `pdserve-local`, in the same interleaved rounds: its router sends prompts of at most N tokens

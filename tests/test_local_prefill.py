@@ -150,7 +150,6 @@ def test_a_cluster_computes_short_prompts_on_the_decode_worker():
             assert t["tpot_s"] > 0
             if local:
                 assert t["prefill_worker"] == t["decode_worker"]
-                assert t["transfer_s"] == 0
                 assert "decode.prefill" in names and "rpc.prefill" not in names
                 stages = [s.name for s in trace.stages(r.trace)]
                 assert stages == [
@@ -170,7 +169,7 @@ def test_a_cluster_computes_short_prompts_on_the_decode_worker():
         # one token, ended by its first: the stream's only message is the end
         one = client.generate(PROMPTS[0], max_tokens=1, temperature=0, ignore_eos=True)
         assert one.token_ids == expected[0][:1] and one.finish_reason == "length"
-        # a stream cancelled while the decode worker computes or decodes it: blocks back
+        # a stream cancelled while the decode worker decodes it: blocks back
         stream = client.stream(SHORT, max_tokens=500, temperature=0, ignore_eos=True)
         next(stream)
         stream.close()

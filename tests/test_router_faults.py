@@ -31,7 +31,7 @@ def outcomes(service: RouterService) -> dict[str, float]:
 
 
 @pytest.fixture
-def router():
+def router(request):
     servers = []
 
     def serve(add) -> str:
@@ -39,7 +39,12 @@ def router():
         servers.append(server)
         return f"127.0.0.1:{port}"
 
-    config = RouterConfig(max_model_len=64, queue_timeout_s=0.5, reserve_rpc_timeout_s=0.3)
+    config = RouterConfig(  # a test may set more fields (indirect parametrization)
+        max_model_len=64,
+        queue_timeout_s=0.5,
+        reserve_rpc_timeout_s=0.3,
+        **getattr(request, "param", {}),
+    )
     service = RouterService(config, 100, None)
     address = serve(lambda s: rpc.add_RouterServicer_to_server(service, s))
 
@@ -281,3 +286,64 @@ def test_a_resumed_request_waits_for_room_longer_than_a_new_one(router):
         decode.broke_at = time.monotonic()  # full again: a new request waits 0.5 s only
         with pytest.raises(Overloaded, match="within 0.5s"):
             client.generate([1], max_tokens=2)
+
+
+class LocalRecordingDecode(RecordingDecode):
+    """Records, by prompt length, each Reserve's push window and each Start's prefill_here,
+    and every Release by prompt length too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.length: dict[str, int] = {}
+        self.windows: dict[int, float] = {}
+        self.here: dict[int, bool] = {}
+
+    def Reserve(self, request, context):
+        n = self.length[request.request_id] = len(request.prompt_token_ids)
+        self.windows[n] = request.push_window_s
+        return super().Reserve(request, context)
+
+    def Start(self, request, context):
+        self.here[self.length[request.request_id]] = request.prefill_here
+        yield from super().Start(request, context)
+
+    def released_unpushed(self, n: int) -> bool:
+        return any(self.length[rid] == n and unpushed for rid, unpushed in self.unpushed)
+
+
+class CountingPrefill(FakePrefill):
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def Prefill(self, request, context):
+        self.calls.append(len(request.prompt_token_ids))
+        return super().Prefill(request, context)
+
+
+@pytest.mark.parametrize("router", [{"local_prefill_tokens": 4}], indirect=True)
+def test_short_prompts_go_to_the_decode_worker_with_no_push_window(router):
+    """Conditional disaggregation at the router: a prompt of at most 4 tokens is reserved
+    with a push window of a millisecond (no push will come), started with prefill_here, never
+    sent to a prefill worker, and released unfenced when its client walks away; a longer
+    one goes the usual way."""
+    from pdserve.router.handoff import LOCAL_PUSH_WINDOW_S
+
+    service, address, register = router
+    decode, prefill = LocalRecordingDecode(), CountingPrefill()
+    register("d", "decode", servicer=decode)
+    register("p", "prefill", servicer=prefill)
+    with Client(address) as client:
+        assert client.generate([1, 2, 3, 4], max_tokens=2).finish_reason == "length"
+        assert client.generate([1, 2, 3, 4, 5], max_tokens=2).finish_reason == "length"
+        stream = client.stream([7], max_tokens=50)
+        next(stream)
+        stream.close()
+    deadline = time.monotonic() + 5
+    while not decode.released_unpushed(1):  # released in the background
+        assert time.monotonic() < deadline, f"not released unfenced: {decode.unpushed}"
+        time.sleep(0.01)
+    assert decode.here == {4: True, 5: False, 1: True}
+    assert decode.windows[4] == decode.windows[1] == LOCAL_PUSH_WINDOW_S
+    assert decode.windows[5] == service.config.push_window_s
+    assert prefill.calls == [5]
+    assert service.metrics.local_prefills._value.get() == 2

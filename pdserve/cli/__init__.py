@@ -151,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="the router's --local-prefill-tokens: prompts of at most N tokens are computed by "
-        "their decode worker (conditional disaggregation; default 0: none; then the router "
-        "stays at normal priority unless --router-idle)",
+        "their decode worker (conditional disaggregation; default 0: none); with N > 0 the "
+        "router stays at normal priority unless --router-idle",
     )
     launch.add_argument("--port", type=int, default=0)
     launch.add_argument("--transfer", default="nixl", choices=PROCESS_BACKENDS)

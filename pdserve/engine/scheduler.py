@@ -1,11 +1,14 @@
 """Continuous batching with chunked prefill under a token budget.
 
 Each step: every running request gets its next tokens (one for decoding requests, the rest of
-its prompt up to the budget for prefilling ones), in admission order; then parked requests
-come back; then waiting requests are admitted while the budget, `max_num_seqs` and free KV
-blocks allow. A running request that cannot get a block preempts the most recently admitted
-one (the victim: it has made the least progress since admission, and LIFO keeps the oldest
-requests moving).
+its prompt up to the budget for prefilling ones), in the running list's order (admission
+order, except that a decoding request joins ahead of the requests still computing their
+context: Scheduler._join); then parked requests come back; then waiting requests are
+admitted while the budget, `max_num_seqs` and free KV blocks allow. A running request that
+cannot get a block preempts the one at the list's end: the most recently admitted, or a
+request still computing its context that a later decoder went ahead of (the victim: it has
+made the least progress, and LIFO keeps the oldest requests moving; a context half computed
+costs less to lose than a pushed one).
 
 With a rotation installed (`rotation`, by the cost-aware admission policy), a step first
 gives the most slowed-down parked request a turn (`_rotate`), and a decoding request back
@@ -107,12 +110,13 @@ class Scheduler:
         token budget in order: a long context ahead of it would take the whole budget and
         leave it, and every decoder after it, out of the step."""
         running = self.running
+        at = len(running)
         if request.num_tokens - request.num_computed_tokens <= 1:
-            for i, other in enumerate(running):
-                if other.num_tokens - other.num_computed_tokens > 1:
-                    running.insert(i, request)
-                    return
-        running.append(request)
+            # they collect at the end (decoders join ahead of them, and none turns back into
+            # one still computing): the scan stops at the first decoder from the end
+            while at and running[at - 1].num_tokens - running[at - 1].num_computed_tokens > 1:
+                at -= 1
+        running.insert(at, request)
 
     @property
     def has_unfinished(self) -> bool:

@@ -429,7 +429,7 @@ class Handoff:
         m.e2e.observe(t.e2e_s)
         if finished is not None:
             m.queue.observe(t.queue_s)
-            if t.prefill_worker != t.decode_worker:  # else computed there: nothing moved
+            if finished.prefill.transfer_bytes:  # else computed on a decode worker: no push
                 m.transfer.observe(t.transfer_s)
             m.transfer_bytes.inc(finished.prefill.transfer_bytes)
             if len(run.tokens) > 1:
@@ -440,7 +440,8 @@ class Handoff:
     def _prefill_here(self, context: list[int]) -> bool:
         """Whether the decode worker that reserves `context` computes it too, beside its
         running batch (conditional disaggregation): short enough, no prefill worker."""
-        return len(context) <= self.config.local_prefill_tokens
+        limit = self.config.local_prefill_tokens
+        return limit > 0 and len(context) <= limit
 
     def _pause(self, pause: float) -> float:
         """Back off between tries: many waiting requests polling every 10 ms kept the

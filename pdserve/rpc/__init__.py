@@ -4,8 +4,10 @@
 # 3: GenerateRequest.continuation (a version-2 router refuses version-3 requests, so it
 #    never ignores a continuation and repeats tokens; version-2 clients are still served)
 # 4: StartRequest.prefill_here (a version-3 decode worker would ignore it and wait for a push
-#    that never comes: the router registers only workers of its own version)
+#    that never comes: the router registers only workers of its own version). Generate did
+#    not change: clients still send GENERATE_VERSION 3, so that version-3 routers serve them
 PROTOCOL_VERSION = 4
+GENERATE_VERSION = 3  # what the SDK sends in GenerateRequest.protocol_version
 GENERATE_VERSIONS = frozenset({0, 2, 3, PROTOCOL_VERSION})  # what a router's Generate accepts
 # Generate's metadata: the router sends ACCEPTED_KEY at once (it has the request) and
 # STATUS_KEY in the trailers of every status it ends a call with, so a client tells a
