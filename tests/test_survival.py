@@ -206,13 +206,18 @@ def test_streams_go_on_through_a_router_restart(expected):
                 assert time.monotonic() < deadline, "the streams never started"
                 time.sleep(0.01)
             os.kill(old_router, signal.SIGKILL)
+            # a stream can end before the kill (on a loaded machine the first ones finish
+            # while the last ones start): it had no router to lose. None goes on before the
+            # supervisor's next step brings the router back.
+            ended_before = [f.done() for f in futures]
+            assert sum(ended_before) <= len(PROMPTS) // 2, "too few streams in flight"
             while not all(f.done() for f in futures):  # the supervisor brings it back
                 assert time.monotonic() < deadline + 120, "the streams never ended"
                 supervisor.step()
                 time.sleep(0.05)
             results = [f.result() for f in futures]
         assert c.procs[0].pid != old_router
-        for (tokens, reason, reconnects), want in zip(results, expected):
+        for (tokens, reason, reconnects), want, ended in zip(results, expected, ended_before):
             assert tokens == want and reason == "length"
-            assert reconnects == 1  # each was in flight when the router died
+            assert reconnects == (0 if ended else 1)  # each one in flight went on once
         survivors_free(client, dead="")
