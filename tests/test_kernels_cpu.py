@@ -32,7 +32,16 @@ def test_the_kernel_builds_where_there_is_a_compiler():
 
 
 @needs_kernel
-@pytest.mark.parametrize("block_size,ctx,hq,hkv,dim", CASES + [(32, [1, 31, 32, 100], 9, 3, 64)])
+@pytest.mark.parametrize(
+    "block_size,ctx,hq,hkv,dim",
+    CASES
+    + [
+        (32, [1, 31, 32, 100], 9, 3, 64),
+        # group 6 (tiles of 4 + 2 heads, score passes of 3 + 1 and 2), head dim 72 (whole
+        # 8-lane vectors, not whole 16-column value chunks), rows 7-9 about a chunk of 8
+        (16, [7, 8, 9, 41], 12, 2, 72),
+    ],
+)
 def test_paged_gqa_decode_cpu_matches_naive_walk(block_size, ctx, hq, hkv, dim):
     gen = torch.Generator().manual_seed(hash((block_size, hq, dim, 7)) % 1000)
     nblocks = 24
@@ -46,6 +55,27 @@ def test_paged_gqa_decode_cpu_matches_naive_walk(block_size, ctx, hq, hkv, dim):
         keys = walk(k_cache, table[i], c, block_size)
         values = walk(v_cache, table[i], c, block_size)
         torch.testing.assert_close(out[i], naive_attention(q[i], keys, values, dim**-0.5), **TOL)
+
+
+@needs_kernel
+def test_paged_gqa_decode_cpu_far_apart_scores():
+    """Scores hundreds apart (weights of e^-87 and below) and a running max that moves up
+    late in the context: the softmax's clamp and its rescale of what was summed before."""
+    gen = torch.Generator().manual_seed(5)
+    block_size, hq, hkv, dim, ctx = 16, 6, 2, 64, [200, 37]
+    k_cache = torch.randn(30, block_size, hkv, dim, generator=gen)
+    v_cache = torch.randn(30, block_size, hkv, dim, generator=gen)
+    table = random_tables(ctx, block_size, 30, gen)
+    q = torch.randn(len(ctx), hq, dim, generator=gen) * 4
+    for i, c in enumerate(ctx):  # each sequence's last key: the best match, by far
+        last = table[i, (c - 1) // block_size]
+        k_cache[last, (c - 1) % block_size] = q[i].view(hkv, -1, dim)[:, 0] * 3
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    out = paged_decode_cpu.paged_gqa_decode_cpu(q, k_cache, v_cache, table, lens, 1.0)
+    for i, c in enumerate(ctx):
+        keys = walk(k_cache, table[i], c, block_size)
+        values = walk(v_cache, table[i], c, block_size)
+        torch.testing.assert_close(out[i], naive_attention(q[i], keys, values, 1.0), **TOL)
 
 
 @needs_kernel

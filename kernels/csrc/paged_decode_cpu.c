@@ -5,9 +5,13 @@
  * head that shares each KV head (GQA's group; MLA's latent is one head shared by all of
  * them), with an online softmax over the blocks. With enough sequences a task takes all of
  * a sequence's heads, so each block is read front to back; with few, one head each, so
- * that every thread has work. Within a KV head, up to four query heads go through a block
- * together, so that each key and value row is loaded once for all of them, in 8-lane
- * vectors (scores, then the softmax's exponentials, then the weighted values). Tasks are
+ * that every thread has work. A block goes eight rows at a time, every head of the task
+ * within those rows, so that its keys and then its values are read front to back (what
+ * the hardware's stream prefetchers follow; a whole block a head at a time strides through
+ * it once per head). Within a KV head, up to four query heads go through the rows together,
+ * so that each key and value row is loaded once for all of them, in 8-lane vectors: scores
+ * a chunk of keys at a time (their sums reduced together, not one horizontal sum per key),
+ * then the softmax's exponentials, then the weighted values. Tasks are
  * spread over OpenMP threads (the process's own runtime: torch loads libgomp.so.1 first,
  * and this library reuses it). fp32 throughout.
  *
@@ -52,13 +56,14 @@ INLINE float hsum(vf v) {
     return a + b;
 }
 
-/* e^x for the softmax's x <= 0: 2^n e^f with n = round(x / ln 2), |f| <= ln 2 / 2 (ln 2 in
- * two parts, Cephes' split, so that f keeps its bits), e^f by its Taylor series to f^7
- * (truncation below 1e-8 relative). Plain arithmetic, so that loops of it vectorize; libm's
- * expf would be called once per score. Below -87 it returns e^-87 (~1.6e-38), not 0. */
+/* e^x for the softmax's x <= 0: 2^n e^f with n = round(x / ln 2) (x / ln 2 - 1/2,
+ * truncated), |f| <= ln 2 / 2 (ln 2 in two parts, Cephes' split, so that f keeps its bits),
+ * e^f by its Taylor series to f^7 (truncation below 1e-8 relative). Plain arithmetic (libm's
+ * expf would be a call per score); exp_neg_v below is the same, 8 lanes at once. Below -87
+ * it returns e^-87 (~1.6e-38), not 0. */
 INLINE float exp_neg(float x) {
     x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float n = (float)(int32_t)(x * 1.44269504088896341f - 0.5f); /* round: x <= 0 */
     const float f = (x - n * 0.693359375f) + n * 2.12194440e-4f;
     float e = 1.0f / 5040.0f;
     e = e * f + 1.0f / 720.0f;
@@ -74,22 +79,67 @@ INLINE float exp_neg(float x) {
     return e * scale;
 }
 
-/* Scores of `gt` query heads (rows of q, `dim` apart) against n keys `kst` apart: each key
- * row is loaded once for all of them. Rows of p are `bs` apart. */
+/* Keys per chunk of the scores and query heads per pass over a chunk: the chunk's partial
+ * sums (SG x KT vectors) stay in registers, 32 of them where AVX-512 gives 32 vector
+ * registers, 16 elsewhere. */
+#if defined(__AVX512F__)
+#define KT 8
+#define SG 3
+#else
+#define KT 4
+#define SG 2
+#endif
+
+typedef float vf4 __attribute__((vector_size(16), aligned(4), may_alias));
+
+#define EVENS(x, y) __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14)
+#define ODDS(x, y) __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15)
+
+/* a[k]'s lanes summed, for k < 4: lanes 0-3 of the result (pairs, then quads, then the
+ * two halves). */
+INLINE vf4 reduce4(const vf *a) {
+    const vf h01 = EVENS(a[0], a[1]) + ODDS(a[0], a[1]);
+    const vf h23 = EVENS(a[2], a[3]) + ODDS(a[2], a[3]);
+    const vf s = EVENS(h01, h23) + ODDS(h01, h23); /* [quads of lanes 0-3 | of lanes 4-7] */
+    return __builtin_shufflevector(s, s, 0, 1, 2, 3) + __builtin_shufflevector(s, s, 4, 5, 6, 7);
+}
+
+/* Scores of `gt` query heads (rows of q, `dim` apart) against n keys `kst` apart, into
+ * rows of p `bs` apart. Keys go KT at a time: each key vector is loaded once for up to SG
+ * heads, each query vector once per chunk, and a chunk's sums are reduced together (a
+ * transpose of adds) instead of one horizontal sum per key. The order of the adds depends
+ * only on the key's place in its block, never on the task split. */
 INLINE void scores_tile(const float *restrict q, const int gt, const int64_t dim,
                         const float *kb, const int64_t kst, const int64_t n, const float scale,
                         float *restrict p, const int64_t bs) {
     const int64_t dv = dim - dim % VL;
-    for (int64_t i = 0; i < n; i++) {
-        const float *kr = kb + i * kst;
-        vf a[GT];
-        for (int g = 0; g < gt; g++) a[g] = (vf){0};
-        for (int64_t d = 0; d < dv; d += VL) {
-            const vf kv = vload(kr + d);
-            for (int g = 0; g < gt; g++) a[g] += vload(q + g * dim + d) * kv;
+    int64_t i = 0;
+    for (; i + KT <= n && dv == dim; i += KT)
+        for (int g0 = 0; g0 < gt; g0 += SG) {
+            const int sg = gt - g0 < SG ? gt - g0 : SG;
+            vf a[SG][KT];
+            for (int g = 0; g < sg; g++)
+                for (int k = 0; k < KT; k++) a[g][k] = (vf){0};
+            for (int64_t d = 0; d < dv; d += VL) {
+                vf qv[SG];
+                for (int g = 0; g < sg; g++) qv[g] = vload(q + (g0 + g) * dim + d);
+                for (int k = 0; k < KT; k++) {
+                    const vf kv = vload(kb + (i + k) * kst + d);
+                    for (int g = 0; g < sg; g++) a[g][k] += qv[g] * kv;
+                }
+            }
+            for (int g = 0; g < sg; g++)
+                for (int k = 0; k < KT; k += 4) {
+                    const vf4 s = reduce4(&a[g][k]) * scale;
+                    memcpy(p + (g0 + g) * bs + i + k, &s, sizeof s);
+                }
         }
+    for (; i < n; i++) { /* the block's last keys (a context's end), one at a time */
+        const float *kr = kb + i * kst;
         for (int g = 0; g < gt; g++) {
-            float s = hsum(a[g]);
+            vf a = (vf){0};
+            for (int64_t d = 0; d < dv; d += VL) a += vload(q + g * dim + d) * vload(kr + d);
+            float s = hsum(a);
             for (int64_t d = dv; d < dim; d++) s += q[g * dim + d] * kr[d];
             p[g * bs + i] = s * scale;
         }
@@ -129,36 +179,110 @@ INLINE void values_tile(const float *restrict p, const int gt, const int64_t bs,
         }
 }
 
+/* exp_neg over VL lanes, with the same arithmetic lane by lane. */
+INLINE vf exp_neg_v(vf x) {
+    typedef int32_t vi __attribute__((vector_size(32)));
+    for (int i = 0; i < VL; i++) x[i] = x[i] < -87.0f ? -87.0f : x[i];
+    const vi ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);
+    const vf n = __builtin_convertvector(ni, vf);
+    const vf f = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    vf e = (vf){0} + 1.0f / 5040.0f;
+    e = e * f + 1.0f / 720.0f;
+    e = e * f + 1.0f / 120.0f;
+    e = e * f + 1.0f / 24.0f;
+    e = e * f + 1.0f / 6.0f;
+    e = e * f + 0.5f;
+    e = e * f + 1.0f;
+    e = e * f + 1.0f;
+    const vi bits = (ni + 127) << 23;
+    vf scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return e * scale;
+}
+
 /* The online softmax's step for one head over a block's n scores: p becomes the weights,
- * the running max m, sum l and accumulator acc are rescaled. */
+ * the running max m, sum l and accumulator acc are rescaled. Whole vectors of scores go
+ * VL at a time, the rest one by one, with the same arithmetic. */
 INLINE void softmax_step(float *restrict p, const int64_t n, float *m, float *l,
                          float *restrict acc, const int64_t vdim) {
+    const int64_t nv = n - n % VL;
     float mx = *m;
-#pragma omp simd reduction(max : mx)
-    for (int64_t i = 0; i < n; i++) mx = p[i] > mx ? p[i] : mx;
-    const float corr = exp_neg(*m - mx); /* ~0 on the first block, where acc and l are 0 */
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; i++) {
+    if (nv) {
+        vf vm = vload(p);
+        for (int64_t i = VL; i < nv; i += VL) {
+            const vf x = vload(p + i);
+            for (int k = 0; k < VL; k++) vm[k] = x[k] > vm[k] ? x[k] : vm[k];
+        }
+        for (int i = 0; i < VL; i++) mx = vm[i] > mx ? vm[i] : mx;
+    }
+    for (int64_t i = nv; i < n; i++) mx = p[i] > mx ? p[i] : mx;
+    vf vs = (vf){0};
+    for (int64_t i = 0; i < nv; i += VL) {
+        const vf e = exp_neg_v(vload(p + i) - mx);
+        vstore(p + i, e);
+        vs += e;
+    }
+    float sum = hsum(vs);
+    for (int64_t i = nv; i < n; i++) {
         p[i] = exp_neg(p[i] - mx);
         sum += p[i];
     }
+    if (mx == *m) { /* the running max held (most blocks past the first few): no rescale */
+        *l += sum;
+        return;
+    }
+    const float corr = exp_neg(*m - mx); /* ~0 on the first block, where acc and l are 0 */
     *l = *l * corr + sum;
     *m = mx;
-#pragma omp simd
-    for (int64_t d = 0; d < vdim; d++) acc[d] *= corr;
+    const int64_t dv = vdim - vdim % VL;
+    for (int64_t d = 0; d < dv; d += VL) vstore(acc + d, vload(acc + d) * corr);
+    for (int64_t d = dv; d < vdim; d++) acc[d] *= corr;
 }
 
-/* One tile of a KV head's query heads over one block. `j` indexes the tile's first head
- * within the task's range (m, l, p and acc rows). */
-INLINE void block_tile(const task *t, const float *kb, const float *vb, const int64_t n,
-                       const int64_t qh, const int64_t j, const int gt, const int64_t dim,
-                       const int64_t vdim, float *m, float *l, float *p, float *acc) {
-    const int64_t bs = t->block_size;
-    scores_tile(t->q + qh * dim, gt, dim, kb, t->ks.token, n, t->scale, p + j * bs, bs);
-    for (int g = 0; g < gt; g++)
-        softmax_step(p + (j + g) * bs, n, m + j + g, l + j + g, acc + (j + g) * vdim, vdim);
-    values_tile(p + j * bs, gt, bs, vb, t->vs.token, n, vdim, acc + j * vdim);
+#define RC 8 /* rows of a block per chunk, every head of the task within the chunk */
+
+/* The query heads [qh, qh + gt) of KV head h over rows [i0, i0 + rc) of a block. */
+#define TILE_SWITCH(call)                                                             \
+    switch (group - g0 < GT ? group - g0 : GT) {                                      \
+    case 1: call(1); break;                                                           \
+    case 2: call(2); break;                                                           \
+    case 3: call(3); break;                                                           \
+    default: call(4); break;                                                          \
+    }
+
+/* One block for KV heads [h0, h1): scores of every query head, then each head's online
+ * softmax step, then the weighted values. */
+INLINE void block_pass(const task *t, const int64_t blk, const int64_t n, const int64_t h0,
+                       const int64_t h1, const int64_t dim, const int64_t vdim, float *m,
+                       float *l, float *p, float *acc) {
+    const int64_t bs = t->block_size, group = t->group;
+    const float *kblk = t->k + blk * t->ks.block, *vblk = t->v + blk * t->vs.block;
+    for (int64_t i0 = 0; i0 < n; i0 += RC) {
+        const int64_t rc = n - i0 < RC ? n - i0 : RC;
+        for (int64_t h = h0; h < h1; h++)
+            for (int64_t g0 = 0; g0 < group; g0 += GT) {
+                const int64_t qh = h * group + g0, j = (h - h0) * group + g0;
+                const float *kb = kblk + i0 * t->ks.token + h * t->ks.head;
+#define SCORES(gt) \
+    scores_tile(t->q + qh * dim, gt, dim, kb, t->ks.token, rc, t->scale, p + j * bs + i0, bs)
+                TILE_SWITCH(SCORES)
+#undef SCORES
+            }
+    }
+    for (int64_t j = 0; j < (h1 - h0) * group; j++)
+        softmax_step(p + j * bs, n, m + j, l + j, acc + j * vdim, vdim);
+    for (int64_t i0 = 0; i0 < n; i0 += RC) {
+        const int64_t rc = n - i0 < RC ? n - i0 : RC;
+        for (int64_t h = h0; h < h1; h++)
+            for (int64_t g0 = 0; g0 < group; g0 += GT) {
+                const int64_t j = (h - h0) * group + g0;
+                const float *vb = vblk + i0 * t->vs.token + h * t->vs.head;
+#define VALUES(gt) \
+    values_tile(p + j * bs + i0, gt, bs, vb, t->vs.token, rc, vdim, acc + j * vdim)
+                TILE_SWITCH(VALUES)
+#undef VALUES
+            }
+    }
 }
 
 /* Asks for the keys and values of heads [h0, h1) of the block after next while this one
@@ -195,19 +319,7 @@ INLINE void attend(const task *t, int64_t h0, int64_t h1, int64_t dim, int64_t v
         const int64_t blk = t->table[b];
         const int64_t n = (b == nblocks - 1) ? t->context - b * bs : bs;
         if (b + 2 < nblocks) prefetch_block(t, t->table[b + 2], h0, h1, dim, vdim);
-        for (int64_t h = h0; h < h1; h++) {
-            const float *kb = t->k + blk * t->ks.block + h * t->ks.head;
-            const float *vb = t->v + blk * t->vs.block + h * t->vs.head;
-            for (int64_t g0 = 0; g0 < group; g0 += GT) {
-                const int64_t qh = h * group + g0, j = (h - h0) * group + g0;
-                switch (group - g0 < GT ? group - g0 : GT) {
-                case 1: block_tile(t, kb, vb, n, qh, j, 1, dim, vdim, m, l, p, acc); break;
-                case 2: block_tile(t, kb, vb, n, qh, j, 2, dim, vdim, m, l, p, acc); break;
-                case 3: block_tile(t, kb, vb, n, qh, j, 3, dim, vdim, m, l, p, acc); break;
-                default: block_tile(t, kb, vb, n, qh, j, 4, dim, vdim, m, l, p, acc); break;
-                }
-            }
-        }
+        block_pass(t, blk, n, h0, h1, dim, vdim, m, l, p, acc);
     }
     for (int64_t j = 0; j < heads; j++) {
         const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
