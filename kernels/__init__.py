@@ -6,10 +6,11 @@ without a GPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, 
 triton is imported).
 
 The CPU kernels in C (csrc/, compiled for this machine on first use by `cpu_native`):
-`paged_decode_cpu`, the engine's `attention_backend="cpu"`; `small_gemm_cpu`, a decode
-step's few-row products (layers.Linear); `decode_ops_cpu`, RMSNorm, SwiGLU's activation
-and RoPE. Imported as modules, not re-exported here, so that importing `kernels` never
-starts a compiler.
+`paged_decode_cpu`, the engine's `attention_backend="cpu"`; `panel_gemm_cpu`, every fp32
+product of layers.Linear, on weights packed in K-major panels at load; `small_gemm_cpu`,
+a decode step's few-row products where the weights are not packed so; `decode_ops_cpu`,
+RMSNorm, SwiGLU's activation and RoPE. Imported as modules, not re-exported here, so
+that importing `kernels` never starts a compiler.
 """
 
 from kernels.block_copy import pack_blocks, pack_blocks_ref, unpack_blocks, unpack_blocks_ref

@@ -1,8 +1,10 @@
-"""The few-row CPU product (kernels/small_gemm_cpu.py) against torch's, in the same process:
-one decode step's worth of a model's projections and LM head: every Linear of the model
-as the engine loads it, so as large as its weights (read from memory, not the caches), for
-a grid of row counts. Paths: the kernel, oneDNN's packed product (each Linear's own copy:
-what layers.Linear runs past the kernel's rows) and torch's plain `x @ w.T` (MKL).
+"""The CPU products of a decode step against each other, in the same process: one decode
+step's worth of a model's projections and LM head: every Linear of the model as the engine
+loads it, so as large as its weights (read from memory, not the caches), for a grid of row
+counts. Paths: the few-row kernel (`kernel`, kernels/small_gemm_cpu.py, on the weight in
+place), oneDNN's packed product (`onednn`, each Linear's own copy), the panel kernel
+(`panel`, kernels/panel_gemm_cpu.py, each Linear's panels: what layers.Linear runs by
+default) and torch's plain `x @ w.T` (`mkl`).
 
     python scripts/small_gemm_ab.py [--model smollm2-135m] [--rows 1,2,4,8,12,16,24,32] \
         [--json out.json]
@@ -19,11 +21,11 @@ import time
 
 import torch
 
-from kernels import small_gemm_cpu
+from kernels import panel_gemm_cpu, small_gemm_cpu
 from pdserve.bench.report import machine_info
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
-from pdserve.models.layers import Linear
+from pdserve.models.layers import ONEDNN_LINEAR, PACK_ROWS_HINT, Linear
 
 
 def main() -> None:
@@ -42,7 +44,14 @@ def main() -> None:
     if not all(m.weight.dtype == torch.float32 for m in linears):
         raise SystemExit(f"{args.model}: the kernel is for fp32 weights")
     weights = [m.weight.detach() for m in linears]
+    # the engine packs its Linears for the panel kernel (or, without it, for oneDNN): each
+    # copy the other way is made here, for this comparison only
+    panels = [m.panels for m in linears] if all(m.panels is not None for m in linears) else None
+    if panels is None and panel_gemm_cpu.available():
+        panels = [panel_gemm_cpu.pack(w) for w in weights]
     packed = [m.packed for m in linears] if all(m.packed is not None for m in linears) else None
+    if packed is None and ONEDNN_LINEAR:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in weights]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     paths = {
         "kernel": lambda x, i: small_gemm_cpu.small_gemm(x, weights[i]),
@@ -51,6 +60,10 @@ def main() -> None:
     if packed is not None:
         paths["onednn"] = lambda x, i: torch.ops.mkldnn._linear_pointwise(
             x, packed[i], None, "none", [], ""
+        )
+    if panels is not None:
+        paths["panel"] = lambda x, i: panel_gemm_cpu.try_panel_gemm(
+            x, panels[i], weights[i].shape[0], None
         )
     rows_out = []
     for rows in (int(r) for r in args.rows.split(",")):
@@ -74,7 +87,11 @@ def main() -> None:
             point[f"{name}_gb_s"] = nbytes / best / 1e9
         rows_out.append(point)
         cells = "  ".join(f"{n} {point[f'{n}_s'] * 1e3:6.1f} ms" for n in paths)
-        vs = f"kernel/onednn {point['kernel_s'] / point['onednn_s']:.2f}" if packed else ""
+        vs = " ".join(
+            f"{a}/{b} {point[f'{a}_s'] / point[f'{b}_s']:.2f}"
+            for a, b in (("kernel", "onednn"), ("panel", "onednn"), ("panel", "kernel"))
+            if a in paths and b in paths
+        )
         print(f"rows {rows:3d}  {cells}  {vs}", flush=True)
     report = {
         "benchmark": "small_gemm_ab",

@@ -4,15 +4,13 @@ decode step reads, and a small grid run for real."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from kernels import small_gemm_cpu
 from pdserve.bench.roofline import bench_roofline, format_table, weight_bytes_read
-from pdserve.models.layers import Linear
+from pdserve.models.layers import ONEDNN_LINEAR, Linear
 
 
 def test_a_tied_table_is_read_once_and_an_untied_input_table_not_at_all():
-    import torch
-
     class Tiny(torch.nn.Module):
         def __init__(self, tied: bool) -> None:
             super().__init__()
@@ -27,7 +25,9 @@ def test_a_tied_table_is_read_once_and_an_untied_input_table_not_at_all():
     assert weight_bytes_read(Tiny(tied=False)) == (40 + 8) * 4  # the LM head, not the input
 
 
-def test_a_small_grid_reports_every_point_against_the_bandwidth_it_measured():
+@pytest.mark.parametrize("cpu_gemm", ["panel", "onednn"])
+def test_a_small_grid_reports_every_point_against_the_bandwidth_it_measured(cpu_gemm, monkeypatch):
+    monkeypatch.setattr(Linear, "cpu_gemm", cpu_gemm)
     report = bench_roofline(
         "tiny-llama", batches=(1, 4), contexts=(16, 64), steps=1, bandwidth_bytes=32 << 20
     )
@@ -60,9 +60,16 @@ def test_a_small_grid_reports_every_point_against_the_bandwidth_it_measured():
         assert r["fraction_of_bound"] == pytest.approx(r["bound_s"] / r["step_s"])
     assert report["matmul_gflop_s"] > 0
     assert "(0." in format_table(report) or "(1." in format_table(report)
-    # the few-row kernel's A/B: every point it ran at was timed again on torch's path
+    # the panel kernel's A/B: every point timed again on the products it replaced
+    panels = Linear.uses_panels(torch.device("cpu"), torch.float32) and ONEDNN_LINEAR
+    assert report["panel_gemm"] == panels
+    for r in report["rows"]:
+        assert (r["previous_linear_step_s"] is not None) == panels, r
+    if panels:
+        assert "the products the panel kernel replaced" in format_table(report)
+    # without it, the few-row kernel's A/B: every point it ran at timed again on torch's path
     rows = report["small_gemm_rows"]
-    assert rows == (Linear.native_rows if small_gemm_cpu.available() else 0)
+    assert rows == (0 if panels else Linear.kernel_rows(torch.device("cpu"), torch.float32))
     for r in report["rows"]:
         assert (r["torch_linear_step_s"] is not None) == (r["batch"] <= rows), r
     if rows:

@@ -88,6 +88,8 @@ def test_linear_sends_few_rows_to_the_kernel_and_more_to_torch(monkeypatch):
         return out
 
     monkeypatch.setattr(small_gemm_cpu, "try_small_gemm", counted)
+    # where the panel kernel is off (PDSERVE_CPU_GEMM=onednn, or it does not build)
+    monkeypatch.setattr(layers.Linear, "cpu_gemm", "onednn")
     torch.manual_seed(0)
     layer = layers.Linear(64, 48, bias=True).requires_grad_(False)
     layer.pack_for_cpu()
@@ -155,6 +157,16 @@ for hq, hkv, dim in ((9, 3, 64), (12, 2, 72), (8, 1, 128)):  # score passes of 2
     torch.testing.assert_close(
         paged_decode_cpu.paged_gqa_decode_cpu(qd, kc, vc, table, lens, 0.1),
         paged_gqa_decode_ref(qd, kc, vc, table, lens, 0.1), rtol=2e-5, atol=2e-5)
+from kernels import panel_gemm_cpu
+assert panel_gemm_cpu.nr() == 16 and panel_gemm_cpu.mr() == 6  # the AVX2 build's sizes
+for rows in (*range(1, 8), 13, 200):  # every tile height, and past a block of tiles
+    for n, k in ((7, 5), (33, 130)):
+        x, w, b = (torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen),
+                   torch.randn(n, generator=gen))
+        want = (x.double() @ w.double().T + b.double()).float()
+        torch.testing.assert_close(
+            panel_gemm_cpu.try_panel_gemm(x, panel_gemm_cpu.pack(w), n, b), want,
+            rtol=1e-5, atol=1e-5 * k**0.5)
 print("ok")
 """
 
@@ -198,5 +210,6 @@ def test_the_avx2_build_is_right_too(tmp_path):
     assert [b.split("-")[0] for b in builds] == [
         "decode_ops_cpu",
         "paged_decode_cpu",
+        "panel_gemm_cpu",
         "small_gemm_cpu",
     ], builds

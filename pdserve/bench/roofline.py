@@ -133,6 +133,21 @@ def decode_chunks(
     ]
 
 
+def _hold_onednn_copies(model: torch.nn.Module) -> bool:
+    """Where the model's Linears multiply by panels and torch has oneDNN's packed product,
+    give each one oneDNN's copy too (what `Linear.panel_products = False` then runs): True
+    if so."""
+    from pdserve.models.layers import ONEDNN_LINEAR, PACK_ROWS_HINT
+
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.panels is not None]
+    if not linears or not ONEDNN_LINEAR:
+        return False
+    with torch.no_grad():
+        for m in linears:
+            m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACK_ROWS_HINT)
+    return True
+
+
 def _median_step(runner, chunks, steps: int, device: torch.device) -> float:
     times = []
     for s in range(steps + 1):  # the first is a warm-up (and captures a CUDA graph)
@@ -176,9 +191,13 @@ def bench_roofline(
         bandwidth = read_bandwidth(device, bandwidth_bytes)
         flops_per_s = matmul_flops(device, core.kv_pool.dtype)
         weights = weight_bytes_read(core.runner.model)
-        # where the few-row kernel runs, each such point is timed again without it
+        # where the panel kernel runs, each point is timed again on the path it replaced
+        # (the few-row kernel to its rows, oneDNN's packed product past them): both copies
+        # of the weights are held for the run; where the few-row kernel runs instead, each
+        # of its points is timed again without it
         model_dtype = next(core.runner.model.parameters()).dtype
-        kernel_rows = Linear.kernel_rows(device, model_dtype)
+        panels = _hold_onednn_copies(core.runner.model)
+        kernel_rows = 0 if panels else Linear.kernel_rows(device, model_dtype)
         kv_per_token = core.model_config.kv_elements_per_token * core.kv_pool.element_size()
         vocab = core.model_config.vocab_size
         gen = torch.Generator().manual_seed(seed)
@@ -200,8 +219,14 @@ def bench_roofline(
                     eager = _median_step(core.runner, chunks, steps, device)
                 finally:
                     core.runner.graphs = graphs
+            previous_linear = torch_linear = None
+            if panels:
+                Linear.panel_products = False
+                try:
+                    previous_linear = _median_step(core.runner, chunks, steps, device)
+                finally:
+                    Linear.panel_products = True
             # the same step with the few-row products on torch's path, where the kernel ran
-            torch_linear = None
             if 0 < batch <= kernel_rows:
                 native_rows = Linear.native_rows
                 Linear.native_rows = 0
@@ -230,6 +255,8 @@ def bench_roofline(
                     "eager_step_s": eager,  # None: no CUDA graphs (CPU)
                     "graph_replays": replays,
                     "torch_linear_step_s": torch_linear,  # None: the kernel did not run
+                    # None: no panel kernel (or no oneDNN to compare with)
+                    "previous_linear_step_s": previous_linear,
                 }
             )
     finally:
@@ -242,6 +269,7 @@ def bench_roofline(
         "matmul_gflop_s": flops_per_s / 1e9,
         "attention_backend": core.runner.backend.name,
         "small_gemm_rows": kernel_rows,
+        "panel_gemm": panels,
         "cuda_graphs": core.runner.graphs.stats() if getattr(core.runner, "graphs", None) else None,
         "weight_bytes_read": weights,
         "kv_bytes_per_token": kv_per_token,
@@ -283,6 +311,19 @@ def format_table(report: dict) -> str:
             cells = [
                 f"{r['eager_step_s'] * 1e3:>7.1f} ({r['eager_step_s'] / r['step_s']:.2f}x)"
                 if (r := at.get((b, c))) and r.get("eager_step_s")
+                else ""
+                for c in contexts
+            ]
+            lines.append(f"{b:>6} " + " ".join(f"{cell:>22}" for cell in cells))
+    if any(r.get("previous_linear_step_s") for r in report["rows"]):
+        lines.append(
+            "the same steps on the products the panel kernel replaced (the few-row kernel,"
+            " oneDNN past its rows), ms (the panel kernel's speed-up):"
+        )
+        for b in batches:
+            cells = [
+                f"{t * 1e3:>7.1f} ({t / r['step_s']:.2f}x)"
+                if (r := at.get((b, c))) and (t := r.get("previous_linear_step_s"))
                 else ""
                 for c in contexts
             ]

@@ -121,9 +121,9 @@ class CausalLM(nn.Module):
 
     def after_load(self) -> None:
         """Derive inference-only tensors from loaded weights (after the final dtype/device):
-        fp32 CPU models lay every Linear's weight out for oneDNN, and build the C kernels
-        of their few-row products and element-wise steps now rather than in their first
-        step (see layers.Linear, layers.RMSNorm)."""
+        fp32 CPU models lay every Linear's weight out in panels (or for oneDNN), and build
+        the C kernels of their products and element-wise steps now rather than in their
+        first step (see layers.Linear, layers.RMSNorm)."""
         fp32_cpu = False
         for module in self.modules():
             if isinstance(module, Linear):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import decode_ops_cpu, small_gemm_cpu
+from kernels import decode_ops_cpu, panel_gemm_cpu, small_gemm_cpu
 from pdserve.parallel.comm import SINGLE, TPComm
 from pdserve.parallel.shard import vocab_shard
 
@@ -44,13 +44,33 @@ def _native_rows() -> int:
     return rows
 
 
+CPU_GEMMS = ("panel", "onednn")
+
+
+def _cpu_gemm() -> str:
+    """Which packed copy an fp32 CPU Linear keeps: `PDSERVE_CPU_GEMM`, `panel` (the C kernel
+    of kernels/panel_gemm_cpu.py, the default where it builds) or `onednn` (oneDNN's packed
+    product past the few-row kernel's rows, the default before 2026-12-06)."""
+    raw = os.environ.get("PDSERVE_CPU_GEMM", "panel")
+    if raw not in CPU_GEMMS:
+        raise ValueError(f"PDSERVE_CPU_GEMM={raw!r}: one of {', '.join(CPU_GEMMS)}")
+    return raw
+
+
 class Linear(nn.Linear):
     """nn.Linear with fast CPU paths for the small batches decode runs.
 
-    fp32 on CPU, at most `native_rows` rows: the C kernel of kernels/small_gemm_cpu.py, which
-    streams the weight in place (a decode step is a pass over the weights).
+    fp32 on CPU, after loading: `pack_for_cpu()` keeps a copy of the weight in K-major panels
+    and forward multiplies any number of rows by it with the C kernel of
+    kernels/panel_gemm_cpu.py (2 vCPUs, AMD EPYC Zen 4, one step of SmolLM2's projections:
+    1.13-1.5x the few-row kernel at 1-16 rows, 1.15x oneDNN at 32, 0.95x at 2,048;
+    docs/benchmarks.md). `panel_products` False turns it off (for A/B runs).
 
-    Larger fp32 CPU batches: after loading, `pack_for_cpu()` keeps a copy of the weight in oneDNN's
+    Where it is not packed so (`PDSERVE_CPU_GEMM=onednn`, or no C compiler), at most
+    `native_rows` rows: the C kernel of kernels/small_gemm_cpu.py, which streams the weight
+    in place (a decode step is a pass over the weights).
+
+    Larger fp32 CPU batches there: `pack_for_cpu()` keeps a copy of the weight in oneDNN's
     blocked layout and forward multiplies by it (2 cores, AMD EPYC: SmolLM2's 49152 x 576
     head 5.9 ms at 8 rows vs MKL's 14.8 ms, its 3072 x 576 projection 0.16 vs 0.44 ms; MKL
     takes slow paths on this CPU). The copy costs the weight's size again in memory; it is
@@ -62,7 +82,10 @@ class Linear(nn.Linear):
     """
 
     native_rows = _native_rows()  # at most this many rows go to the kernel (0: never)
-    packed: torch.Tensor | None = None
+    cpu_gemm = _cpu_gemm()
+    panel_products = True  # False: the panel copy is not used (A/B runs)
+    packed: torch.Tensor | None = None  # oneDNN's copy
+    panels: torch.Tensor | None = None  # the panel kernel's copy
     _packed_from: tuple[int, int] | None = None
 
     @classmethod
@@ -73,26 +96,52 @@ class Linear(nn.Linear):
             return 0
         return cls.native_rows if small_gemm_cpu.available() else 0
 
+    @classmethod
+    def uses_panels(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether Linears with weights on `device` in `dtype` multiply by panels."""
+        return (
+            device.type == "cpu"
+            and dtype == torch.float32
+            and cls.cpu_gemm == "panel"
+            and panel_gemm_cpu.available()
+        )
+
     def pack_for_cpu(self) -> bool:
-        """Lay the weight out for oneDNN if it is fp32 on a CPU that has it; True if packed."""
+        """Lay an fp32 CPU weight out for the panel kernel (or, with `PDSERVE_CPU_GEMM=onednn`
+        or where the kernel does not build, for oneDNN where torch has it); True if packed."""
         w = self.weight
-        self.packed = None
-        if not (ONEDNN_LINEAR and w.device.type == "cpu" and w.dtype == torch.float32):
+        self.packed = self.panels = None
+        if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
             return False
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
+            if self.uses_panels(w.device, w.dtype) and w.stride(1) == 1:
+                self.panels = panel_gemm_cpu.pack(w.detach())
+            elif ONEDNN_LINEAR:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
+            else:
+                return False
         self._packed_from = (w.data_ptr(), w._version)
         return True
 
+    def _copy_current(self) -> bool:
+        """Whether the packed copy is still the weight's (else it was changed in place
+        since, and the copies are dropped)."""
+        if self._packed_from == (self.weight.data_ptr(), self.weight._version):
+            return True
+        self.packed = self.panels = None
+        return False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and self.panel_products and self._copy_current():
+            out = panel_gemm_cpu.try_panel_gemm(x, self.panels, self.out_features, self.bias)
+            if out is not None:
+                return out
         if 0 < x.shape[0] <= self.native_rows and x.device.type == "cpu":
             out = small_gemm_cpu.try_small_gemm(x, self.weight, self.bias)
             if out is not None:
                 return out
-        if self.packed is not None and x.dtype == torch.float32:
-            if self._packed_from == (self.weight.data_ptr(), self.weight._version):
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            self.packed = None  # the weight was changed in place since it was packed
+        if self.packed is not None and x.dtype == torch.float32 and self._copy_current():
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         rows = x.shape[0]
         pad = -rows % 4
         if pad and 1 < rows < PAD_ROWS_BELOW and x.device.type == "cpu" and x.dim() == 2:
