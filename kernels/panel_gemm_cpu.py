@@ -4,9 +4,9 @@ csrc/panel_gemm_cpu.c: y = x w^T (+ b), w packed once into K-major panels.
 `pack(weight)` lays a [N, K] weight out in panels of `nr()` rows (a copy the size of the
 weight, kept beside it as oneDNN's packed copy was); `try_panel_gemm(x, panels, n, bias)`
 multiplies any number of rows by it. On 2 vCPUs (AMD EPYC Zen 4), one decode step's worth of
-SmolLM2-135M's projections and head: 1.13-1.5x faster than the few-row kernel at 1-16 rows
-(one row at the machine's read bandwidth), 1.15x oneDNN's packed product at 32 rows and
-1.06x at 64, and 0.95x at 2,048 (docs/benchmarks.md). `available()` says whether this
+SmolLM2-135M's projections and head: 1.05-1.22x faster than the few-row kernel at 1-16 rows
+(one row at the machine's read bandwidth), 1.12x oneDNN's packed product at 32 rows and
+1.04x at 64, and 0.95x at 2,048 (docs/benchmarks.md). `available()` says whether this
 machine can build it; callers keep the other paths for everything else.
 """
 
@@ -37,12 +37,6 @@ def _library() -> ctypes.CDLL | None:
     lib.panel_gemm_f32.restype = ctypes.c_int
     lib.panel_gemm_f32.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, ctypes.c_int]
     return lib
-
-
-@cache
-def _product():
-    lib = _library()
-    return None if lib is None else lib.panel_gemm_f32
 
 
 def available() -> bool:
@@ -98,14 +92,14 @@ def try_panel_gemm(
 ) -> torch.Tensor | None:
     """x [..., K] @ w.T (+ bias) with w packed by `pack` (n: its rows), or None where the
     kernel does not take these inputs (or does not build): the Linear's one check per call."""
-    if (fn := _product()) is None or x.device.type != "cpu" or x.dtype != torch.float32:
+    if (lib := _library()) is None or x.device.type != "cpu" or x.dtype != torch.float32:
         return None
     if bias is not None and (
         bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()
     ):
         return None
     k = x.shape[-1]
-    if k < 1 or panels.numel() != -(-n // nr()) * nr() * k:
+    if k < 1 or panels.numel() != -(-n // lib.panel_gemm_nr()) * lib.panel_gemm_nr() * k:
         return None
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -113,7 +107,7 @@ def try_panel_gemm(
     rows = x2.shape[0]
     out = x2.new_empty(rows, n)
     if rows and n:
-        rc = fn(
+        rc = lib.panel_gemm_f32(
             x2.data_ptr(), x2.stride(0), panels.data_ptr(),
             None if bias is None else bias.data_ptr(), out.data_ptr(), n, rows, n, k,
             torch.get_num_threads(),

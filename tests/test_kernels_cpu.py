@@ -142,10 +142,11 @@ def test_bad_inputs_are_refused_with_the_reason():
 
 def test_packed_linear_matches_nn_linear_and_follows_weight_changes(monkeypatch):
     monkeypatch.setattr(Linear, "native_rows", 0)  # few rows too: not the small-GEMM kernel
+    monkeypatch.setattr(Linear, "cpu_gemm", "onednn")  # oneDNN's copy, not panels
     torch.manual_seed(0)
-    layer = Linear(48, 40, bias=True)
+    layer = Linear(48, 40, bias=True).requires_grad_(False)  # no gradients: the fast paths
     packed = layer.pack_for_cpu()
-    assert packed == ONEDNN_LINEAR
+    assert packed == ONEDNN_LINEAR and (layer.packed is not None) == ONEDNN_LINEAR
     for rows in (1, 3, 8, 70):
         x = torch.randn(rows, 48)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), **TOL)

@@ -19,6 +19,11 @@ from pdserve.models import layers
 needs_kernel = pytest.mark.skipif(
     not panel_gemm_cpu.available(), reason="the panel GEMM kernel does not build here"
 )
+# a Linear keeps a packed copy (now panels) only where torch has oneDNN, as before
+needs_packing = pytest.mark.skipif(
+    not (panel_gemm_cpu.available() and layers.ONEDNN_LINEAR),
+    reason="Linears pack their weights only where the kernel builds and torch has oneDNN",
+)
 
 
 def reference(x, w, b=None):
@@ -83,7 +88,7 @@ def test_inputs_it_does_not_take():
         panel_gemm_cpu.pack(torch.randn(24, 40).T)  # column stride 40
 
 
-@needs_kernel
+@needs_packing
 def test_linear_multiplies_by_its_panels_and_follows_weight_changes(monkeypatch):
     calls = []
     real = panel_gemm_cpu.try_panel_gemm
@@ -112,6 +117,28 @@ def test_linear_multiplies_by_its_panels_and_follows_weight_changes(monkeypatch)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
     assert layer.panels is None and calls == [True] * 5
     assert not layers.Linear(8, 8).to(torch.bfloat16).pack_for_cpu()  # fp32 only
+    # where gradients are wanted, torch's product (the kernel's output has no backward)
+    layer.pack_for_cpu()
+    x = torch.randn(3, 48, requires_grad=True)
+    y = layer(x)
+    assert y.grad_fn is not None and calls == [True] * 5
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(3, 48))
+
+
+@needs_packing
+def test_a_weight_read_but_never_multiplied_keeps_no_copy():
+    from pdserve.engine.args import EngineArgs
+    from pdserve.engine.build import build_engine
+
+    core, _ = build_engine("tiny-deepseek", EngineArgs(num_kv_blocks=8))
+    try:
+        attn = [m for m in core.runner.model.modules() if hasattr(m, "kv_b_proj")]
+        assert attn and all(m.kv_b_proj.panels is None for m in attn)
+        assert all(m.kv_b_proj.packed is None for m in attn)
+        assert all(m.o_proj.panels is not None for m in attn)  # the others keep theirs
+    finally:
+        core.close()
 
 
 def test_the_product_comes_from_the_environment():
@@ -127,7 +154,8 @@ def test_the_product_comes_from_the_environment():
         )
 
     assert run("onednn").stdout.split() == ["onednn", "False"]
-    assert run("panel").stdout.split() == ["panel", str(panel_gemm_cpu.available())]
+    packs = panel_gemm_cpu.available() and layers.ONEDNN_LINEAR
+    assert run("panel").stdout.split() == ["panel", str(packs)]
     bad = run("blas")
     assert bad.returncode != 0 and "PDSERVE_CPU_GEMM='blas'" in bad.stderr
 

@@ -107,8 +107,9 @@ INLINE vf4 reduce4(const vf *a) {
 /* Scores of `gt` query heads (rows of q, `dim` apart) against n keys `kst` apart, into
  * rows of p `bs` apart. Keys go KT at a time: each key vector is loaded once for up to SG
  * heads, each query vector once per chunk, and a chunk's sums are reduced together (a
- * transpose of adds) instead of one horizontal sum per key. The order of the adds depends
- * only on the key's place in its block, never on the task split. */
+ * transpose of adds) instead of one horizontal sum per key; keys past the last whole chunk
+ * (a context's end) one at a time. The order of the adds depends on the key's place in
+ * its block and on where the context ends, never on the task split. */
 INLINE void scores_tile(const float *restrict q, const int gt, const int64_t dim,
                         const float *kb, const int64_t kst, const int64_t n, const float scale,
                         float *restrict p, const int64_t bs) {

@@ -10,8 +10,8 @@
  * it from the caches. x is packed per call into micro-panels of MR rows, K-major too
  * ([ceil(M / MR)][K][MR]), so that a tile's broadcasts at one k come from one line.
  *
- * Panels are spread over OpenMP threads in contiguous ranges (the process's own runtime:
- * torch loads libgomp.so.1 first, and this library reuses it). Past ROW_BLOCK micro-panels
+ * Tiles are spread over OpenMP threads in contiguous ranges of (panel, micro-panel) (the
+ * process's own runtime: torch loads libgomp.so.1 first, and this library reuses it). Past ROW_BLOCK micro-panels
  * of x, a block of them goes through all the panels before the next block (the weights
  * read once per block, the block's x from the caches).
  */
@@ -136,16 +136,16 @@ int panel_gemm_f32(const float *x, int64_t ldx, const float *wp, const float *b,
         }
         for (int64_t c0 = 0; c0 < chunks; c0 += ROW_BLOCK) {
             const int64_t c1 = c0 + ROW_BLOCK < chunks ? c0 + ROW_BLOCK : chunks;
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; p++) {
-                const int64_t n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
-                const float *panel = wp + p * K * NR;
+            /* tiles in (panel, micro-panel) order, in contiguous ranges: a thread takes
+             * whole panels while there are more panels than threads, else splits them */
+#pragma omp for collapse(2) schedule(static)
+            for (int64_t p = 0; p < panels; p++)
                 for (int64_t c = c0; c < c1; c++) {
+                    const int64_t n0 = p * NR, cols = N - n0 < NR ? N - n0 : NR;
                     const int64_t m0 = c * MR, m = M - m0 < MR ? M - m0 : MR;
-                    tile_any((int)m, xp + c * MR * K, panel, K, b, y + m0 * ldy, ldy, n0,
-                             cols);
+                    tile_any((int)m, xp + c * MR * K, wp + p * K * NR, K, b, y + m0 * ldy,
+                             ldy, n0, cols);
                 }
-            }
         }
     }
     free(xp);

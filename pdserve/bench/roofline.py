@@ -134,13 +134,13 @@ def decode_chunks(
 
 
 def _hold_onednn_copies(model: torch.nn.Module) -> bool:
-    """Where the model's Linears multiply by panels and torch has oneDNN's packed product,
-    give each one oneDNN's copy too (what `Linear.panel_products = False` then runs): True
-    if so."""
-    from pdserve.models.layers import ONEDNN_LINEAR, PACK_ROWS_HINT
+    """Where the model's Linears multiply by panels (only where torch has oneDNN's packed
+    product: see Linear.pack_for_cpu), give each one oneDNN's copy too (what
+    `Linear.panel_products = False` then runs): True if so."""
+    from pdserve.models.layers import PACK_ROWS_HINT
 
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.panels is not None]
-    if not linears or not ONEDNN_LINEAR:
+    if not linears:
         return False
     with torch.no_grad():
         for m in linears:
@@ -221,11 +221,11 @@ def bench_roofline(
                     core.runner.graphs = graphs
             previous_linear = torch_linear = None
             if panels:
-                Linear.panel_products = False
+                on, Linear.panel_products = Linear.panel_products, False
                 try:
                     previous_linear = _median_step(core.runner, chunks, steps, device)
                 finally:
-                    Linear.panel_products = True
+                    Linear.panel_products = on
             # the same step with the few-row products on torch's path, where the kernel ran
             if 0 < batch <= kernel_rows:
                 native_rows = Linear.native_rows

@@ -63,6 +63,7 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
         self.w_uk = w[:, : m.qk_nope_head_dim].contiguous()
         self.w_uv_t = w[:, m.qk_nope_head_dim :].transpose(1, 2).contiguous()
+        self.kv_b_proj.drop_packed()  # read here, never multiplied: no packed copy
 
     def forward(
         self,

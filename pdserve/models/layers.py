@@ -60,11 +60,14 @@ def _cpu_gemm() -> str:
 class Linear(nn.Linear):
     """nn.Linear with fast CPU paths for the small batches decode runs.
 
-    fp32 on CPU, after loading: `pack_for_cpu()` keeps a copy of the weight in K-major panels
-    and forward multiplies any number of rows by it with the C kernel of
-    kernels/panel_gemm_cpu.py (2 vCPUs, AMD EPYC Zen 4, one step of SmolLM2's projections:
-    1.13-1.5x the few-row kernel at 1-16 rows, 1.15x oneDNN at 32, 0.95x at 2,048;
-    docs/benchmarks.md). `panel_products` False turns it off (for A/B runs).
+    fp32 on CPU where torch has oneDNN, after loading: `pack_for_cpu()` keeps a copy of the
+    weight in K-major panels (in place of oneDNN's copy: the weight's size again) and forward
+    multiplies any number of rows by it with the C kernel of kernels/panel_gemm_cpu.py
+    (2 vCPUs, AMD EPYC Zen 4, one step of SmolLM2's projections: 1.05-1.22x the few-row
+    kernel at 1-16 rows, 1.12x oneDNN at 32, 1.04x at 64, 0.95x at 2,048;
+    docs/benchmarks.md). `panel_products` False turns it off (for A/B runs). A weight must
+    not change after loading but in place through the parameter itself (then the copy is
+    dropped): a write through `.data` is not seen.
 
     Where it is not packed so (`PDSERVE_CPU_GEMM=onednn`, or no C compiler), at most
     `native_rows` rows: the C kernel of kernels/small_gemm_cpu.py, which streams the weight
@@ -110,28 +113,35 @@ class Linear(nn.Linear):
         """Lay an fp32 CPU weight out for the panel kernel (or, with `PDSERVE_CPU_GEMM=onednn`
         or where the kernel does not build, for oneDNN where torch has it); True if packed."""
         w = self.weight
-        self.packed = self.panels = None
-        if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
+        self.drop_packed()
+        # a copy only where there was one before the panel kernel: where torch has oneDNN
+        if not (ONEDNN_LINEAR and w.device.type == "cpu" and w.dtype == torch.float32):
             return False
         with torch.no_grad():
-            if self.uses_panels(w.device, w.dtype) and w.stride(1) == 1:
+            if self.uses_panels(w.device, w.dtype) and w.stride(1) == 1 and w.shape[1] >= 1:
                 self.panels = panel_gemm_cpu.pack(w.detach())
-            elif ONEDNN_LINEAR:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
             else:
-                return False
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
         self._packed_from = (w.data_ptr(), w._version)
         return True
+
+    def drop_packed(self) -> None:
+        """Forget the packed copies (a weight read directly, never multiplied, needs none)."""
+        self.packed = self.panels = None
 
     def _copy_current(self) -> bool:
         """Whether the packed copy is still the weight's (else it was changed in place
         since, and the copies are dropped)."""
         if self._packed_from == (self.weight.data_ptr(), self.weight._version):
             return True
-        self.packed = self.panels = None
+        self.drop_packed()
         return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the C kernels and oneDNN's packed product have no backward: torch's product
+        # wherever gradients are wanted
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return super().forward(x)
         if self.panels is not None and self.panel_products and self._copy_current():
             out = panel_gemm_cpu.try_panel_gemm(x, self.panels, self.out_features, self.bias)
             if out is not None:
