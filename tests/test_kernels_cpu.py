@@ -165,3 +165,32 @@ def test_loading_the_kernel_leaves_the_floating_point_mode_alone():
     tiny = float("5e-324")  # the smallest subnormal double
     assert tiny * 1.0 > 0.0
     assert torch.tensor(1e-40, dtype=torch.float32).mul(1.0).item() > 0.0
+
+
+@needs_kernel
+def test_cpu_prefill_runs_sdpa_per_sequence_and_matches_torch(monkeypatch):
+    from pdserve import LLM, SamplingParams, attention
+
+    seqs = []  # the sequences of each prefill chunk that went to SDPA per sequence
+    real = attention.prefill_attention_sdpa
+
+    def counted(*args):
+        seqs.append(len(args[3]))
+        return real(*args)
+
+    monkeypatch.setattr(attention, "prefill_attention_sdpa", counted)
+    # prompts of different lengths, one sharing another's prefix (a chunk over cached blocks)
+    prompts = [[1 + i, 5, 9, 11] * (i + 2) for i in range(5)] + [[1, 5, 9, 11] * 8 + [3, 4]]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    outs = {}
+    for backend in ("cpu", "torch"):
+        llm = LLM("tiny-llama", attention_backend=backend, block_size=4)
+        try:
+            outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+        finally:
+            llm.close()
+        if backend == "cpu":
+            assert seqs and max(seqs) <= attention.CPU_SDPA_PREFILL_MAX_SEQS
+            seqs.clear()
+    assert not seqs  # the torch backend keeps the reference's padded call
+    assert outs["cpu"] == outs["torch"]
