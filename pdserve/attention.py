@@ -60,6 +60,10 @@ class TorchAttentionBackend:
     # rows' KV (negative slots); the references neither skip them nor avoid reading device
     # values back
     graph_capturable = False
+    # prefill chunks on this device type, of at most this many sequences, run SDPA per
+    # sequence (prefill_attention_sdpa) instead of the reference's one padded call
+    sdpa_prefill_device: str | None = None
+    sdpa_prefill_max_seqs = 0
 
     def write_kv(self, cache: torch.Tensor, new: torch.Tensor, meta: AttentionMetadata) -> None:
         write_kv_ref(cache, new, meta.slot_mapping)
@@ -123,6 +127,21 @@ class TorchAttentionBackend:
         )
 
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        lens = meta.prefill_query_lens_host
+        if (
+            q.device.type == self.sdpa_prefill_device
+            and lens
+            and len(lens) <= self.sdpa_prefill_max_seqs
+        ):
+            return prefill_attention_sdpa(
+                q,
+                k_cache,
+                v_cache,
+                lens,
+                meta.prefill_context_lens_host,
+                meta.prefill_block_tables,
+                scale,
+            )
         return prefill_attention_ref(
             q,
             k_cache,
@@ -153,20 +172,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     name = "triton"
     graph_capturable = True
-
-    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        lens = meta.prefill_query_lens_host
-        if q.device.type != "cuda" or not lens or len(lens) > SDPA_PREFILL_MAX_SEQS:
-            return super().prefill(q, k_cache, v_cache, meta, scale)
-        return prefill_attention_sdpa(
-            q,
-            k_cache,
-            v_cache,
-            lens,
-            meta.prefill_context_lens_host,
-            meta.prefill_block_tables,
-            scale,
-        )
+    sdpa_prefill_device = "cuda"
+    sdpa_prefill_max_seqs = SDPA_PREFILL_MAX_SEQS
 
     def write_kv(self, cache: torch.Tensor, new: torch.Tensor, meta: AttentionMetadata) -> None:
         write_kv(cache, new, meta.slot_mapping)
@@ -211,20 +218,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     path."""
 
     name = "cpu"
-
-    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        lens = meta.prefill_query_lens_host
-        if q.device.type != "cpu" or not lens or len(lens) > CPU_SDPA_PREFILL_MAX_SEQS:
-            return super().prefill(q, k_cache, v_cache, meta, scale)
-        return prefill_attention_sdpa(
-            q,
-            k_cache,
-            v_cache,
-            lens,
-            meta.prefill_context_lens_host,
-            meta.prefill_block_tables,
-            scale,
-        )
+    sdpa_prefill_device = "cpu"
+    sdpa_prefill_max_seqs = CPU_SDPA_PREFILL_MAX_SEQS
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not paged_decode_cpu.supports(q, k_cache, v_cache):

@@ -56,16 +56,18 @@ INLINE float hsum(vf v) {
     return a + b;
 }
 
-/* e^x for the softmax's x <= 0: 2^n e^f with n = round(x / ln 2) (x / ln 2 - 1/2,
- * truncated), |f| <= ln 2 / 2 (ln 2 in two parts, Cephes' split, so that f keeps its bits),
- * e^f by its Taylor series to f^7 (truncation below 1e-8 relative). Plain arithmetic (libm's
- * expf would be a call per score); exp_neg_v below is the same, 8 lanes at once. Below -87
+/* e^x for the softmax's x <= 0, 8 lanes at once: 2^n e^f with n = round(x / ln 2)
+ * (x / ln 2 - 1/2, truncated), |f| <= ln 2 / 2 (ln 2 in two parts, Cephes' split, so that f
+ * keeps its bits), e^f by its Taylor series to f^7 (truncation below 1e-8 relative). Plain
+ * arithmetic (libm's expf would be a call per score); exp_neg is one lane of it. Below -87
  * it returns e^-87 (~1.6e-38), not 0. */
-INLINE float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = (float)(int32_t)(x * 1.44269504088896341f - 0.5f); /* round: x <= 0 */
-    const float f = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float e = 1.0f / 5040.0f;
+INLINE vf exp_neg_v(vf x) {
+    typedef int32_t vi __attribute__((vector_size(32)));
+    for (int i = 0; i < VL; i++) x[i] = x[i] < -87.0f ? -87.0f : x[i];
+    const vi ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);
+    const vf n = __builtin_convertvector(ni, vf);
+    const vf f = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    vf e = (vf){0} + 1.0f / 5040.0f;
     e = e * f + 1.0f / 720.0f;
     e = e * f + 1.0f / 120.0f;
     e = e * f + 1.0f / 24.0f;
@@ -73,11 +75,13 @@ INLINE float exp_neg(float x) {
     e = e * f + 0.5f;
     e = e * f + 1.0f;
     e = e * f + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
+    const vi bits = (ni + 127) << 23;
+    vf scale;
     memcpy(&scale, &bits, sizeof scale);
     return e * scale;
 }
+
+INLINE float exp_neg(float x) { return exp_neg_v((vf){0} + x)[0]; }
 
 /* Keys per chunk of the scores and query heads per pass over a chunk: the chunk's partial
  * sums (SG x KT vectors) stay in registers, 32 of them where AVX-512 gives 32 vector
@@ -178,27 +182,6 @@ INLINE void values_tile(const float *restrict p, const int gt, const int64_t bs,
             for (int64_t i = 0; i < n; i++) s += p[g * bs + i] * vb[i * vst + d];
             acc[g * vdim + d] = s;
         }
-}
-
-/* exp_neg over VL lanes, with the same arithmetic lane by lane. */
-INLINE vf exp_neg_v(vf x) {
-    typedef int32_t vi __attribute__((vector_size(32)));
-    for (int i = 0; i < VL; i++) x[i] = x[i] < -87.0f ? -87.0f : x[i];
-    const vi ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);
-    const vf n = __builtin_convertvector(ni, vf);
-    const vf f = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    vf e = (vf){0} + 1.0f / 5040.0f;
-    e = e * f + 1.0f / 720.0f;
-    e = e * f + 1.0f / 120.0f;
-    e = e * f + 1.0f / 24.0f;
-    e = e * f + 1.0f / 6.0f;
-    e = e * f + 0.5f;
-    e = e * f + 1.0f;
-    e = e * f + 1.0f;
-    const vi bits = (ni + 127) << 23;
-    vf scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return e * scale;
 }
 
 /* The online softmax's step for one head over a block's n scores: p becomes the weights,

@@ -11,9 +11,9 @@
  * ([ceil(M / MR)][K][MR]), so that a tile's broadcasts at one k come from one line.
  *
  * Tiles are spread over OpenMP threads in contiguous ranges of (panel, micro-panel) (the
- * process's own runtime: torch loads libgomp.so.1 first, and this library reuses it). Past ROW_BLOCK micro-panels
- * of x, a block of them goes through all the panels before the next block (the weights
- * read once per block, the block's x from the caches).
+ * process's own runtime: torch loads libgomp.so.1 first, and this library reuses it). Past
+ * ROW_BLOCK micro-panels of x, a block of them goes through all the panels before the next
+ * block (the weights read once per block, the block's x from the caches).
  */
 #include <stdint.h>
 #include <stdlib.h>

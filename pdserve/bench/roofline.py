@@ -315,28 +315,25 @@ def format_table(report: dict) -> str:
                 for c in contexts
             ]
             lines.append(f"{b:>6} " + " ".join(f"{cell:>22}" for cell in cells))
-    if any(r.get("previous_linear_step_s") for r in report["rows"]):
-        lines.append(
+    for key, title in (
+        (
+            "previous_linear_step_s",
             "the same steps on the products the panel kernel replaced (the few-row kernel,"
-            " oneDNN past its rows), ms (the panel kernel's speed-up):"
-        )
-        for b in batches:
-            cells = [
-                f"{t * 1e3:>7.1f} ({t / r['step_s']:.2f}x)"
-                if (r := at.get((b, c))) and (t := r.get("previous_linear_step_s"))
-                else ""
-                for c in contexts
-            ]
-            lines.append(f"{b:>6} " + " ".join(f"{cell:>22}" for cell in cells))
-    if any(r.get("torch_linear_step_s") for r in report["rows"]):
-        lines.append(
+            " oneDNN past its rows), ms (the panel kernel's speed-up):",
+        ),
+        (
+            "torch_linear_step_s",
             "the same steps with torch's products instead of the small-GEMM kernel, ms"
-            " (its speed-up):"
-        )
+            " (its speed-up):",
+        ),
+    ):
+        if not any(r.get(key) for r in report["rows"]):
+            continue
+        lines.append(title)
         for b in batches:
             cells = [
                 f"{t * 1e3:>7.1f} ({t / r['step_s']:.2f}x)"
-                if (r := at.get((b, c))) and (t := r.get("torch_linear_step_s"))
+                if (r := at.get((b, c))) and (t := r.get(key))
                 else ""
                 for c in contexts
             ]
