@@ -4,7 +4,7 @@ csrc/panel_gemm_cpu.c: y = x w^T (+ b), w packed once into K-major panels.
 `pack(weight)` lays a [N, K] weight out in panels of `nr()` rows (a copy the size of the
 weight, kept beside it as oneDNN's packed copy was); `try_panel_gemm(x, panels, n, bias)`
 multiplies any number of rows by it. On 2 vCPUs (AMD EPYC Zen 4), one decode step's worth of
-SmolLM2-135M's projections and head: 1.05-1.22x faster than the few-row kernel at 1-16 rows
+SmolLM2-135M's projections and head: 1.00-1.44x faster than the few-row kernel at 1-16 rows
 (one row at the machine's read bandwidth), 1.12x oneDNN's packed product at 32 rows and
 1.04x at 64, and 0.95x at 2,048 (docs/benchmarks.md). `available()` says whether this
 machine can build it; callers keep the other paths for everything else.

@@ -63,7 +63,7 @@ class Linear(nn.Linear):
     fp32 on CPU where torch has oneDNN, after loading: `pack_for_cpu()` keeps a copy of the
     weight in K-major panels (in place of oneDNN's copy: the weight's size again) and forward
     multiplies any number of rows by it with the C kernel of kernels/panel_gemm_cpu.py
-    (2 vCPUs, AMD EPYC Zen 4, one step of SmolLM2's projections: 1.05-1.22x the few-row
+    (2 vCPUs, AMD EPYC Zen 4, one step of SmolLM2's projections: 1.00-1.44x the few-row
     kernel at 1-16 rows, 1.12x oneDNN at 32, 1.04x at 64, 0.95x at 2,048;
     docs/benchmarks.md). `panel_products` False turns it off (for A/B runs). A weight must
     not change after loading but in place through the parameter itself (then the copy is
