@@ -4,9 +4,10 @@ csrc/panel_gemm_cpu.c: y = x w^T (+ b), w packed once into K-major panels.
 `pack(weight)` lays a [N, K] weight out in panels of `nr()` rows (a copy the size of the
 weight, kept beside it as oneDNN's packed copy was); `try_panel_gemm(x, panels, n, bias)`
 multiplies any number of rows by it. On 2 vCPUs (AMD EPYC Zen 4), one decode step's worth of
-SmolLM2-135M's projections and head: 1.00-1.44x faster than the few-row kernel at 1-16 rows
-(one row at the machine's read bandwidth), 1.12x oneDNN's packed product at 32 rows and
-1.04x at 64, and 0.95x at 2,048 (docs/benchmarks.md). `available()` says whether this
+SmolLM2-135M's projections and head: 1.07-1.44x faster than the few-row kernel at 4-16 rows
+in the recorded run (at 1-2 rows the few-row kernel is the faster, and layers.Linear keeps
+it there), 1.12x oneDNN's packed product at 32 rows and 1.04x at 64, and 0.95x at 2,048
+(docs/benchmarks.md). `available()` says whether this
 machine can build it; callers keep the other paths for everything else.
 """
 
@@ -37,6 +38,13 @@ def _library() -> ctypes.CDLL | None:
     lib.panel_gemm_f32.restype = ctypes.c_int
     lib.panel_gemm_f32.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, ctypes.c_int]
     return lib
+
+
+@cache
+def _rows_per_panel() -> int:
+    """nr(), looked up once (0 where the kernel does not build)."""
+    lib = _library()
+    return 0 if lib is None else lib.panel_gemm_nr()
 
 
 def available() -> bool:
@@ -79,7 +87,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
             f"{tuple(weight.shape)} {weight.dtype} on {weight.device}"
         )
     n, k = weight.shape
-    rows = -(-n // lib.panel_gemm_nr()) * lib.panel_gemm_nr()
+    rows = -(-n // _rows_per_panel()) * _rows_per_panel()
     panels = torch.empty(rows * k, dtype=torch.float32)
     lib.panel_gemm_pack(
         weight.data_ptr(), weight.stride(0), n, k, panels.data_ptr(), torch.get_num_threads()
@@ -99,7 +107,8 @@ def try_panel_gemm(
     ):
         return None
     k = x.shape[-1]
-    if k < 1 or panels.numel() != -(-n // lib.panel_gemm_nr()) * lib.panel_gemm_nr() * k:
+    nr_ = _rows_per_panel()
+    if k < 1 or panels.numel() != -(-n // nr_) * nr_ * k:
         return None
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:

@@ -25,7 +25,7 @@ from kernels import panel_gemm_cpu, small_gemm_cpu
 from pdserve.bench.report import machine_info
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
-from pdserve.models.layers import ONEDNN_LINEAR, PACK_ROWS_HINT, Linear
+from pdserve.models.layers import ONEDNN_LINEAR, Linear, onednn_pack
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
         panels = [panel_gemm_cpu.pack(w) for w in weights]
     packed = [m.packed for m in linears] if all(m.packed is not None for m in linears) else None
     if packed is None and ONEDNN_LINEAR:
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in weights]
+        packed = [onednn_pack(w) for w in weights]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     paths = {
         "kernel": lambda x, i: small_gemm_cpu.small_gemm(x, weights[i]),

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import panel_gemm_cpu
+from kernels import panel_gemm_cpu, small_gemm_cpu
 from kernels.cpu_native import NativeUnavailable
 from pdserve.models import layers
 
@@ -98,30 +98,43 @@ def test_linear_multiplies_by_its_panels_and_follows_weight_changes(monkeypatch)
         calls.append(out is not None)
         return out
 
+    few = []  # the rows the few-row kernel multiplied
+    real_few = small_gemm_cpu.try_small_gemm
+
+    def counted_few(*args):
+        out = real_few(*args)
+        if out is not None:
+            few.append(args[0].shape[0])
+        return out
+
     monkeypatch.setattr(panel_gemm_cpu, "try_panel_gemm", counted)
+    monkeypatch.setattr(small_gemm_cpu, "try_small_gemm", counted_few)
     monkeypatch.setattr(layers.Linear, "cpu_gemm", "panel")
     torch.manual_seed(0)
     layer = layers.Linear(48, 40, bias=True).requires_grad_(False)
     assert layer.pack_for_cpu() and layer.panels is not None and layer.packed is None
-    for rows in (1, 3, 16, 17, 70):
+    below = layers.PANEL_FROM_ROWS - 1  # fewer rows: the few-row kernel, where it builds
+    for rows in (1, below, layers.PANEL_FROM_ROWS, 16, 17, 70):
         x = torch.randn(rows, 48)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-    assert calls == [True] * 5
+    by_few = [1, below] if small_gemm_cpu.available() else []
+    assert few == by_few and calls == [True] * (6 - len(by_few))
+    n = len(calls)
     monkeypatch.setattr(layers.Linear, "panel_products", False)  # an A/B run's switch
     x = torch.randn(5, 48)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-    assert calls == [True] * 5
+    assert len(calls) == n
     monkeypatch.setattr(layers.Linear, "panel_products", True)
     with torch.no_grad():
         layer.weight.mul_(2)  # changed in place after packing: the copy is dropped
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-    assert layer.panels is None and calls == [True] * 5
+    assert layer.panels is None and len(calls) == n
     assert not layers.Linear(8, 8).to(torch.bfloat16).pack_for_cpu()  # fp32 only
     # where gradients are wanted, torch's product (the kernel's output has no backward)
     layer.pack_for_cpu()
     x = torch.randn(3, 48, requires_grad=True)
     y = layer(x)
-    assert y.grad_fn is not None and calls == [True] * 5
+    assert y.grad_fn is not None and len(calls) == n
     y.sum().backward()
     torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(3, 48))
 

@@ -20,7 +20,6 @@
  * their first `rank` columns as values without a copy.
  */
 #include <float.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

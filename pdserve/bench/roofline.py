@@ -137,15 +137,12 @@ def _hold_onednn_copies(model: torch.nn.Module) -> bool:
     """Where the model's Linears multiply by panels (only where torch has oneDNN's packed
     product: see Linear.pack_for_cpu), give each one oneDNN's copy too (what
     `Linear.panel_products = False` then runs): True if so."""
-    from pdserve.models.layers import PACK_ROWS_HINT
+    from pdserve.models.layers import onednn_pack
 
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.panels is not None]
-    if not linears:
-        return False
-    with torch.no_grad():
-        for m in linears:
-            m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACK_ROWS_HINT)
-    return True
+    for m in linears:
+        m.packed = onednn_pack(m.weight)
+    return bool(linears)
 
 
 def _median_step(runner, chunks, steps: int, device: torch.device) -> float:

@@ -14,6 +14,11 @@ from pdserve.parallel.shard import vocab_shard
 
 PAD_ROWS_BELOW = 64  # larger (prefill) batches are left alone
 PACK_ROWS_HINT = 16  # the batch oneDNN lays packed weights out for; any row count works
+# fewer rows than this go to the few-row kernel even where a Linear has panels: at 1-2 rows
+# it ran a step's products 1.17-1.40x faster than the panel kernel, at 3-4 rows level
+# (2 vCPUs, AMD EPYC Zen 4, SmolLM2, three runs of scripts/small_gemm_ab.py); whole decode
+# steps at batch 1-3 were level either way (0.93-1.02x, two interleaved runs)
+PANEL_FROM_ROWS = 3
 
 
 def _probe_onednn() -> bool:
@@ -27,6 +32,13 @@ def _probe_onednn() -> bool:
 
 
 ONEDNN_LINEAR = _probe_onednn()
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 CPU weight in oneDNN's blocked layout (where ONEDNN_LINEAR), for
+    torch.ops.mkldnn._linear_pointwise."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
 
 
 def _native_rows() -> int:
@@ -62,10 +74,11 @@ class Linear(nn.Linear):
 
     fp32 on CPU where torch has oneDNN, after loading: `pack_for_cpu()` keeps a copy of the
     weight in K-major panels (in place of oneDNN's copy: the weight's size again) and forward
-    multiplies any number of rows by it with the C kernel of kernels/panel_gemm_cpu.py
-    (2 vCPUs, AMD EPYC Zen 4, one step of SmolLM2's projections: 1.00-1.44x the few-row
-    kernel at 1-16 rows, 1.12x oneDNN at 32, 1.04x at 64, 0.95x at 2,048;
-    docs/benchmarks.md). `panel_products` False turns it off (for A/B runs). A weight must
+    multiplies PANEL_FROM_ROWS rows or more by it with the C kernel of
+    kernels/panel_gemm_cpu.py (2 vCPUs, AMD EPYC Zen 4, one step of SmolLM2's projections:
+    1.07-1.44x the few-row kernel at 4-16 rows in the recorded run, 1.12x oneDNN at 32,
+    1.04x at 64, 0.95x at 2,048; docs/benchmarks.md); fewer rows go to the few-row kernel
+    below. `panel_products` False turns the panels off (for A/B runs). A weight must
     not change after loading but in place through the parameter itself (then the copy is
     dropped): a write through `.data` is not seen.
 
@@ -117,11 +130,10 @@ class Linear(nn.Linear):
         # a copy only where there was one before the panel kernel: where torch has oneDNN
         if not (ONEDNN_LINEAR and w.device.type == "cpu" and w.dtype == torch.float32):
             return False
-        with torch.no_grad():
-            if self.uses_panels(w.device, w.dtype) and w.stride(1) == 1 and w.shape[1] >= 1:
-                self.panels = panel_gemm_cpu.pack(w.detach())
-            else:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
+        if self.uses_panels(w.device, w.dtype) and w.stride(1) == 1 and w.shape[1] >= 1:
+            self.panels = panel_gemm_cpu.pack(w.detach())
+        else:
+            self.packed = onednn_pack(w)
         self._packed_from = (w.data_ptr(), w._version)
         return True
 
@@ -142,17 +154,20 @@ class Linear(nn.Linear):
         # wherever gradients are wanted
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return super().forward(x)
-        if self.panels is not None and self.panel_products and self._copy_current():
-            out = panel_gemm_cpu.try_panel_gemm(x, self.panels, self.out_features, self.bias)
+        rows = x.shape[0]
+        panels = self.panels is not None and self.panel_products
+        # the few-row kernel: where there are no panels, or below the rows they pay from
+        few = 0 < rows <= self.native_rows and not (panels and rows >= PANEL_FROM_ROWS)
+        if few and x.device.type == "cpu":
+            out = small_gemm_cpu.try_small_gemm(x, self.weight, self.bias)
             if out is not None:
                 return out
-        if 0 < x.shape[0] <= self.native_rows and x.device.type == "cpu":
-            out = small_gemm_cpu.try_small_gemm(x, self.weight, self.bias)
+        if panels and self._copy_current():
+            out = panel_gemm_cpu.try_panel_gemm(x, self.panels, self.out_features, self.bias)
             if out is not None:
                 return out
         if self.packed is not None and x.dtype == torch.float32 and self._copy_current():
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        rows = x.shape[0]
         pad = -rows % 4
         if pad and 1 < rows < PAD_ROWS_BELOW and x.device.type == "cpu" and x.dim() == 2:
             return super().forward(F.pad(x, (0, 0, 0, pad)))[:rows]
