@@ -32,7 +32,7 @@ class DecodeConfig:
     migrate_max_rounds: int = 4
     migrate_final_blocks: int = 2
     migrate_timeout_s: float = 30.0
-    failpoints: Failpoints = NO_FAILPOINTS  # decode.reserve, decode.stream (pdserve/failpoints.py)
+    failpoints: Failpoints = NO_FAILPOINTS  # decode.* (pdserve/failpoints.py)
     # the node's CPU lease (pdserve/serving/cpu_lease.py): steps run only in its turns; None:
     # this worker's threads have their CPUs to themselves
     cpu_lease: str | None = None

@@ -323,6 +323,7 @@ class DecodeWorker:
             if plan is None:
                 self._account()
                 return False
+        self.config.failpoints.hit("decode.step", str(len(plan.batch.requests)))
         with turn_of(self.cpu_lease):  # the step's time starts once it has the CPUs
             step_start = now()
             result = core.run(plan)

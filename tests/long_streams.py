@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM, SamplingParams, failpoints
 from pdserve.bench.probes import busiest, registered
 from pdserve.bench.prometheus import scrape, total
 from pdserve.client import Client, build_request, timings_of
@@ -24,15 +24,22 @@ def colocated() -> list[list[int]]:
     return [o.token_ids for o in LLM("tiny-llama").generate(PROMPTS, params)]
 
 
+SLOW_STEP = "pause 0.01 repeat"  # while on_started runs: a stream of MAX_NEW lasts >= 10 s
+
+
 def streams(
     client: Client,
     on_started,
     request_ids: list[str] | None = None,
     ended: list[float] | None = None,
+    slow: str | None = None,
 ):
     """PROMPTS streamed at once (under `request_ids`: the router's ids else); once each has
     a token, `on_started()` -> ([(tokens, (timings, finish reason))], what it returned).
-    `ended`, if given, gets each stream's time.time() at its final message."""
+    `ended`, if given, gets each stream's time.time() at its final message. `slow`: the
+    decode workers' failpoint directory; every decode step is made 10 ms longer until
+    on_started() returns, so that the streams outlast what it does however fast this
+    machine decodes (a drain's moves found streams of a fast machine over)."""
     started = [0] * len(PROMPTS)
     ids = request_ids or [""] * len(PROMPTS)
     if ended is not None:
@@ -50,13 +57,19 @@ def streams(
                     ended[i] = time.time()
         return tokens, final
 
+    if slow is not None:
+        failpoints.arm(slow, "any", "decode.step", SLOW_STEP)
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futures = [pool.submit(one, i) for i in range(len(PROMPTS))]
-        deadline = time.monotonic() + 60
-        while not all(started):
-            assert time.monotonic() < deadline, "the streams never started"
-            time.sleep(0.01)
-        out = on_started()
+        try:
+            futures = [pool.submit(one, i) for i in range(len(PROMPTS))]
+            deadline = time.monotonic() + 60
+            while not all(started):
+                assert time.monotonic() < deadline, "the streams never started"
+                time.sleep(0.01)
+            out = on_started()
+        finally:
+            if slow is not None:
+                failpoints.disarm(slow, "any", "decode.step")
         return [f.result(timeout=180) for f in futures], out
 
 

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from long_streams import (
@@ -34,10 +35,17 @@ def expected() -> list[list[int]]:
 
 
 def test_drain_moves_every_stream_off_a_decode_worker_with_nothing_recomputed(
-    expected, capsys, monkeypatch
+    expected, capsys, monkeypatch, tmp_path
 ):
+    points = str(tmp_path)  # the streams' slow steps while the drain runs (long_streams.py)
     with (
-        Cluster("tiny-llama", 1, 2, worker_args=["--num-kv-blocks", "512"]) as c,
+        Cluster(
+            "tiny-llama",
+            1,
+            2,
+            worker_args=["--num-kv-blocks", "512"],
+            decode_args=["--failpoints", points],
+        ) as c,
         Client(c.address, security=c.security) as client,
     ):
         decodes = [w.worker_id for w in client.workers() if w.role == "decode"]
@@ -50,7 +58,7 @@ def test_drain_moves_every_stream_off_a_decode_worker_with_nothing_recomputed(
             code = cli_main(["drain", wid, "--router", c.address])
             return wid, (code, capsys.readouterr())
 
-        results, (drained, (code, out)) = streams(client, drain)
+        results, (drained, (code, out)) = streams(client, drain, slow=points)
         assert code == 0, out.err
         said = re.search(
             rf"^{drained} drained: (\d+) moved \((\d+) moves retried\)$", out.out, re.M
@@ -88,10 +96,11 @@ def test_drain_moves_every_stream_off_a_decode_worker_with_nothing_recomputed(
             proc = c.procs[c.names.index(registered(c)[wid])]
             proc.send_signal(signal.SIGTERM)
             stopping.append((wid, proc))
+            return proc.wait(timeout=60)  # drained: its streams moved before it stopped
 
-        results, _ = streams(client, stop_the_busiest)
+        results, code = streams(client, stop_the_busiest, slow=points)
         ((stopped, proc),) = stopping
-        assert proc.wait(timeout=60) == 0
+        assert code == 0
         for (tokens, (timings, reason)), want in zip(results, expected):
             assert tokens == want and reason == "length"
             assert timings["resumes"] == 0  # moved before it stopped, never recomputed
@@ -108,12 +117,22 @@ def test_drain_moves_every_stream_off_a_decode_worker_with_nothing_recomputed(
         assert proc.wait(timeout=60) == 0
 
 
-def test_drain_moves_the_streams_of_a_tensor_parallel_decode_worker(expected, monkeypatch):
+def test_drain_moves_the_streams_of_a_tensor_parallel_decode_worker(
+    expected, monkeypatch, tmp_path
+):
     """Both decode workers are TP=2 groups: a drain moves each stream with every rank's
     heads (decode/legs.py), over the router's Migrate, and the clients see the colocated
     engine's tokens, nothing resumed."""
+    points = str(tmp_path)
     with (
-        Cluster("tiny-llama", 1, 2, worker_args=["--num-kv-blocks", "512"], decode_tp=2) as c,
+        Cluster(
+            "tiny-llama",
+            1,
+            2,
+            worker_args=["--num-kv-blocks", "512"],
+            decode_tp=2,
+            decode_args=["--failpoints", points],
+        ) as c,
         Client(c.address, security=c.security) as client,
     ):
 
@@ -122,7 +141,7 @@ def test_drain_moves_the_streams_of_a_tensor_parallel_decode_worker(expected, mo
             monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", c.security.cluster_secret or "")
             return wid, cli_main(["drain", wid, "--router", c.address])
 
-        results, (drained, code) = streams(client, drain)
+        results, (drained, code) = streams(client, drain, slow=points)
         assert code == 0
         for (tokens, (timings, reason)), want in zip(results, expected):
             assert (tokens, reason) == (want, "length")
@@ -140,7 +159,9 @@ def pdserve_drain(cluster, worker_id: str, *flags: str) -> subprocess.CompletedP
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
 
 
-def test_the_pressure_policy_moves_requests_off_a_full_worker_to_one_that_joined(expected):
+def test_the_pressure_policy_moves_requests_off_a_full_worker_to_one_that_joined(
+    expected, tmp_path
+):
     """Skewed arrivals: every stream lands on one decode worker (the other is drained, as a
     worker that has not joined yet), whose pool (greedy admission) fills as they grow; once
     the other takes requests again, the router's rebalancer moves streams to it. Every
@@ -151,7 +172,7 @@ def test_the_pressure_policy_moves_requests_off_a_full_worker_to_one_that_joined
             1,
             2,
             worker_args=["--num-kv-blocks", "160"],
-            decode_args=["--admission", "greedy"],
+            decode_args=["--admission", "greedy", "--failpoints", str(tmp_path)],
             router_args=["--migrate-policy", "pressure"],
         ) as c,
         Client(c.address, security=c.security) as client,
@@ -159,14 +180,23 @@ def test_the_pressure_policy_moves_requests_off_a_full_worker_to_one_that_joined
         late = next(w.worker_id for w in client.workers() if w.role == "decode")
         assert drain_rpc(c, late)[-1].done  # idle: at once
 
-        def join():
+        def join():  # and the streams run slow until the rebalancer moved one
             assert drain_rpc(c, late, undo=True)[-1].done
+            deadline = time.monotonic() + 60
+            while not moves(c):
+                assert time.monotonic() < deadline, "the rebalancer moved nothing"
+                time.sleep(0.05)
 
-        results, _ = streams(client, join)
+        results, _ = streams(client, join, slow=str(tmp_path))
         for (tokens, (_, reason)), want in zip(results, expected):
             assert tokens == want and reason == "length"
         moved = [t for _, (t, _) in results if t["migrations"]]
         assert any(t["decode_worker"] == late for t in moved), moved
-        router = scrape(c.metrics["router-0"])
-        assert total(router, "pdserve_router_migrations_total", outcome="completed") >= 1
+        assert moves(c) >= 1
         all_free(client)
+
+
+def moves(cluster) -> float:
+    """The moves the router completed so far."""
+    router = scrape(cluster.metrics["router-0"])
+    return total(router, "pdserve_router_migrations_total", outcome="completed")

@@ -79,7 +79,7 @@ def test_the_worker_a_request_leaves_dies_at_the_last_round(expected, tmp_path):
     with cluster(points) as c, Client(c.address, security=c.security) as client:
         worker_of = {pid_of(c, name): wid for wid, name in registered(c).items()}
         failpoints.arm(points, "any", "decode.migrate", "kill")
-        results, (drained, other, progress) = streams(client, lambda: drain_busiest(c))
+        results, (drained, other, progress) = streams(client, lambda: drain_busiest(c), slow=points)
         hit = failpoints.fired(points, "any", "decode.migrate")
         assert hit is not None and worker_of[hit[0]] == drained  # the one it left died
         assert progress[-1].done  # its streams resumed elsewhere: none left on it
@@ -104,7 +104,7 @@ def test_the_worker_a_request_goes_to_dies_mid_move(expected, tmp_path):
             struck.append(victim)
 
         watcher = on_fire(points, kill_the_other)
-        results, (drained, other, _) = streams(client, lambda: drain_busiest(c))
+        results, (drained, other, _) = streams(client, lambda: drain_busiest(c), slow=points)
         watcher.join(timeout=5)
         assert struck, "decode.migrate never fired"
         for (tokens, (_, reason)), want in zip(results, expected):
@@ -138,7 +138,7 @@ def test_a_rank_of_the_tensor_parallel_worker_a_request_goes_to_dies_mid_move(ex
             struck.append(victim)
 
         watcher = on_fire(points, kill_a_rank_of_the_other)
-        results, (drained, other, _) = streams(client, lambda: drain_busiest(c))
+        results, (drained, other, _) = streams(client, lambda: drain_busiest(c), slow=points)
         watcher.join(timeout=5)
         assert struck, "decode.migrate never fired"
         b = c.procs[[p.pid for p in c.procs].index(struck[0])]
@@ -164,7 +164,7 @@ def test_a_request_cancelled_mid_move_leaves_nothing_held(expected, tmp_path):
             cancelled.append(rid)
 
         watcher = on_fire(points, cancel)
-        results, _ = streams(client, lambda: drain_busiest(c))
+        results, _ = streams(client, lambda: drain_busiest(c), slow=points)
         watcher.join(timeout=5)
         assert len(cancelled) == 1
         reasons = [reason for _, (_, reason) in results]
@@ -203,7 +203,9 @@ def _freeze_the_worker_a_request_leaves(expected, directory) -> bool:
         failpoints.arm(points, "any", "decode.migrate", "stop")
         try:
             ended: list[float] = []
-            results, (drained, other, _) = streams(client, lambda: drain_busiest(c), ids, ended)
+            results, (drained, other, _) = streams(
+                client, lambda: drain_busiest(c), ids, ended, slow=points
+            )
         finally:
             hit = failpoints.fired(points, "any", "decode.migrate")
             if hit is not None:
@@ -252,7 +254,7 @@ def test_the_worker_a_request_goes_to_freezes_past_its_lease_mid_move(expected, 
 
         watcher = on_fire(points, freeze_the_other)
         try:
-            results, _ = streams(client, lambda: drain_busiest(c))
+            results, _ = streams(client, lambda: drain_busiest(c), slow=points)
         finally:
             watcher.join(timeout=10)
             for pid in frozen:

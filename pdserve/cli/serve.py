@@ -238,9 +238,12 @@ def _drain_before_exit(args: argparse.Namespace, security, worker, worker_id: st
 
     from pdserve.serving.drain import drained
 
-    if args.exit_drain_timeout <= 0 or not worker.streams:
+    # a reservation is a request whose prompt is still being computed for this worker: the
+    # router moves it once it streams
+    held = len(worker.streams) + len(worker.reservations)
+    if args.exit_drain_timeout <= 0 or not held:
         return
-    print(f"pdserve decode: draining {len(worker.streams)} streams first", file=sys.stderr)
+    print(f"pdserve decode: draining {held} requests first", file=sys.stderr)
     try:
         ok = drained(args.router, security, worker_id, timeout_s=args.exit_drain_timeout)
     except grpc.RpcError as e:
