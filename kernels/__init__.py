@@ -17,7 +17,11 @@ from kernels.block_copy import pack_blocks, pack_blocks_ref, unpack_blocks, unpa
 from kernels.kv_write import write_kv, write_kv_ref
 from kernels.paged_gqa_decode import paged_gqa_decode, paged_gqa_decode_ref
 from kernels.paged_mla_decode import latent_as_kv_head, paged_mla_decode, paged_mla_decode_ref
-from kernels.prefill_attention import prefill_attention_ref, prefill_attention_sdpa
+from kernels.prefill_attention import (
+    prefill_attention_ref,
+    prefill_attention_sdpa,
+    prefill_rows,
+)
 from kernels.split_reduce import split_reduce, split_reduce_ref
 
 __all__ = [
@@ -30,6 +34,7 @@ __all__ = [
     "paged_mla_decode_ref",
     "prefill_attention_ref",
     "prefill_attention_sdpa",
+    "prefill_rows",
     "split_reduce",
     "split_reduce_ref",
     "unpack_blocks",

@@ -112,8 +112,10 @@ def _build(name: str) -> Path:
     cc = _compiler()
     key = hashlib.sha256()
     flags = _flags()
-    for part in (source.read_bytes(), " ".join(flags).encode(), cc.encode(), _cpu_id().encode()):
+    headers = [h.read_bytes() for h in sorted(SOURCES.glob("*.h"))]  # what it may include
+    for part in (source.read_bytes(), *headers, " ".join(flags).encode(), cc.encode()):
         key.update(part)
+    key.update(_cpu_id().encode())
     target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target

@@ -24,6 +24,10 @@ PyTorch runs as FlashAttention on a GPU; a chunk over a cached prefix passes its
 one H200 the reference's fp32 path took 25.6 of the 57 ms of device time of a 1,024-token
 prefill of a Llama-3-8B-shaped model, and its boolean indexing read back from the device
 in every layer (scripts/profile_steps.py, docs/gpu-h200.md).
+
+`prefill_rows`: the same chunk as one decode query per new token (its block table row and
+its own context), for a decode kernel to compute in one call: the CPU backend's path for
+short contexts (pdserve/attention.py).
 """
 
 from __future__ import annotations
@@ -127,3 +131,30 @@ def prefill_attention_sdpa(
         out[start : start + n] = o[0].transpose(0, 1)
         start += n
     return out
+
+
+def prefill_rows(
+    query_lens: tuple[int, ...],
+    context_lens: tuple[int, ...],
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill chunk as decode queries, one per new token: the last n of a sequence's ctx
+    tokens are new, and its j-th new token attends to the first ctx - n + j + 1 (causal
+    over its cached prefix and the chunk) -> (each token's block table row
+    [T, max_blocks] int32, its context [T] int32), T = sum(query_lens). Any decode kernel
+    then computes the chunk's attention in one call."""
+    if len(query_lens) != len(context_lens) or len(query_lens) > block_tables.shape[0]:
+        raise ValueError(
+            f"query_lens {query_lens} / context_lens {context_lens} / "
+            f"{block_tables.shape[0]} block tables do not match"
+        )
+    for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
+        if not 0 < n <= ctx:
+            raise ValueError(f"sequence {i}: {n} new tokens over a context of {ctx}")
+    lens = torch.tensor(query_lens, dtype=torch.int64)
+    seq = torch.repeat_interleave(torch.arange(len(query_lens)), lens)
+    first = torch.tensor([c - n + 1 for n, c in zip(query_lens, context_lens)], dtype=torch.int64)
+    starts = torch.cumsum(lens, 0) - lens  # each sequence's first row
+    contexts = first[seq] + torch.arange(int(lens.sum())) - starts[seq]
+    tables = block_tables.index_select(0, seq.to(block_tables.device)).to(torch.int32)
+    return tables, contexts.to(torch.int32).to(block_tables.device)

@@ -15,7 +15,7 @@ Backends are chosen by name through the `ATTENTION_BACKENDS` registry.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ from kernels import (
     paged_mla_decode_ref,
     prefill_attention_ref,
     prefill_attention_sdpa,
+    prefill_rows,
     write_kv,
     write_kv_ref,
 )
@@ -50,6 +51,21 @@ class AttentionMetadata:
     # the same lengths on the host, one per prefill sequence (no device read to learn them)
     prefill_query_lens_host: tuple[int, ...] = ()
     prefill_context_lens_host: tuple[int, ...] = ()
+    # the prefill tokens as decode rows (their block tables and contexts), made by the
+    # first layer that asks, for the step's other layers
+    _prefill_rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def prefill_as_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every prefill token as a decode query: (its sequence's block table row, the
+        tokens it sees: its position + 1) -> ([num_prefill_tokens, max_blocks] int32,
+        [num_prefill_tokens] int32)."""
+        if self._prefill_rows is None:
+            self._prefill_rows = prefill_rows(
+                self.prefill_query_lens_host,
+                self.prefill_context_lens_host,
+                self.prefill_block_tables,
+            )
+        return self._prefill_rows
 
 
 class TorchAttentionBackend:
@@ -201,6 +217,14 @@ class TritonAttentionBackend(TorchAttentionBackend):
         )
 
 
+# the longest context of a prefill chunk up to which the CPU backend runs it through the C
+# decode kernel, each new token a decode row over its own context (one call for the
+# chunk; no gathered copy, no call per sequence) instead of SDPA per sequence: on 2 vCPUs
+# (AMD EPYC Zen 4, SmolLM2's heads, per layer, docs/benchmarks.md) 0.50x SDPA's time at
+# 12-32 prompts of 84 tokens, 0.64x at 8 of 128, 0.87-0.90x at 256-512 tokens, 1.20x at
+# 1,024 (a row's keys are read again for every query row: quadratic, where SDPA tiles)
+CPU_ROW_PREFILL_MAX_CONTEXT = 512
+
 # prefill sequences in one step up to which the CPU backend runs SDPA per sequence (no
 # padding; a whole prompt as plain causal attention, which skips the masked half) instead of
 # the reference's one padded, masked call. Measured per layer on 2 vCPUs (AMD EPYC Zen 4,
@@ -213,13 +237,22 @@ CPU_SDPA_PREFILL_MAX_SEQS = 128
 class CpuAttentionBackend(TorchAttentionBackend):
     """The C decode kernels (kernels/csrc/, compiled for this CPU on first use) for fp32
     decode steps, which read each sequence's KV once where it lies instead of gathering a
-    padded copy; prefill chunks of up to CPU_SDPA_PREFILL_MAX_SEQS sequences as SDPA per
-    sequence; every other case (other dtypes, larger prefill batches) takes the torch
-    path."""
+    padded copy, and for fp32 prefill chunks whose contexts are at most
+    CPU_ROW_PREFILL_MAX_CONTEXT tokens (every new token a decode row); longer ones of up to
+    CPU_SDPA_PREFILL_MAX_SEQS sequences as SDPA per sequence; every other case (other
+    dtypes, larger prefill batches) takes the torch path."""
 
     name = "cpu"
     sdpa_prefill_device = "cpu"
     sdpa_prefill_max_seqs = CPU_SDPA_PREFILL_MAX_SEQS
+
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.prefill_max_context > CPU_ROW_PREFILL_MAX_CONTEXT or not (
+            meta.prefill_query_lens_host and paged_decode_cpu.supports(q, k_cache, v_cache)
+        ):
+            return super().prefill(q, k_cache, v_cache, meta, scale)
+        tables, contexts = meta.prefill_as_rows()
+        return paged_decode_cpu.paged_gqa_decode_cpu(q, k_cache, v_cache, tables, contexts, scale)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not paged_decode_cpu.supports(q, k_cache, v_cache):

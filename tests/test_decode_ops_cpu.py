@@ -39,7 +39,7 @@ def test_rms_norm_matches_torch(rows, dim):
 
 @needs_kernel
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("n", [1, 5, 1536])
+@pytest.mark.parametrize("n", [1, 5, 13, 1536])
 def test_silu_and_mul_matches_torch(rows, n):
     gen = torch.Generator().manual_seed(rows * n)
     x = torch.randn(rows, 2 * n, generator=gen) * 4  # large |x|: both tails of the sigmoid

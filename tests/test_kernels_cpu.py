@@ -168,17 +168,27 @@ def test_loading_the_kernel_leaves_the_floating_point_mode_alone():
 
 
 @needs_kernel
-def test_cpu_prefill_runs_sdpa_per_sequence_and_matches_torch(monkeypatch):
+@pytest.mark.parametrize("row_max_context", [512, 0])
+def test_cpu_prefill_matches_torch_as_decode_rows_and_as_sdpa(monkeypatch, row_max_context):
+    """Short contexts go through the decode kernel a token a row, longer ones (here: all,
+    with the bound at 0) through SDPA per sequence; the greedy tokens are the torch
+    backend's either way."""
     from pdserve import LLM, SamplingParams, attention
 
-    seqs = []  # the sequences of each prefill chunk that went to SDPA per sequence
-    real = attention.prefill_attention_sdpa
+    seqs, rows = [], []  # the chunks that went to SDPA per sequence / to the decode kernel
+    real_sdpa, real_rows = attention.prefill_attention_sdpa, attention.prefill_rows
 
-    def counted(*args):
+    def counted_sdpa(*args):
         seqs.append(len(args[3]))
-        return real(*args)
+        return real_sdpa(*args)
 
-    monkeypatch.setattr(attention, "prefill_attention_sdpa", counted)
+    def counted_rows(*args):
+        rows.append(sum(args[0]))
+        return real_rows(*args)
+
+    monkeypatch.setattr(attention, "prefill_attention_sdpa", counted_sdpa)
+    monkeypatch.setattr(attention, "prefill_rows", counted_rows)
+    monkeypatch.setattr(attention, "CPU_ROW_PREFILL_MAX_CONTEXT", row_max_context)
     # prompts of different lengths, one sharing another's prefix (a chunk over cached blocks)
     prompts = [[1 + i, 5, 9, 11] * (i + 2) for i in range(5)] + [[1, 5, 9, 11] * 8 + [3, 4]]
     params = SamplingParams(max_tokens=6, temperature=0)
@@ -189,8 +199,49 @@ def test_cpu_prefill_runs_sdpa_per_sequence_and_matches_torch(monkeypatch):
             outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
         finally:
             llm.close()
-        if backend == "cpu":
-            assert seqs and max(seqs) <= attention.CPU_SDPA_PREFILL_MAX_SEQS
-            seqs.clear()
-    assert not seqs  # the torch backend keeps the reference's padded call
+        if backend == "cpu" and row_max_context:
+            assert rows and not seqs
+        elif backend == "cpu":
+            assert seqs and max(seqs) <= attention.CPU_SDPA_PREFILL_MAX_SEQS and not rows
+        seqs.clear()
+        rows.clear()
     assert outs["cpu"] == outs["torch"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("mla", [False, True])
+def test_prefill_as_decode_rows_matches_the_reference(mla):
+    """prefill_rows + the decode kernel against prefill_attention_ref: whole prompts and
+    chunks over a cached prefix, blocks scattered over the pool, GQA and MLA's one latent
+    head (its values the first columns of its keys, as the backend passes them)."""
+    from kernels import latent_as_kv_head, prefill_attention_ref, prefill_rows
+
+    gen = torch.Generator().manual_seed(7 + mla)
+    block_size, nblocks = 4, 64
+    ctx, q_lens = [3, 9, 17, 30], [3, 2, 17, 11]
+    if mla:
+        latent = torch.randn(nblocks, block_size, 40, generator=gen)
+        k_cache, v_cache = latent_as_kv_head(latent, 32)
+        hq, dim = 4, 40
+    else:
+        hq, dim = 6, 16
+        k_cache = torch.randn(nblocks, block_size, 2, dim, generator=gen)
+        v_cache = torch.randn(nblocks, block_size, 2, dim, generator=gen)
+    perm = torch.randperm(nblocks, generator=gen).to(torch.int32)
+    table = torch.zeros(len(ctx), 8, dtype=torch.int32)
+    used = 0
+    for i, c in enumerate(ctx):
+        n = -(-c // block_size)
+        table[i, :n] = perm[used : used + n]
+        used += n
+    q = torch.randn(sum(q_lens), hq, dim, generator=gen)
+    start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    want = prefill_attention_ref(
+        q, k_cache, v_cache, start, torch.tensor(ctx, dtype=torch.int32), table, 0.3
+    )
+    tables, contexts = prefill_rows(tuple(q_lens), tuple(ctx), table)
+    assert contexts.tolist() == [1, 2, 3, 8, 9, *range(1, 18), *range(20, 31)]
+    got = paged_decode_cpu.paged_gqa_decode_cpu(q, k_cache, v_cache, tables, contexts, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="new tokens over a context"):
+        prefill_rows((4,), (3,), table)

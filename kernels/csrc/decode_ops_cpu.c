@@ -2,7 +2,8 @@
  * ten torch ops they take (at a decode step's few rows each op is mostly its dispatch):
  *
  *   rms_norm_f32       out = w * x / sqrt(mean(x^2) + eps), per row
- *   silu_and_mul_f32   out = silu(x[:, :n]) * x[:, n:]            (SwiGLU's activation)
+ *   silu_and_mul_f32   out = silu(x[:, :n]) * x[:, n:]            (SwiGLU's activation;
+ *                      e^x in vectors, vec8.h, not libm's expf per element)
  *   rope_f32           out = [x1 cos - x2 sin, x2 cos + x1 sin]    per row and head, with
  *                      (x1, x2) the two halves of the head, or its even and odd elements
  *                      (interleaved; the output is then de-interleaved, as the torch path)
@@ -12,6 +13,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+
+#include "vec8.h"
 
 #define PARALLEL_ELEMENTS (1 << 16) /* below this many elements, one thread */
 
@@ -32,15 +35,27 @@ int rms_norm_f32(const float *x, int64_t ldx, const float *w, float eps, float *
     return 0;
 }
 
+/* g sigmoid(g) u, 8 lanes: sigmoid from e = e^-|g| (never overflows), 1 / (1 + e) where
+ * g >= 0 and e / (1 + e) below. */
+INLINE vf swiglu_v(const vf g, const vf u) {
+    vf neg, num;
+    for (int i = 0; i < VL; i++) neg[i] = g[i] < 0.0f ? g[i] : -g[i];
+    const vf e = exp_neg_v(neg);
+    for (int i = 0; i < VL; i++) num[i] = g[i] < 0.0f ? e[i] : 1.0f;
+    return g * num / (1.0f + e) * u;
+}
+
 int silu_and_mul_f32(const float *x, int64_t ldx, float *out, int64_t ldo, int64_t rows,
                      int64_t n, int num_threads) {
     if (rows < 0 || n < 1 || num_threads < 1) return 1;
+    const int64_t nv = n - n % VL;
 #pragma omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = x + r * ldx, *u = g + n;
         float *o = out + r * ldo;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        for (int64_t i = 0; i < nv; i += VL) vstore(o + i, swiglu_v(vload(g + i), vload(u + i)));
+        for (int64_t i = nv; i < n; i++)  /* the same arithmetic, one lane */
+            o[i] = swiglu_v((vf){0} + g[i], (vf){0} + u[i])[0];
     }
     return 0;
 }
