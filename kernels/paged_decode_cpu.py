@@ -62,6 +62,7 @@ def paged_gqa_decode_cpu(
     block_tables: torch.Tensor,  # [B, >= blocks of the longest context]
     context_lens: torch.Tensor,  # [B]
     scale: float,
+    max_context: int | None = None,  # context_lens' largest, when the caller knows it
 ) -> torch.Tensor:  # [B, Hq, Dv]
     check_cache("k_cache", k_cache, 4)
     check_cache("v_cache", v_cache, 4)
@@ -76,10 +77,12 @@ def paged_gqa_decode_cpu(
             f"v_cache {tuple(v_cache.shape)}"
         )
     lens = context_lens.to(torch.int32).contiguous()
-    if batch and int(lens.max()) > block_tables.shape[1] * block_size:
+    if batch and max_context is None:
+        max_context = int(lens.max())  # a reduction and a host read: per layer, per step
+    if batch and max_context > block_tables.shape[1] * block_size:
         raise ValueError(
             f"block_tables has {block_tables.shape[1]} columns; a context of "
-            f"{int(lens.max())} tokens needs more"
+            f"{max_context} tokens needs more"
         )
     table = block_tables.to(torch.int32)
     if table.stride(-1) != 1:
@@ -107,8 +110,9 @@ def paged_mla_decode_cpu(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    max_context: int | None = None,
 ) -> torch.Tensor:  # [B, H, r]
     """MLA in the absorbed form: the latent rows are one KV head shared by every query head
     (keys: whole rows, values: their first r columns, read in place)."""
     q, k_cache, v_cache = mla_as_gqa(q_latent, q_pe, latent_cache)
-    return paged_gqa_decode_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_gqa_decode_cpu(q, k_cache, v_cache, block_tables, context_lens, scale, max_context)

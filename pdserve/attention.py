@@ -252,13 +252,21 @@ class CpuAttentionBackend(TorchAttentionBackend):
         ):
             return super().prefill(q, k_cache, v_cache, meta, scale)
         tables, contexts = meta.prefill_as_rows()
-        return paged_decode_cpu.paged_gqa_decode_cpu(q, k_cache, v_cache, tables, contexts, scale)
+        return paged_decode_cpu.paged_gqa_decode_cpu(
+            q, k_cache, v_cache, tables, contexts, scale, meta.prefill_max_context
+        )
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not paged_decode_cpu.supports(q, k_cache, v_cache):
             return super().decode(q, k_cache, v_cache, meta, scale)
         return paged_decode_cpu.paged_gqa_decode_cpu(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            meta.decode_max_context,
         )
 
     def mla_decode(self, q_latent, q_pe, latent_cache, meta, scale: float) -> torch.Tensor:
@@ -271,6 +279,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             meta.decode_block_tables,
             meta.decode_context_lens,
             scale,
+            meta.decode_max_context,
         )
 
 

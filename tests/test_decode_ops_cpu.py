@@ -1,5 +1,6 @@
 """The C element-wise steps of kernels/decode_ops_cpu.py against the torch code they stand
-in for (RMSNorm, SwiGLU's activation, RoPE in both layouts): a decode step's few rows and a
+in for (RMSNorm, SwiGLU's activation, RoPE in both layouts, greedy sampling's argmax): a
+decode step's few rows and a
 prefill chunk's many (its rows go to threads), strided views as the layers pass them, and
 the inputs they decline."""
 
@@ -115,3 +116,33 @@ def test_empty_inputs_are_declined():
         decode_ops_cpu.rope(torch.empty(0, 2, 8), torch.empty(0, 1, 4), torch.empty(0, 1, 4), False)
         is None
     )
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 5, 8, 13, 49152])
+def test_argmax_is_torchs_on_ties_infinities_and_nans(n):
+    """The first index of the largest value per row, as torch.argmax: random rows, a tie
+    (the earlier index wins, within a lane of the vector pass and across lanes), rows of
+    -inf, a +inf, NaNs (the first NaN wins), rows a column slice apart; 64 rows of the
+    vocabulary's width go to threads."""
+    gen = torch.Generator().manual_seed(n)
+    wide = torch.randn(64, n + 3, generator=gen)
+    x = wide[:, 1 : 1 + n]  # row stride n + 3
+    x[1] = float("-inf")
+    x[2, -1] = float("inf")
+    x[3, n // 2] = float("nan")
+    x[3, -1] = float("nan")
+    if n > 4:
+        x[4, 1] = x[4, n - 2] = x[4].max() + 1  # tie: lanes 1 and (n - 2) % 8
+        x[5, 0] = x[5, 8 % n] = x[5].max() + 1  # tie within lane 0 when n > 8
+    x[6] = 0.0  # all equal
+    got = decode_ops_cpu.argmax(x)
+    assert got.dtype == torch.int64
+    assert got.tolist() == x.argmax(dim=-1).tolist()
+
+
+def test_argmax_declines_what_it_does_not_take():
+    assert decode_ops_cpu.argmax(torch.empty(0, 8)) is None
+    assert decode_ops_cpu.argmax(torch.randn(4, 8).double()) is None
+    assert decode_ops_cpu.argmax(torch.randn(8)) is None
+    assert decode_ops_cpu.argmax(torch.randn(8, 4).T) is None  # not unit stride

@@ -4,6 +4,8 @@
  *   rms_norm_f32       out = w * x / sqrt(mean(x^2) + eps), per row
  *   silu_and_mul_f32   out = silu(x[:, :n]) * x[:, n:]            (SwiGLU's activation;
  *                      e^x in vectors, vec8.h, not libm's expf per element)
+ *   argmax_rows_f32    out[r] = the first index of row r's largest value (of its first
+ *                      NaN, if it has one), as torch.argmax (greedy sampling's pick)
  *   rope_f32           out = [x1 cos - x2 sin, x2 cos + x1 sin]    per row and head, with
  *                      (x1, x2) the two halves of the head, or its even and odd elements
  *                      (interleaved; the output is then de-interleaved, as the torch path)
@@ -81,5 +83,49 @@ int rope_f32(const float *x, int64_t ldt, int64_t ldh, const float *cos, const f
             }
         }
     }
+    return 0;
+}
+
+/* The first index of the largest of x[0..n) (of the first NaN where there is one, as
+ * torch.argmax): 8 lanes, each keeping its own first largest (a strict > keeps the earlier
+ * index on a tie), then the largest of the lanes with the smallest index among equals. */
+static int64_t argmax_row(const float *x, int64_t n) {
+    typedef int32_t vi __attribute__((vector_size(32)));
+    const int64_t nv = n - n % VL;
+    int64_t best = 0;
+    float bestv = n ? x[0] : 0.0f;
+    int nan = 0;
+    if (nv) {
+        vf bv = vload(x);
+        vi bi = {0, 1, 2, 3, 4, 5, 6, 7}, idx = bi, nanv = {0};
+        for (int64_t i = VL; i < nv; i += VL) {
+            const vf v = vload(x + i);
+            idx += VL;
+            nanv |= v != v;
+            const vi up = v > bv; /* all ones where this chunk's value is larger */
+            bv = (vf)(((vi)v & up) | ((vi)bv & ~up));
+            bi = (idx & up) | (bi & ~up);
+        }
+        nanv |= bv != bv;
+        for (int l = 0; l < VL; l++) nan |= nanv[l] != 0;
+        bestv = bv[0], best = bi[0];
+        for (int l = 1; l < VL; l++)
+            if (bv[l] > bestv || (bv[l] == bestv && bi[l] < best)) bestv = bv[l], best = bi[l];
+    }
+    for (int64_t i = nv; i < n; i++) {
+        nan |= x[i] != x[i];
+        if (x[i] > bestv) bestv = x[i], best = i;
+    }
+    if (nan)
+        for (int64_t i = 0; i < n; i++)
+            if (x[i] != x[i]) return i;
+    return best;
+}
+
+int argmax_rows_f32(const float *x, int64_t ldx, int64_t rows, int64_t n, int64_t *out,
+                    int num_threads) {
+    if (rows < 0 || n < 1 || n > INT32_MAX || num_threads < 1) return 1;
+#pragma omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * ldx, n);
     return 0;
 }

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import decode_ops_cpu
 from pdserve.sampling_params import SamplingParams
 
 
@@ -45,7 +46,9 @@ def sample(
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
 ) -> list[int]:
-    greedy = logits.argmax(dim=-1)
+    greedy = decode_ops_cpu.argmax(logits)  # fp32 on CPU: rows over the threads
+    if greedy is None:
+        greedy = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return greedy.tolist()
