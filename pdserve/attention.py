@@ -92,11 +92,15 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, Dv]
-        nd = meta.num_decode
+        nd, np_ = meta.num_decode, meta.num_prefill_tokens
+        if nd and not np_:  # one part: its output as it comes, not copied into another
+            return self.decode(q, k_cache, v_cache, meta, scale)
+        if np_ and not nd:
+            return self.prefill(q, k_cache, v_cache, meta, scale)
         out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
         if nd:
             out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale)
-        if meta.num_prefill_tokens:
+        if np_:
             out[nd:] = self.prefill(q[nd:], k_cache, v_cache, meta, scale)
         return out
 
