@@ -315,6 +315,8 @@ class DecodeWorker:
         """One engine step: scheduled and accounted under the lock, run outside it (the plan
         is plain data by then), so Reserve/Start/Release and heartbeats are not starved."""
         core = self.core
+        # before a step is planned: a failpoint that raises leaves no step in flight
+        self.config.failpoints.hit("decode.step")
         with self.lock:
             self._collect_notifications(wait=False)
             self.state.expire()
@@ -323,7 +325,6 @@ class DecodeWorker:
             if plan is None:
                 self._account()
                 return False
-        self.config.failpoints.hit("decode.step", str(len(plan.batch.requests)))
         with turn_of(self.cpu_lease):  # the step's time starts once it has the CPUs
             step_start = now()
             result = core.run(plan)

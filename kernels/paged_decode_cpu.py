@@ -76,6 +76,11 @@ def paged_gqa_decode_cpu(
             f"shapes do not match: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
             f"v_cache {tuple(v_cache.shape)}"
         )
+    if context_lens.shape != (batch,) or block_tables.dim() != 2 or block_tables.shape[0] < batch:
+        raise ValueError(
+            f"{batch} queries need {batch} context lengths and block table rows: got "
+            f"{tuple(context_lens.shape)} and {tuple(block_tables.shape)}"
+        )
     lens = context_lens.to(torch.int32).contiguous()
     if batch and max_context is None:
         max_context = int(lens.max())  # a reduction and a host read: per layer, per step

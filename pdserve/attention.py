@@ -221,9 +221,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
         )
 
 
-# the longest context of a prefill chunk up to which the CPU backend runs it through the C
-# decode kernel, each new token a decode row over its own context (one call for the
-# chunk; no gathered copy, no call per sequence) instead of SDPA per sequence: on 2 vCPUs
+# the longest context of a prefill sequence up to which the CPU backend runs it through the
+# C decode kernel, each new token a decode row over its own context (one call for all such
+# sequences of a chunk; no gathered copy, no call per sequence) instead of SDPA: on 2 vCPUs
 # (AMD EPYC Zen 4, SmolLM2's heads, per layer, docs/benchmarks.md) 0.50x SDPA's time at
 # 12-32 prompts of 84 tokens, 0.64x at 8 of 128, 0.87-0.90x at 256-512 tokens, 1.20x at
 # 1,024 (a row's keys are read again for every query row: quadratic, where SDPA tiles)
@@ -241,24 +241,30 @@ CPU_SDPA_PREFILL_MAX_SEQS = 128
 class CpuAttentionBackend(TorchAttentionBackend):
     """The C decode kernels (kernels/csrc/, compiled for this CPU on first use) for fp32
     decode steps, which read each sequence's KV once where it lies instead of gathering a
-    padded copy, and for fp32 prefill chunks whose contexts are at most
-    CPU_ROW_PREFILL_MAX_CONTEXT tokens (every new token a decode row); longer ones of up to
-    CPU_SDPA_PREFILL_MAX_SEQS sequences as SDPA per sequence; every other case (other
-    dtypes, larger prefill batches) takes the torch path."""
+    padded copy, and for the fp32 prefill sequences whose contexts are at most
+    CPU_ROW_PREFILL_MAX_CONTEXT tokens (every new token a decode row); longer ones as SDPA
+    per sequence (a chunk of only long ones: up to CPU_SDPA_PREFILL_MAX_SEQS sequences);
+    every other case (other dtypes, larger prefill batches) takes the torch path."""
 
     name = "cpu"
     sdpa_prefill_device = "cpu"
     sdpa_prefill_max_seqs = CPU_SDPA_PREFILL_MAX_SEQS
 
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if meta.prefill_max_context > CPU_ROW_PREFILL_MAX_CONTEXT or not (
-            meta.prefill_query_lens_host and paged_decode_cpu.supports(q, k_cache, v_cache)
-        ):
+        lens, contexts = meta.prefill_query_lens_host, meta.prefill_context_lens_host
+        if not lens or not paged_decode_cpu.supports(q, k_cache, v_cache):
             return super().prefill(q, k_cache, v_cache, meta, scale)
-        tables, contexts = meta.prefill_as_rows()
-        return paged_decode_cpu.paged_gqa_decode_cpu(
-            q, k_cache, v_cache, tables, contexts, scale, meta.prefill_max_context
-        )
+        short = [c <= CPU_ROW_PREFILL_MAX_CONTEXT for c in contexts]
+        if all(short):
+            tables, rows_ctx = meta.prefill_as_rows()
+            return paged_decode_cpu.paged_gqa_decode_cpu(
+                q, k_cache, v_cache, tables, rows_ctx, scale, max(contexts)
+            )
+        if not any(short):
+            return super().prefill(q, k_cache, v_cache, meta, scale)
+        # both kinds: each sequence takes the path it takes alone (its results do not
+        # depend on what else the chunk holds), the long ones SDPA per sequence
+        return _mixed_prefill(q, k_cache, v_cache, meta, scale, short)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not paged_decode_cpu.supports(q, k_cache, v_cache):
@@ -285,6 +291,40 @@ class CpuAttentionBackend(TorchAttentionBackend):
             scale,
             meta.decode_max_context,
         )
+
+
+def _mixed_prefill(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, short):
+    """A chunk with contexts on both sides of CPU_ROW_PREFILL_MAX_CONTEXT: the short
+    sequences' tokens as decode rows in one call, each long sequence through SDPA."""
+    lens, contexts = meta.prefill_query_lens_host, meta.prefill_context_lens_host
+    tables = meta.prefill_block_tables
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    picked = [i for i, s in enumerate(short) if s]
+    at = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in picked])
+    row_tables, row_ctx = prefill_rows(
+        tuple(lens[i] for i in picked),
+        tuple(contexts[i] for i in picked),
+        tables.index_select(0, torch.tensor(picked)),
+    )
+    out[at] = paged_decode_cpu.paged_gqa_decode_cpu(
+        q.index_select(0, at),
+        k_cache,
+        v_cache,
+        row_tables,
+        row_ctx,
+        scale,
+        max(contexts[i] for i in picked),
+    )
+    for i, s in enumerate(short):
+        if not s:
+            a, b = starts[i], starts[i + 1]
+            out[a:b] = prefill_attention_sdpa(
+                q[a:b], k_cache, v_cache, (lens[i],), (contexts[i],), tables[i : i + 1], scale
+            )
+    return out
 
 
 def _cpu(device: torch.device) -> CpuAttentionBackend:

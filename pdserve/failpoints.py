@@ -24,9 +24,9 @@ removed. Points (docs/faults.md has the list with what each state means):
     decode.stream    a stream's fourth token handed to the client (request id)
     decode.migrate   a live migration's last round about to stop the request on the worker
                      it leaves (request id; decode/migrate.py)
-    decode.step      a decode step planned, about to run (outside the worker's lock; detail:
-                     the requests in it): `pause S repeat` makes every step S seconds
-                     longer, so that streams outlast what a test does while they run
+    decode.step      the decode step loop about to plan a step (outside the worker's lock):
+                     `pause S repeat` makes every step S seconds longer, so that streams
+                     outlast what a test does while they run
     prefill.accept   a Prefill call accepted, before it queues (request id)
     prefill.push     before a batch's first WRITE is posted: after its forward pass, or
                      with layer-wise pushes (CUDA) after its first layer (one line per

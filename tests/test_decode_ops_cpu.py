@@ -119,7 +119,7 @@ def test_empty_inputs_are_declined():
 
 
 @needs_kernel
-@pytest.mark.parametrize("n", [1, 5, 8, 13, 49152])
+@pytest.mark.parametrize("n", [1, 5, 8, 13, 16, 21, 49152])
 def test_argmax_is_torchs_on_ties_infinities_and_nans(n):
     """The first index of the largest value per row, as torch.argmax: random rows, a tie
     (the earlier index wins, within a lane of the vector pass and across lanes), rows of
@@ -136,6 +136,13 @@ def test_argmax_is_torchs_on_ties_infinities_and_nans(n):
         x[4, 1] = x[4, n - 2] = x[4].max() + 1  # tie: lanes 1 and (n - 2) % 8
         x[5, 0] = x[5, 8 % n] = x[5].max() + 1  # tie within lane 0 when n > 8
     x[6] = 0.0  # all equal
+    x[7, 0] = float("nan")  # NaN first
+    if n > 1:
+        x[8] = 0.0
+        x[8, 0], x[8, 1] = -0.0, 0.0  # -0.0 == 0.0: the first wins
+        x[9, -1] = x[9].max() + 1  # the largest in the last element (the tail for n % 8)
+    if n >= 16:
+        x[10, 3] = x[10, 11] = x[10].max() + 1  # a tie in one lane of the vector pass
     got = decode_ops_cpu.argmax(x)
     assert got.dtype == torch.int64
     assert got.tolist() == x.argmax(dim=-1).tolist()

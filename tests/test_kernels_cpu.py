@@ -245,3 +245,61 @@ def test_prefill_as_decode_rows_matches_the_reference(mla):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="new tokens over a context"):
         prefill_rows((4,), (3,), table)
+
+
+@needs_kernel
+def test_a_chunk_of_short_and_long_prefills_matches_the_reference_sequence_by_sequence(
+    monkeypatch,
+):
+    """Short sequences as decode rows, long ones through SDPA, in one chunk: the output
+    matches the reference, and each sequence's rows are bit for bit what it gets alone
+    (what a prompt computes does not depend on what shares its chunk)."""
+    from kernels import prefill_attention_ref
+    from pdserve import attention
+    from pdserve.attention import AttentionMetadata, CpuAttentionBackend
+
+    monkeypatch.setattr(attention, "CPU_ROW_PREFILL_MAX_CONTEXT", 12)
+    gen = torch.Generator().manual_seed(3)
+    bs, nblocks, hq, dim = 4, 64, 6, 16
+    k_cache = torch.randn(nblocks, bs, 2, dim, generator=gen)
+    v_cache = torch.randn(nblocks, bs, 2, dim, generator=gen)
+    perm = torch.randperm(nblocks, generator=gen).to(torch.int32)
+    seqs = [(5, 5), (9, 20), (3, 12), (13, 13), (2, 7)]  # (new tokens, context)
+
+    def meta_of(chosen):
+        table = torch.zeros(len(chosen), 8, dtype=torch.int32)
+        for row, i in enumerate(chosen):
+            table[row, : -(-seqs[i][1] // bs)] = perm[8 * i : 8 * i + -(-seqs[i][1] // bs)]
+        lens, ctx = tuple(seqs[i][0] for i in chosen), tuple(seqs[i][1] for i in chosen)
+        start = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(0, dtype=torch.int64),
+            num_decode=0,
+            decode_block_tables=torch.zeros(0, 1, dtype=torch.int32),
+            decode_context_lens=torch.zeros(0, dtype=torch.int32),
+            decode_max_context=0,
+            num_prefill_tokens=sum(lens),
+            prefill_query_start_loc=start,
+            prefill_context_lens=torch.tensor(ctx, dtype=torch.int32),
+            prefill_block_tables=table,
+            prefill_max_query=max(lens),
+            prefill_max_context=max(ctx),
+            prefill_query_lens_host=lens,
+            prefill_context_lens_host=ctx,
+        )
+        return meta, start
+
+    q_all = torch.randn(sum(n for n, _ in seqs), hq, dim, generator=gen)
+    offsets = [0, *torch.tensor([n for n, _ in seqs]).cumsum(0).tolist()]
+    meta, start = meta_of(range(len(seqs)))
+    backend = CpuAttentionBackend()
+    got = backend.gqa(q_all, k_cache, v_cache, meta, 0.25)
+    want = prefill_attention_ref(
+        q_all, k_cache, v_cache, start, meta.prefill_context_lens, meta.prefill_block_tables, 0.25
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for i in range(len(seqs)):  # alone
+        alone_meta, _ = meta_of([i])
+        a, b = offsets[i], offsets[i + 1]
+        alone = backend.gqa(q_all[a:b].clone(), k_cache, v_cache, alone_meta, 0.25)
+        assert torch.equal(alone, got[a:b]), i
