@@ -242,9 +242,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
     """The C decode kernels (kernels/csrc/, compiled for this CPU on first use) for fp32
     decode steps, which read each sequence's KV once where it lies instead of gathering a
     padded copy, and for the fp32 prefill sequences whose contexts are at most
-    CPU_ROW_PREFILL_MAX_CONTEXT tokens (every new token a decode row); longer ones as SDPA
-    per sequence (a chunk of only long ones: up to CPU_SDPA_PREFILL_MAX_SEQS sequences);
-    every other case (other dtypes, larger prefill batches) takes the torch path."""
+    CPU_ROW_PREFILL_MAX_CONTEXT tokens (every new token a decode row); longer fp32 ones as
+    SDPA per sequence (so that a sequence's results do not depend on what shares its chunk);
+    other dtypes as SDPA per sequence in chunks of up to CPU_SDPA_PREFILL_MAX_SEQS sequences,
+    the torch reference past them."""
 
     name = "cpu"
     sdpa_prefill_device = "cpu"
@@ -260,8 +261,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return paged_decode_cpu.paged_gqa_decode_cpu(
                 q, k_cache, v_cache, tables, rows_ctx, scale, max(contexts)
             )
-        if not any(short):
-            return super().prefill(q, k_cache, v_cache, meta, scale)
+        if not any(short):  # however many: each sequence's results as when alone
+            return prefill_attention_sdpa(
+                q, k_cache, v_cache, lens, contexts, meta.prefill_block_tables, scale
+            )
         # both kinds: each sequence takes the path it takes alone (its results do not
         # depend on what else the chunk holds), the long ones SDPA per sequence
         return _mixed_prefill(q, k_cache, v_cache, meta, scale, short)
