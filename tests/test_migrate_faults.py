@@ -59,7 +59,8 @@ def other_decode(c: Cluster, pid: int) -> int:
 
 
 def on_fire(points: str, action) -> threading.Thread:
-    """Run `action(pid, detail)` once decode.migrate fires (from a thread)."""
+    """Run `action(pid, detail)` once decode.migrate fires (from a thread); the streams'
+    slow steps (long_streams.streams) end with it: the move under test has come."""
 
     def watch() -> None:
         deadline = time.monotonic() + 120
@@ -68,6 +69,7 @@ def on_fire(points: str, action) -> threading.Thread:
                 return
             time.sleep(0.005)
         action(*hit)
+        failpoints.disarm(points, "any", "decode.step")
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
