@@ -32,8 +32,8 @@ _SIGNATURES = (
 
 @cache
 def _kernels() -> tuple | None:
-    """(rms_norm, silu_and_mul, rope, argmax_rows) from the library, typed; None where it cannot be
-    built. Looked up once: these run a few hundred times a decode step."""
+    """(rms_norm, silu_and_mul, rope, argmax_rows) from the library, typed; None where it
+    cannot be built. Looked up once: these run a few hundred times a decode step."""
     try:
         lib = load("decode_ops_cpu")
     except NativeUnavailable:

@@ -104,12 +104,11 @@ def prefill_attention_sdpa(
             f"query_lens {query_lens} / context_lens {context_lens} do not match q's "
             f"{q.shape[0]} tokens"
         )
+    _check_lengths(query_lens, context_lens)
     block_size = k_cache.shape[1]
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     start = 0
     for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
-        if not 0 < n <= ctx:
-            raise ValueError(f"sequence {i}: {n} new tokens over a context of {ctx}")
         blocks = -(-ctx // block_size)
         table = block_tables[i : i + 1]
         k = gather_paged(k_cache, table, blocks)[0, :ctx].transpose(0, 1)  # [Hkv, ctx, D]
@@ -148,9 +147,7 @@ def prefill_rows(
             f"query_lens {query_lens} / context_lens {context_lens} / "
             f"{block_tables.shape[0]} block tables do not match"
         )
-    for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
-        if not 0 < n <= ctx:
-            raise ValueError(f"sequence {i}: {n} new tokens over a context of {ctx}")
+    _check_lengths(query_lens, context_lens)
     lens = torch.tensor(query_lens, dtype=torch.int64)
     seq = torch.repeat_interleave(torch.arange(len(query_lens)), lens)
     first = torch.tensor([c - n + 1 for n, c in zip(query_lens, context_lens)], dtype=torch.int64)
@@ -158,3 +155,9 @@ def prefill_rows(
     contexts = first[seq] + torch.arange(int(lens.sum())) - starts[seq]
     tables = block_tables.index_select(0, seq.to(block_tables.device)).to(torch.int32)
     return tables, contexts.to(torch.int32).to(block_tables.device)
+
+
+def _check_lengths(query_lens: tuple[int, ...], context_lens: tuple[int, ...]) -> None:
+    for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
+        if not 0 < n <= ctx:
+            raise ValueError(f"sequence {i}: {n} new tokens over a context of {ctx}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -51,21 +52,16 @@ class AttentionMetadata:
     # the same lengths on the host, one per prefill sequence (no device read to learn them)
     prefill_query_lens_host: tuple[int, ...] = ()
     prefill_context_lens_host: tuple[int, ...] = ()
-    # the prefill tokens as decode rows (their block tables and contexts), made by the
-    # first layer that asks, for the step's other layers
-    _prefill_rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    # what a backend derives from this step's metadata once for all its layers (a metadata
+    # object is one step's; one reused across steps, as CUDA graphs' decode metadata is,
+    # must not be given anything derived from what changes)
+    _derived: dict = field(default_factory=dict, repr=False)
 
-    def prefill_as_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every prefill token as a decode query: (its sequence's block table row, the
-        tokens it sees: its position + 1) -> ([num_prefill_tokens, max_blocks] int32,
-        [num_prefill_tokens] int32)."""
-        if self._prefill_rows is None:
-            self._prefill_rows = prefill_rows(
-                self.prefill_query_lens_host,
-                self.prefill_context_lens_host,
-                self.prefill_block_tables,
-            )
-        return self._prefill_rows
+    def derived(self, key: str, make: Callable[[], Any]) -> Any:
+        """make()'s result, computed by the first layer that asks for `key`."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
 
 class TorchAttentionBackend:
@@ -255,19 +251,27 @@ class CpuAttentionBackend(TorchAttentionBackend):
         lens, contexts = meta.prefill_query_lens_host, meta.prefill_context_lens_host
         if not lens or not paged_decode_cpu.supports(q, k_cache, v_cache):
             return super().prefill(q, k_cache, v_cache, meta, scale)
-        short = [c <= CPU_ROW_PREFILL_MAX_CONTEXT for c in contexts]
-        if all(short):
-            tables, rows_ctx = meta.prefill_as_rows()
+        plan = meta.derived("cpu_prefill_rows", lambda: _row_plan(meta))
+        tables = meta.prefill_block_tables
+        if plan is None:  # only long ones, however many: each as when alone
+            return prefill_attention_sdpa(q, k_cache, v_cache, lens, contexts, tables, scale)
+
+        def rows(qr: torch.Tensor) -> torch.Tensor:
             return paged_decode_cpu.paged_gqa_decode_cpu(
-                q, k_cache, v_cache, tables, rows_ctx, scale, max(contexts)
+                qr, k_cache, v_cache, plan.tables, plan.contexts, scale, plan.max_context
             )
-        if not any(short):  # however many: each sequence's results as when alone
-            return prefill_attention_sdpa(
-                q, k_cache, v_cache, lens, contexts, meta.prefill_block_tables, scale
-            )
+
+        if not plan.long:
+            return rows(q)
         # both kinds: each sequence takes the path it takes alone (its results do not
-        # depend on what else the chunk holds), the long ones SDPA per sequence
-        return _mixed_prefill(q, k_cache, v_cache, meta, scale, short)
+        # depend on what else the chunk holds)
+        out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+        out[plan.at] = rows(q.index_select(0, plan.at))
+        for i, a, b in plan.long:
+            out[a:b] = prefill_attention_sdpa(
+                q[a:b], k_cache, v_cache, (lens[i],), (contexts[i],), tables[i : i + 1], scale
+            )
+        return out
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not paged_decode_cpu.supports(q, k_cache, v_cache):
@@ -296,38 +300,38 @@ class CpuAttentionBackend(TorchAttentionBackend):
         )
 
 
-def _mixed_prefill(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, short):
-    """A chunk with contexts on both sides of CPU_ROW_PREFILL_MAX_CONTEXT: the short
-    sequences' tokens as decode rows in one call, each long sequence through SDPA."""
+@dataclass(frozen=True)
+class _RowPlan:
+    """Which of a prefill chunk's tokens the CPU backend runs as decode rows, and how."""
+
+    at: torch.Tensor | None  # the rows' places among the chunk's tokens (None: all of them)
+    tables: torch.Tensor  # each row's block table row
+    contexts: torch.Tensor  # each row's context
+    max_context: int
+    long: tuple[tuple[int, int, int], ...]  # (sequence, first token, end): through SDPA
+
+
+def _row_plan(meta: AttentionMetadata) -> _RowPlan | None:
+    """The sequences whose contexts are at most CPU_ROW_PREFILL_MAX_CONTEXT as decode rows;
+    None when there is none."""
     lens, contexts = meta.prefill_query_lens_host, meta.prefill_context_lens_host
-    tables = meta.prefill_block_tables
-    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
-    picked = [i for i, s in enumerate(short) if s]
-    at = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in picked])
+    short = [i for i, c in enumerate(contexts) if c <= CPU_ROW_PREFILL_MAX_CONTEXT]
+    if not short:
+        return None
+    rows = set(short)
+    long = tuple((i, starts[i], starts[i + 1]) for i in range(len(lens)) if i not in rows)
+    tables = meta.prefill_block_tables
+    at = None
+    if long:
+        at = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in short])
+        tables = tables.index_select(0, torch.tensor(short))
     row_tables, row_ctx = prefill_rows(
-        tuple(lens[i] for i in picked),
-        tuple(contexts[i] for i in picked),
-        tables.index_select(0, torch.tensor(picked)),
+        tuple(lens[i] for i in short), tuple(contexts[i] for i in short), tables
     )
-    out[at] = paged_decode_cpu.paged_gqa_decode_cpu(
-        q.index_select(0, at),
-        k_cache,
-        v_cache,
-        row_tables,
-        row_ctx,
-        scale,
-        max(contexts[i] for i in picked),
-    )
-    for i, s in enumerate(short):
-        if not s:
-            a, b = starts[i], starts[i + 1]
-            out[a:b] = prefill_attention_sdpa(
-                q[a:b], k_cache, v_cache, (lens[i],), (contexts[i],), tables[i : i + 1], scale
-            )
-    return out
+    return _RowPlan(at, row_tables, row_ctx, max(contexts[i] for i in short), long)
 
 
 def _cpu(device: torch.device) -> CpuAttentionBackend:
