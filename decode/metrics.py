@@ -12,6 +12,10 @@ pdserve_decode_reloaded_bytes_total{tier}, pdserve_decode_spill_used_blocks{tier
 pdserve_decode_reservations{state="held"|"fenced"} (reservations waiting for their push, and
 ended ones whose blocks wait until their push can no longer land: decode/reservations.py)
 
+Token delivery: pdserve_decode_stream_messages_total{path="feed"|"stream"} (messages sent: a
+feed's one a step for all its streams, decode/feed.py, or a stream's one a token),
+pdserve_decode_feeds_open (callers' feed calls open now)
+
 Live migration, on the worker a request leaves (decode/migrate.py):
 pdserve_decode_migrations_total{outcome="completed"|"failed"}, pdserve_decode_migrated_bytes_total,
 pdserve_decode_migration_rounds (pre-copy rounds per move, the last included),
@@ -56,6 +60,13 @@ class DecodeMetrics:
             registry=r,
         )
         self.transfer_bytes, self.transfer_seconds = transfer_metrics(r)
+        self.stream_messages = Counter(
+            "pdserve_decode_stream_messages",
+            "token messages sent: on a caller's feed (a step's, all its streams) or a stream",
+            ["path"],
+            registry=r,
+        )
+        self.feeds_open = Gauge("pdserve_decode_feeds_open", "feed calls open", registry=r)
         self.preemptions = Counter(
             "pdserve_decode_preemptions", "running requests preempted", registry=r
         )

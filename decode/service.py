@@ -1,15 +1,18 @@
-"""The decode worker's gRPC face: Reserve, Renew, Start (token stream), Release, Health,
-Migrate (move a running request's KV to another decode worker), Shutdown (stop as on
-SIGTERM: the router's Drain with stop calls it once nothing is left here)."""
+"""The decode worker's gRPC face: Reserve, Renew, Start (token stream), Feed (a caller's
+tokens of every stream, a message a step: decode/feed.py), Release, Health, Migrate (move a
+running request's KV to another decode worker), Shutdown (stop as on SIGTERM: the router's
+Drain with stop calls it once nothing is left here)."""
 
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable
 
 import grpc
 
-from decode.streams import EndEvent
+from decode.feed import FeedEntry
+from decode.streams import EndEvent, Stream
 from decode.worker import (
     DecodeWorker,
     KVNotArrived,
@@ -26,6 +29,7 @@ from pdserve.serving.registration import stop_this_process
 from pdserve.serving.server import health
 
 STREAM_FAILPOINT_AT = 4  # decode.stream strikes once a stream handed this many tokens over
+FEED_POLL_S = 1.0  # a Feed call with nothing to send looks whether its caller is still there
 
 
 class DecodeService(rpc.DecodeServicer):
@@ -71,15 +75,21 @@ class DecodeService(rpc.DecodeServicer):
 
     def Start(self, request: pb.StartRequest, context):
         worker, rid = self.worker, request.request_id
+        feed = None
+        if request.feed_id:
+            feed = worker.feeds.get(request.feed_id)
+            if feed is None:  # the caller's feed broke meanwhile: it opens it again
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"no feed {request.feed_id!r} open")
         try:
             if request.prefill_here:
-                stream = worker.start_here(rid)
+                stream = worker.start_here(rid, feed)
             else:
                 stream = worker.start(
                     rid,
                     request.first_token,
                     list(request.more_token_ids),
                     request.first_token_sent,
+                    feed,
                 )
         except UnknownRequest as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
@@ -94,29 +104,69 @@ class DecodeService(rpc.DecodeServicer):
             try:
                 event = stream.events.get(timeout=worker.config.stream_idle_s)
             except queue.Empty:
-                if worker.is_pending(rid):
+                if worker.is_pending(rid) or (feed is not None and self._fed_lately(stream)):
                     continue  # preempted and waiting for room (recompute or reload): alive
                 worker.release(rid)
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "decode produced nothing")
+            if feed is not None:  # only the end comes here: its message went on the feed
+                return
+            worker.metrics.stream_messages.labels("stream").inc()
             if isinstance(event, EndEvent):
-                last = [] if event.last_token is None else [event.last_token]
-                produced += len(last)
-                # decode-side TPOT: first token handed over -> last token, per later token
-                tpot = stream.tpot(produced)
-                if produced > 1:
-                    worker.metrics.tpot.observe(tpot)
-                yield pb.TokenChunk(
-                    token_ids=last,
-                    finished=True,
-                    finish_reason=event.finish_reason,
-                    tpot_s=tpot,
-                    spans=spans_to_proto(stream.spans),
-                )
+                yield self._final(stream, event, stream.produced)
                 return
             produced += 1
             yield pb.TokenChunk(token_ids=[event.token])
             if produced == STREAM_FAILPOINT_AT:
                 worker.config.failpoints.hit("decode.stream", rid)
+
+    def Feed(self, request: pb.FeedRequest, context):
+        if not request.feed_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "feed_id: must not be empty")
+        feeds, metrics = self.worker.feeds, self.worker.metrics
+        feed = feeds.open(request.feed_id)
+        metrics.feeds_open.inc()
+        context.add_callback(lambda: (feeds.close(feed), metrics.feeds_open.dec()))
+        yield pb.FeedBatch()  # open: Starts may name it from now on
+        sent = metrics.stream_messages.labels("feed")
+        while context.is_active():
+            batch = feed.next_batch(FEED_POLL_S)
+            if batch is None:  # replaced by a newer feed of the same id, or closed
+                return
+            if not batch:
+                continue
+            if self.worker.config.failpoints.hit("decode.feed", feed.feed_id) == "error":
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the feed was cut (failpoint)")
+            yield pb.FeedBatch(items=[self._feed_item(entry) for entry in batch])
+            sent.inc()
+            for entry in batch:  # after the message: its tokens are on their way
+                if entry.produced == STREAM_FAILPOINT_AT and not isinstance(entry.event, EndEvent):
+                    self.worker.config.failpoints.hit("decode.stream", entry.stream.request_id)
+
+    def _feed_item(self, entry: FeedEntry) -> pb.FeedItem:
+        event, rid = entry.event, entry.stream.request_id
+        if isinstance(event, EndEvent):
+            chunk = self._final(entry.stream, event, entry.produced)
+        else:
+            chunk = pb.TokenChunk(token_ids=[event.token])
+        return pb.FeedItem(request_id=rid, chunk=chunk)
+
+    def _fed_lately(self, stream: Stream) -> bool:
+        """A stream on a feed: its Start call hears of its tokens only through this."""
+        return time.monotonic() - stream.last_token < self.worker.config.stream_idle_s
+
+    def _final(self, stream: Stream, event: EndEvent, produced: int) -> pb.TokenChunk:
+        """A stream's last message: its last token when its step also ended it, the reason,
+        the decode-side TPOT (first token handed over -> last, per later token), spans."""
+        tpot = stream.tpot(produced)
+        if produced > 1:
+            self.worker.metrics.tpot.observe(tpot)
+        return pb.TokenChunk(
+            token_ids=[] if event.last_token is None else [event.last_token],
+            finished=True,
+            finish_reason=event.finish_reason,
+            tpot_s=tpot,
+            spans=spans_to_proto(stream.spans),
+        )
 
     def Migrate(self, request: pb.MigrateRequest, context) -> pb.MigrateResponse:
         try:

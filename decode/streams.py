@@ -6,6 +6,9 @@ the spans it records for the request's trace.
                             last token when the step that made it also ended the request
                             (one message on the wire: a stream cut between the two would
                             leave the router unable to tell that the request was over)
+
+A stream bound to a feed (decode/feed.py) hands its events to the feed instead, its end to
+both: the Start call waits for the end only.
 """
 
 from __future__ import annotations
@@ -13,8 +16,12 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.trace import Span, now
+
+if TYPE_CHECKING:
+    from decode.feed import Feed
 
 
 @dataclass(frozen=True)
@@ -45,11 +52,19 @@ class Stream:
     first_step: float | None = None
     preempted_at: float | None = None
     spans: list[Span] = field(default_factory=list)
+    # its caller's feed (decode/feed.py), and the request id the feed knows it by
+    feed: Feed | None = None
+    request_id: str = ""
+    produced: int = 0  # tokens handed over, the one sent with the end included
 
     def token(self, token: int) -> float:
         """Hand a token to the stream -> seconds since the previous one."""
         gap = self.token_gap()
-        self.events.put(TokenEvent(token))
+        self.produced += 1
+        if self.feed is None:
+            self.events.put(TokenEvent(token))
+        else:
+            self.feed.add(self, TokenEvent(token))
         return gap
 
     def token_gap(self) -> float:
@@ -85,4 +100,8 @@ class Stream:
             self.spans.append(Span("decode.run", self.first_step, t, self.worker))
         if last_token is not None:
             self.token_gap()
-        self.events.put(EndEvent(finish_reason, last_token))
+            self.produced += 1
+        event = EndEvent(finish_reason, last_token)
+        if self.feed is not None:
+            self.feed.add(self, event)
+        self.events.put(event)

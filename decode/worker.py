@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from decode.config import DecodeConfig
+from decode.feed import Feed, Feeds
 from decode.legs import RANK_EXTENSION
 from decode.metrics import DecodeMetrics
 from decode.migrate import Migrated, MigrationFailed, Migrator
@@ -73,6 +74,7 @@ class DecodeWorker:
         # is free (a first WRITE to a new peer can take 100 ms to connect: never a stall)
         self.agent_lock = threading.Lock()
         self.streams: dict[str, Stream] = {}
+        self.feeds = Feeds()  # the routers' feeds: a step's tokens in one message each
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.migrator = Migrator(self)
@@ -133,14 +135,14 @@ class DecodeWorker:
         with self.lock:
             return self.state.renew(request_id, fence, lease_s)
 
-    def start_here(self, request_id: str) -> Stream:
+    def start_here(self, request_id: str, feed: Feed | None = None) -> Stream:
         """No prefill worker computes the prompt (conditional disaggregation): the step loop
         computes it in the reserved blocks beside the running batch, and the stream's first
-        token is the one it samples then."""
+        token is the one it samples then. `feed`: where its events go (decode/feed.py)."""
         with self.lock:
             self.state.start_here(request_id)
             self.metrics.local_prefills.inc()
-            stream = Stream(self.worker_id, prefill_here=True)
+            stream = Stream(self.worker_id, prefill_here=True, feed=feed, request_id=request_id)
             self.streams[request_id] = stream
         self._wake.set()
         return stream
@@ -151,6 +153,7 @@ class DecodeWorker:
         first_token: int,
         more: list[int] | tuple = (),
         first_token_sent: bool = False,
+        feed: Feed | None = None,
     ) -> Stream:
         """The prompt's KV has been pushed: decode from `first_token` on. A migrated request
         (decode/migrate.py) brings `more` tokens whose KV came with the prompt's, and its
@@ -166,12 +169,14 @@ class DecodeWorker:
             self.metrics.transfer_seconds.labels("received").observe(
                 time.monotonic() - res.reserved_at
             )
-            stream = Stream(self.worker_id, received=start_wall)
+            stream = Stream(self.worker_id, received=start_wall, feed=feed, request_id=request_id)
             self.streams[request_id] = stream
             if done is not None:  # its first token ended it: one message with the end
                 self._close(done, last_token=None if first_token_sent else first_token)
             elif not first_token_sent:
                 stream.token(first_token)
+        if feed is not None:
+            feed.flush()
         self._wake.set()
         return stream
 
@@ -333,6 +338,7 @@ class DecodeWorker:
             out = core.end_step(plan, result)
             self.state.observe_step(plan, step_end - step_start)
             self._deliver(out, step_start, step_end)
+        self.feeds.flush()
         return True
 
     def _deliver(self, out: StepOutput, step_start: float, step_end: float) -> None:

@@ -22,6 +22,8 @@ removed. Points (docs/faults.md has the list with what each state means):
 
     decode.reserve   a Reserve granted, before it is answered (detail: request id)
     decode.stream    a stream's fourth token handed to the client (request id)
+    decode.feed      a caller's feed about to send a step's batch (feed id); `error` ends
+                     the feed call UNAVAILABLE, as a cut connection would, the worker alive
     decode.migrate   a live migration's last round about to stop the request on the worker
                      it leaves (request id; decode/migrate.py)
     decode.step      the decode step loop about to plan a step (outside the worker's lock):
@@ -49,10 +51,11 @@ import time
 from dataclasses import dataclass
 
 ACTIONS = ("kill", "stop", "pause", "error")
-FAILING = frozenset({"disk.write"})  # the points whose caller fails on "error"
+FAILING = frozenset({"disk.write", "decode.feed"})  # the points whose caller fails on "error"
 POINTS = (
     "decode.reserve",
     "decode.stream",
+    "decode.feed",
     "decode.migrate",
     "decode.step",
     "prefill.accept",

@@ -67,7 +67,7 @@ def test_bad_arms_are_refused(tmp_path):
         arm(str(tmp_path), "any", "kv.nowhere", "kill")
     with pytest.raises(ValueError, match="not one of"):
         arm(str(tmp_path), "any", "kv.spill", "explode")
-    with pytest.raises(ValueError, match="only disk.write can fail"):
+    with pytest.raises(ValueError, match="only decode.feed, disk.write can fail"):
         arm(str(tmp_path), "any", "kv.spill", "error")  # nothing there would fail
     with pytest.raises(ValueError, match="pause takes seconds"):
         arm(str(tmp_path), "any", "kv.spill", "pause soon")

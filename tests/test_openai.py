@@ -3,15 +3,20 @@ launched cluster (real processes on 127.0.0.1), checked against the gRPC SDK."""
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
+from http.client import HTTPConnection
 
 import openai
 import pytest
 from http_calls import http as http_call
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.client import Client
 from pdserve.launch import Cluster
 from pdserve.weights import resolve
+from tests.test_cluster import wait_all_blocks_free
 
 PROMPTS = ["Hello there", "The capital of France is", "a", "1 2 3 4 5 6 7 8 9 10 11 12"]
 GREEDY = {"max_tokens": 12, "temperature": 0}
@@ -274,3 +279,65 @@ def test_no_workers_is_503_after_the_queue_timeout():
         assert status == 503, reply
         assert "no prefill and no decode worker is registered" in reply["error"]["message"]
         assert time.monotonic() - started >= 1.0  # it waited in the queue first
+
+
+def _cancelled(c) -> float:
+    url = f"http://{c.metrics['router-0']}/metrics"
+    body = urllib.request.urlopen(url, timeout=5).read().decode()
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(body)
+        for s in f.samples
+        if s.name == "pdserve_router_requests_total" and s.labels["outcome"] == "cancelled"
+    )
+
+
+@pytest.mark.parametrize("in_process", [True, False])
+def test_both_paths_to_the_router_serve_the_sdks_tokens_and_a_dropped_stream_frees_its_blocks(
+    in_process,
+):
+    """The front door calls the router's Generate in its own process (the default) or over
+    a loopback gRPC call (--no-http-in-process): the same text either way, streamed or
+    whole; a client that drops its streamed request mid-way aborts it on the workers
+    (every block back, counted cancelled)."""
+
+    with (
+        Cluster(
+            "tiny-llama",
+            1,
+            1,
+            worker_args=["--num-kv-blocks", "512"],
+            router_args=[] if in_process else ["--no-http-in-process"],
+            http_port=0,
+        ) as c,
+        Client(c.address) as sdk,
+    ):
+        oai = openai.OpenAI(base_url=f"http://{c.http_address}/v1", api_key="unused")
+        want = sdk.generate(PROMPTS[1], ignore_eos=True, **GREEDY)
+        whole = oai.completions.create(
+            model="tiny-llama", prompt=PROMPTS[1], extra_body={"ignore_eos": True}, **GREEDY
+        )
+        streamed = oai.completions.create(
+            model="tiny-llama",
+            prompt=PROMPTS[1],
+            stream=True,
+            extra_body={"ignore_eos": True},
+            **GREEDY,
+        )
+        assert whole.choices[0].text == want.text
+        assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == want.text
+        host, port = c.http_address.rsplit(":", 1)
+        conn = HTTPConnection(host, int(port), timeout=30)
+        body = {"model": "tiny-llama", "prompt": "a", "max_tokens": 1000, "stream": True}
+        conn.request("POST", "/v1/completions", json.dumps(body).encode(),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: ")  # streaming: then the client goes
+        conn.sock.close()
+        conn.close()
+        wait_all_blocks_free(sdk, timeout_s=30)
+        deadline = time.monotonic() + 30
+        while _cancelled(c) < 1:
+            assert time.monotonic() < deadline, "the dropped stream was not counted cancelled"
+            time.sleep(0.1)

@@ -87,6 +87,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
 
 
 def run_router(args: argparse.Namespace) -> int:
+    from pdserve.openai.local_call import LocalRouter
     from pdserve.openai.server import RouterView, start_http
     from pdserve.router.config import RouterConfig
     from pdserve.router.service import RouterService
@@ -119,6 +120,7 @@ def run_router(args: argparse.Namespace) -> int:
                 ("migrate_policy", args.migrate_policy),
                 ("migrate_low_free", args.migrate_low_free),
                 ("local_prefill_tokens", args.local_prefill_tokens),
+                ("token_feed", args.token_feed),
             )
             if value is not None
         },
@@ -146,6 +148,13 @@ def run_router(args: argparse.Namespace) -> int:
             # the front door calls this router's gRPC port as an HTTP caller's proxy: TLS
             # (with this router's certificate as its client one), the caller's key, no secret
             channel_factory=lambda address: auth.aio_channel(address, Security(tls=security.tls)),
+            local=LocalRouter(
+                service.Generate,
+                lambda metadata: security.refusal(auth.DOORS[auth.GENERATE], metadata),
+                config.max_queue,
+            )
+            if args.http_in_process
+            else None,
         )
         http = start_http(
             view, port, args.host, args.http_port, args.model, ssl_context=_http_ssl(args)
@@ -155,6 +164,8 @@ def run_router(args: argparse.Namespace) -> int:
     stop.wait()
     if http is not None:
         http.close()
+        if view.local is not None:
+            view.local.close()
     server.stop(grace=2).wait()
     service.close()
     return 0
@@ -367,6 +378,21 @@ def add_serve_parser(sub) -> None:
                 "the decode worker that reserved it, beside its running batch, not on a "
                 "prefill worker (default 0: every prompt goes to a prefill worker; "
                 "docs/architecture.md)",
+            )
+            p.add_argument(
+                "--http-in-process",
+                action=argparse.BooleanOptionalAction,
+                default=True,
+                help="the OpenAI front door (--http-port) calls this router's Generate in its "
+                "own process (default), not over a loopback gRPC call",
+            )
+            p.add_argument(
+                "--token-feed",
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help="each decode worker's tokens for this router on one call, a message a "
+                "step for all its streams (default on; off: a message a token on each "
+                "request's stream)",
             )
             p.add_argument(
                 "--lease",

@@ -3,13 +3,15 @@
     POST /v1/completions        POST /v1/chat/completions      (stream: server-sent events)
     GET  /v1/models             GET  /health                   GET  /metrics
 
-Requests are validated here (400 naming the field), then go through the router's own gRPC
+Requests are validated here (400 naming the field), then go through the router's own
 `Generate` as token ids, so that HTTP and SDK requests share one path (admission, worker
-choice, timings, traces). gRPC failures map to HTTP: INVALID_ARGUMENT 400, UNAUTHENTICATED
-401, PERMISSION_DENIED 403, ALREADY_EXISTS 409, RESOURCE_EXHAUSTED 429 with Retry-After,
-UNAVAILABLE 503, DEADLINE_EXCEEDED 504, anything else from a worker 502. A client that
-disconnects mid-stream cancels the gRPC call, which aborts the request on every worker. The
-server runs its own asyncio loop on a thread of the router process.
+choice, timings, traces): called in this process (pdserve/openai/local_call.py) when the
+router gives its service, else over a gRPC call to the router's port. gRPC failures map to
+HTTP: INVALID_ARGUMENT 400, UNAUTHENTICATED 401, PERMISSION_DENIED 403, ALREADY_EXISTS 409,
+RESOURCE_EXHAUSTED 429 with Retry-After, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, anything
+else from a worker 502. A client that disconnects mid-stream cancels the call, which aborts
+the request on every worker. The server runs its own asyncio loop on a thread of the router
+process.
 
 Bodies are read as JSON whatever their Content-Type says (`curl -d` sends a form type), and
 strictly (strict_json.loads): anything malformed is a 400 naming where it is, never a 500. With
@@ -38,6 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pdserve.client import build_request, timings_of
 from pdserve.openai import protocol as proto
 from pdserve.openai.detok import TextStream
+from pdserve.openai.local_call import LocalRouter
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.tokenizer import Tokenizer
@@ -118,6 +121,8 @@ class RouterView:
     grpc_metadata: tuple[tuple[str, str], ...] = ()  # on every call to the router
     # address -> channel to the router (TLS, credentials); None: an insecure channel
     channel_factory: Callable[[str], grpc.aio.Channel] | None = None
+    # the router's Generate in this process: no gRPC call (set: the channel is not used)
+    local: LocalRouter | None = None
 
     def __post_init__(self) -> None:
         for name in ("api_keys", "public_paths"):
@@ -154,12 +159,15 @@ class OpenAIFrontDoor:
         return app
 
     async def _connect(self, app) -> None:
+        if self.service.local is not None:
+            return
         factory = self.service.channel_factory or grpc.aio.insecure_channel
         self.channel = factory(self.grpc_address)
         self.stub = rpc.RouterStub(self.channel)
 
     async def _disconnect(self, app) -> None:
-        await self.channel.close()
+        if self.stub is not None:
+            await self.channel.close()
 
     @web.middleware
     async def _auth(self, request, handler):
@@ -260,7 +268,10 @@ class OpenAIFrontDoor:
         key = _bearer(request.headers.get("Authorization"))
         if key is not None and _sendable(key):  # checked by _auth when api_keys are set
             metadata.append(("authorization", f"Bearer {key}"))
-        call = self.stub.Generate(msg, metadata=tuple(metadata) or None)
+        if self.service.local is not None:
+            call = self.service.local.generate(msg, tuple(metadata))
+        else:
+            call = self.stub.Generate(msg, metadata=tuple(metadata) or None)
         try:
             if req.stream:
                 return await self._stream(request, req, rid, call, len(ids))

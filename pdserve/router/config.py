@@ -50,6 +50,9 @@ class RouterConfig:
     # on a prefill worker (no push, no second pass over the weights on the node); 0: every
     # prompt goes to a prefill worker (docs/architecture.md)
     local_prefill_tokens: int = 0
+    # a decode worker's tokens for this router on one feed call, a message a step for all
+    # its streams (pdserve/router/feed.py); off: a message a token on each request's stream
+    token_feed: bool = True
     heartbeat_s: float = HEARTBEAT_S  # told to every worker that registers
     missed_heartbeats: int = 5  # then a worker gets no new requests (its streams go on)
     forget_after_s: float = 120.0  # then it leaves the registry and its channel is closed

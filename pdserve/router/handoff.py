@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.router.config import RouterConfig
+from pdserve.router.feed import RouterFeeds
 from pdserve.router.leases import LeaseKeeper
 from pdserve.router.line import ReserveLine
 from pdserve.router.metrics import RouterMetrics
@@ -170,6 +171,7 @@ class Handoff:
         self._lock = threading.Lock()  # every check-and-change of `inflight` and entries
         self.leases = LeaseKeeper(config.lease_s, skip=lambda w: w.suspect or registry.silent(w))
         self.watch = StreamWatch(registry, config.heartbeat_s)
+        self.feeds = RouterFeeds(config.token_feed)  # decode tokens, a message a step
         self.line = ReserveLine()  # requests waiting for decode room, in turn
         # releases of failed attempts: a frozen worker must not delay the resume
         self._releases = ThreadPoolExecutor(max_workers=8, thread_name_prefix="router-release")
@@ -183,6 +185,7 @@ class Handoff:
     def close(self) -> None:
         self.leases.close()
         self.watch.close()
+        self.feeds.close()
         self._releases.shutdown(wait=False)
 
     # -- one request ----------------------------------------------------------------------
@@ -341,17 +344,23 @@ class Handoff:
         """One decode stream -> None (the request ended), the Failure to resume from, or the
         Handover to go on with (the stream ended "migrated")."""
         rid = run.arrival.request_id
+        # its tokens on the worker's feed (a message a step for every stream) when it has one
+        sub = self.feeds.subscribe(decode, start.request_id)
+        start.feed_id = "" if sub is None else sub.feed_id
         try:
             stream = decode.stub.Start(start, timeout=self.config.stream_timeout_s)
         except ValueError as e:  # its channel was closed: the worker is gone
+            if sub is not None:
+                sub.close()
             self._release_attempt(entry)
             return Failure(_Code.UNAVAILABLE, str(e), "decode")
         context.add_callback(stream.cancel)
         watched = self.watch.add(decode, stream)
         switched_at = time.monotonic() if start.first_token_sent else None
         entry.streaming = True
+        chunks = stream if sub is None else sub.chunks(stream, self.config.stream_timeout_s)
         try:
-            for chunk in stream:
+            for chunk in chunks:
                 if chunk.token_ids:
                     if switched_at is not None:
                         self.metrics.switch.observe(time.monotonic() - switched_at)
@@ -394,6 +403,8 @@ class Handoff:
         finally:
             entry.streaming = False
             self.watch.remove(watched)
+            if sub is not None:
+                sub.close()
         if failure.code in _FINAL:
             self._release_attempt(entry)
             context.abort(_to_client(failure.code), f"decode failed: {failure.details}")

@@ -305,18 +305,20 @@ class RenewResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class StartRequest(_message.Message):
-    __slots__ = ("request_id", "first_token", "more_token_ids", "first_token_sent", "prefill_here")
+    __slots__ = ("request_id", "first_token", "more_token_ids", "first_token_sent", "prefill_here", "feed_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MORE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_SENT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
+    FEED_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     more_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_sent: bool
     prefill_here: bool
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., more_token_ids: _Optional[_Iterable[int]] = ..., first_token_sent: _Optional[bool] = ..., prefill_here: _Optional[bool] = ...) -> None: ...
+    feed_id: str
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., more_token_ids: _Optional[_Iterable[int]] = ..., first_token_sent: _Optional[bool] = ..., prefill_here: _Optional[bool] = ..., feed_id: _Optional[str] = ...) -> None: ...
 
 class MigrateRequest(_message.Message):
     __slots__ = ("request_id", "dest_request_id", "dest_worker_id", "dest_block_ids", "dest_layout", "dest_agent_metadata", "dest_cached_blocks", "dest_fence", "dest_ranks", "max_rounds")
@@ -367,6 +369,26 @@ class TokenChunk(_message.Message):
     tpot_s: float
     spans: _containers.RepeatedCompositeFieldContainer[Span]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., tpot_s: _Optional[float] = ..., spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ...) -> None: ...
+
+class FeedRequest(_message.Message):
+    __slots__ = ("feed_id",)
+    FEED_ID_FIELD_NUMBER: _ClassVar[int]
+    feed_id: str
+    def __init__(self, feed_id: _Optional[str] = ...) -> None: ...
+
+class FeedItem(_message.Message):
+    __slots__ = ("request_id", "chunk")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    chunk: TokenChunk
+    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ...) -> None: ...
+
+class FeedBatch(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[FeedItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[FeedItem, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "dest_worker_id", "dest_block_ids", "dest_layout", "dest_agent_metadata", "dest_cached_blocks", "dest_fence", "dest_ranks")

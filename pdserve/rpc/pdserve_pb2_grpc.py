@@ -334,6 +334,11 @@ class DecodeStub:
                 request_serializer=pdserve__pb2.StartRequest.SerializeToString,
                 response_deserializer=pdserve__pb2.TokenChunk.FromString,
                 _registered_method=True)
+        self.Feed = channel.unary_stream(
+                '/pdserve.v1.Decode/Feed',
+                request_serializer=pdserve__pb2.FeedRequest.SerializeToString,
+                response_deserializer=pdserve__pb2.FeedBatch.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdserve.v1.Decode/Release',
                 request_serializer=pdserve__pb2.AbortRequest.SerializeToString,
@@ -371,6 +376,12 @@ class DecodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Start(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Feed(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -421,6 +432,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Start,
                     request_deserializer=pdserve__pb2.StartRequest.FromString,
                     response_serializer=pdserve__pb2.TokenChunk.SerializeToString,
+            ),
+            'Feed': grpc.unary_stream_rpc_method_handler(
+                    servicer.Feed,
+                    request_deserializer=pdserve__pb2.FeedRequest.FromString,
+                    response_serializer=pdserve__pb2.FeedBatch.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -502,6 +518,33 @@ class Decode:
             '/pdserve.v1.Decode/Start',
             pdserve__pb2.StartRequest.SerializeToString,
             pdserve__pb2.TokenChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Feed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Decode/Feed',
+            pdserve__pb2.FeedRequest.SerializeToString,
+            pdserve__pb2.FeedBatch.FromString,
             options,
             channel_credentials,
             insecure,

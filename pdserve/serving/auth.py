@@ -41,9 +41,10 @@ API_KEY_ENV = "PDSERVE_API_KEY"
 
 OPEN, CLIENT, CLUSTER = "open", "client", "cluster"
 _SERVICE = "/pdserve.v1."
+GENERATE = f"{_SERVICE}Router/Generate"
 DOORS: Mapping[str, str] = MappingProxyType(
     {
-        f"{_SERVICE}Router/Generate": CLIENT,
+        GENERATE: CLIENT,
         f"{_SERVICE}Router/Abort": CLIENT,
         f"{_SERVICE}Router/ListWorkers": CLIENT,
         f"{_SERVICE}Router/Health": OPEN,

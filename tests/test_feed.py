@@ -1,0 +1,179 @@
+"""Token feeds: a decode worker's tokens for a router on one call, one message a step for
+all its streams (decode/feed.py, pdserve/router/feed.py). The books of a feed with exact
+expectations, then launched clusters (real processes, real sockets): the colocated engine's
+tokens with the feed on and off, fewer messages than tokens on it, and a feed cut with its
+worker alive (a failpoint): every request resumed with nothing lost or repeated, every
+block back, and the feed open again for the next requests."""
+
+from __future__ import annotations
+
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from decode.feed import Feed, Feeds
+from decode.streams import EndEvent, Stream, TokenEvent
+from pdserve import failpoints
+from pdserve.client import Client
+from pdserve.launch import Cluster
+from pdserve.router.feed import RouterFeeds
+from pdserve.rpc import pdserve_pb2_grpc as rpc
+from pdserve.serving.server import start_server
+from tests.test_cluster import PROMPTS, colocated, wait_all_blocks_free
+from tests.test_local_prefill import metric
+
+
+def _stream(feed: Feed, rid: str) -> Stream:
+    return Stream("d", feed=feed, request_id=rid)
+
+
+def _batch(feed: Feed) -> list[tuple[str, object, int]]:
+    batch = feed.next_batch(0.0)
+    assert batch is not None
+    return [(e.stream.request_id, e.event, e.produced) for e in batch]
+
+
+def test_a_feed_sends_a_step_in_one_batch_and_an_end_at_once_after_what_came_before():
+    feed = Feed("r")
+    a, b = _stream(feed, "a"), _stream(feed, "b")
+    a.token(1)
+    b.token(2)
+    assert feed.next_batch(0.0) == []  # nothing until the step ends
+    assert a.events.empty() and b.events.empty()  # tokens go to the feed only
+    feed.flush()
+    assert _batch(feed) == [("a", TokenEvent(1), 1), ("b", TokenEvent(2), 1)]
+    feed.flush()
+    assert feed.next_batch(0.0) == []  # a flush with nothing pending sends nothing
+    a.token(3)
+    b.end("length", last_token=4)  # an end goes at once, with what waited before it
+    assert _batch(feed) == [("a", TokenEvent(3), 2), ("b", EndEvent("length", 4), 2)]
+    assert b.events.get_nowait() == EndEvent("length", 4)  # and to its Start call
+    assert a.produced == 2 and b.produced == 2
+    feed.close()
+    a.token(5)  # its caller is gone: dropped, never queued
+    feed.flush()
+    assert feed.next_batch(0.0) is None
+
+
+def test_a_stream_without_a_feed_keeps_one_event_a_token():
+    s = Stream("d")
+    s.token(7)
+    s.end("stop")
+    assert [s.events.get_nowait(), s.events.get_nowait()] == [TokenEvent(7), EndEvent("stop")]
+    assert s.produced == 1
+
+
+def test_a_feed_opened_again_under_its_id_replaces_the_old_one():
+    feeds = Feeds()
+    old = feeds.open("r")
+    assert feeds.get("r") is old
+    new = feeds.open("r")
+    assert feeds.get("r") is new and old.closed and old.next_batch(0.0) is None
+    feeds.close(old)  # the old call's own cleanup leaves the new one in place
+    assert feeds.get("r") is new
+    s = _stream(new, "x")
+    s.token(1)
+    feeds.flush()
+    assert _batch(new) == [("x", TokenEvent(1), 1)]
+    feeds.close(new)
+    assert feeds.get("r") is None and new.closed
+
+
+def _generate(client: Client, prompts, **kw):
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(
+            pool.map(
+                lambda p: client.generate(p, max_tokens=10, temperature=0, ignore_eos=True, **kw),
+                prompts,
+            )
+        )
+
+
+@pytest.mark.parametrize("feed", [True, False])
+def test_a_cluster_streams_the_colocated_engines_tokens_with_the_feed_on_or_off(feed):
+    """Prompts on the prefill worker and on the decode worker (short ones), concurrently."""
+    expected = colocated("tiny-llama")
+    with Cluster(
+        "tiny-llama",
+        1,
+        1,
+        worker_args=["--num-kv-blocks", "64"],
+        local_prefill_tokens=20,
+        router_args=[] if feed else ["--no-token-feed"],
+    ) as cluster:
+        with Client(cluster.address) as client:
+            results = _generate(client, PROMPTS)
+            assert [r.token_ids for r in results] == expected
+            assert all(r.finish_reason == "length" and r.timings["tpot_s"] > 0 for r in results)
+            wait_all_blocks_free(client)
+        decode = cluster.metrics["decode-0"]
+        tokens = sum(len(r.token_ids) for r in results)
+        by_path = {"feed": 0.0, "stream": 0.0}
+        for s in _samples(decode, "pdserve_decode_stream_messages_total"):
+            by_path[s.labels["path"]] += s.value
+        if feed:
+            assert by_path["stream"] == 0
+            # a message a step for every stream: fewer than a message a token
+            assert 0 < by_path["feed"] < tokens, (by_path, tokens)
+            assert metric(decode, "pdserve_decode_feeds_open") == 1
+        else:
+            assert by_path["feed"] == 0
+            assert by_path["stream"] == tokens  # every token a message, the last with the end
+            assert metric(decode, "pdserve_decode_feeds_open") == 0
+
+
+def _samples(address: str, name: str):
+    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    return [s for f in text_string_to_metric_families(body) for s in f.samples if s.name == name]
+
+
+def test_a_feed_cut_with_its_worker_alive_resumes_every_request_it_carried(tmp_path):
+    """The feed call ends UNAVAILABLE mid-stream (a failpoint): the router cancels the
+    Starts it carried (their blocks come back) and resumes them; the clients get the
+    colocated engine's tokens, nothing lost or repeated, and the next requests go through
+    a feed opened again."""
+    points = str(tmp_path)
+    expected = colocated("tiny-llama")
+    with Cluster(
+        "tiny-llama",
+        1,
+        1,
+        worker_args=["--num-kv-blocks", "64"],
+        decode_args=["--failpoints", points],
+    ) as cluster:
+        with Client(cluster.address) as client:
+            failpoints.arm(points, "any", "decode.feed", "error")
+            results = _generate(client, PROMPTS)
+            assert failpoints.fired(points, "any", "decode.feed") is not None
+            assert [r.token_ids for r in results] == expected
+            assert sum(r.timings["resumes"] for r in results) >= 1
+            wait_all_blocks_free(client)
+            again = _generate(client, PROMPTS)
+            assert [r.token_ids for r in again] == expected
+            assert sum(r.timings["resumes"] for r in again) == 0
+            wait_all_blocks_free(client)
+        assert metric(cluster.metrics["decode-0"], "pdserve_decode_feeds_open") == 1
+
+
+def test_a_worker_without_feed_gets_plain_streams_and_is_not_asked_again():
+    """An older decode worker (or a fake) answers Feed UNIMPLEMENTED: the router's client
+    says so once (None: plain Start streams) and does not open a call for every request."""
+    add = lambda s: rpc.add_DecodeServicer_to_server(rpc.DecodeServicer(), s)  # noqa: E731
+    server, port = start_server(add, "127.0.0.1", 0)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        worker = SimpleNamespace(worker_id="old", stub=rpc.DecodeStub(channel))
+        feeds = RouterFeeds()
+        assert feeds.subscribe(worker, "r1") is None
+        client = feeds._clients["old"]
+        assert client.state == "unsupported"
+        assert feeds.subscribe(worker, "r2") is None and client._call is None
+        assert RouterFeeds(enabled=False).subscribe(worker, "r3") is None
+        feeds.close()
+    finally:
+        channel.close()
+        server.stop(None)
