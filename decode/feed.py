@@ -7,7 +7,8 @@ Python a token: 4-5% of a batch-32 CPU step; more than a whole step at a GPU's b
 hundreds). A feed's entries wait for the step to end (`flush`); an end goes out at once,
 with what waited before it, so that a stream's tokens and its end keep their order.
 
-    Feed.add(stream, event)            under the worker's lock, from the step loop
+    Feed.add(stream, event)            under the worker's lock (the step loop, a Start, a
+                                       release, a migration's end)
     Feed.flush()                       the step's entries -> one batch for the sender
     Feed.next_batch(timeout)           the Feed call's thread: a batch, [] on timeout,
                                        None once closed
@@ -43,18 +44,18 @@ class Feed:
 
     def add(self, stream: Stream, event: StreamEvent) -> None:
         with self._lock:
-            if self.closed:  # its caller is gone: the Start calls bound to it end too
-                return
+            if self.closed:  # its caller is gone, or opened it again: a Start whose end
+                return  # is dropped here fails (decode/service.py), and the caller resumes it
             self._pending.append(FeedEntry(stream, event, stream.produced))
         if isinstance(event, EndEvent):
             self.flush()
 
     def flush(self) -> None:
-        with self._lock:
+        with self._lock:  # the put too: two threads' flushes never swap their batches
             if not self._pending or self.closed:
                 return
             batch, self._pending = self._pending, []
-        self._batches.put(batch)
+            self._batches.put(batch)
 
     def next_batch(self, timeout_s: float) -> list[FeedEntry] | None:
         try:
@@ -94,6 +95,12 @@ class Feeds:
     def get(self, feed_id: str) -> Feed | None:
         with self._lock:
             return self._feeds.get(feed_id)
+
+    def close_all(self) -> None:
+        with self._lock:
+            feeds, self._feeds = list(self._feeds.values()), {}
+        for feed in feeds:
+            feed.close()
 
     def flush(self) -> None:
         """Every feed's entries of the step that just ended -> one batch each."""

@@ -5,6 +5,7 @@ Drain with stop calls it once nothing is left here)."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from collections.abc import Callable
 import grpc
 
 from decode.feed import FeedEntry
-from decode.streams import EndEvent, Stream
+from decode.streams import BrokenEvent, EndEvent, Stream
 from decode.worker import (
     DecodeWorker,
     KVNotArrived,
@@ -27,6 +28,8 @@ from pdserve.serving.destination import destination_from_proto
 from pdserve.serving.kv_pool import layout_to_proto, ranks_to_proto
 from pdserve.serving.registration import stop_this_process
 from pdserve.serving.server import health
+
+log = logging.getLogger(__name__)
 
 STREAM_FAILPOINT_AT = 4  # decode.stream strikes once a stream handed this many tokens over
 FEED_POLL_S = 1.0  # a Feed call with nothing to send looks whether its caller is still there
@@ -79,7 +82,7 @@ class DecodeService(rpc.DecodeServicer):
         if request.feed_id:
             feed = worker.feeds.get(request.feed_id)
             if feed is None:  # the caller's feed broke meanwhile: it opens it again
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"no feed {request.feed_id!r} open")
+                context.abort(grpc.StatusCode.ABORTED, f"no feed {request.feed_id!r} open")
         try:
             if request.prefill_here:
                 stream = worker.start_here(rid, feed)
@@ -109,6 +112,10 @@ class DecodeService(rpc.DecodeServicer):
                 worker.release(rid)
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "decode produced nothing")
             if feed is not None:  # only the end comes here: its message went on the feed
+                if isinstance(event, BrokenEvent):
+                    context.abort(grpc.StatusCode.ABORTED, event.reason)
+                if feed.closed:  # its end may have been dropped: the caller resumes it
+                    context.abort(grpc.StatusCode.ABORTED, f"feed {feed.feed_id!r} closed")
                 return
             worker.metrics.stream_messages.labels("stream").inc()
             if isinstance(event, EndEvent):
@@ -125,30 +132,45 @@ class DecodeService(rpc.DecodeServicer):
         feeds, metrics = self.worker.feeds, self.worker.metrics
         feed = feeds.open(request.feed_id)
         metrics.feeds_open.inc()
-        context.add_callback(lambda: (feeds.close(feed), metrics.feeds_open.dec()))
-        yield pb.FeedBatch()  # open: Starts may name it from now on
-        sent = metrics.stream_messages.labels("feed")
-        while context.is_active():
-            batch = feed.next_batch(FEED_POLL_S)
-            if batch is None:  # replaced by a newer feed of the same id, or closed
-                return
-            if not batch:
-                continue
-            if self.worker.config.failpoints.hit("decode.feed", feed.feed_id) == "error":
-                context.abort(grpc.StatusCode.UNAVAILABLE, "the feed was cut (failpoint)")
-            yield pb.FeedBatch(items=[self._feed_item(entry) for entry in batch])
-            sent.inc()
-            for entry in batch:  # after the message: its tokens are on their way
-                if entry.produced == STREAM_FAILPOINT_AT and not isinstance(entry.event, EndEvent):
-                    self.worker.config.failpoints.hit("decode.stream", entry.stream.request_id)
+        context.add_callback(lambda: feeds.close(feed))  # a cancel ends its wait at once
+        try:
+            yield pb.FeedBatch()  # open: Starts may name it from now on
+            sent = metrics.stream_messages.labels("feed")
+            while context.is_active():
+                batch = feed.next_batch(FEED_POLL_S)
+                if batch is None:  # replaced by a newer feed of the same id, or closed
+                    return
+                if not batch:
+                    continue
+                if self.worker.config.failpoints.hit("decode.feed", feed.feed_id) == "error":
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "the feed was cut (failpoint)")
+                items = [item for entry in batch if (item := self._feed_item(entry))]
+                yield pb.FeedBatch(items=items)
+                sent.inc()
+                for entry in batch:  # after the message: its tokens are on their way
+                    # (a pause here holds every stream of this feed, not only the struck one)
+                    if entry.produced == STREAM_FAILPOINT_AT and not isinstance(
+                        entry.event, EndEvent
+                    ):
+                        self.worker.config.failpoints.hit("decode.stream", entry.stream.request_id)
+        finally:  # ended, cancelled or failed
+            feeds.close(feed)
+            metrics.feeds_open.dec()
 
-    def _feed_item(self, entry: FeedEntry) -> pb.FeedItem:
+    def _feed_item(self, entry: FeedEntry) -> pb.FeedItem | None:
+        """A feed entry's message, or None when it cannot be built: then its own Start call
+        fails (the request resumes) and the feed goes on for every other stream."""
         event, rid = entry.event, entry.stream.request_id
-        if isinstance(event, EndEvent):
-            chunk = self._final(entry.stream, event, entry.produced)
-        else:
-            chunk = pb.TokenChunk(token_ids=[event.token])
-        return pb.FeedItem(request_id=rid, chunk=chunk)
+        try:
+            if isinstance(event, EndEvent):
+                chunk = self._final(entry.stream, event, entry.produced)
+            else:
+                chunk = pb.TokenChunk(token_ids=[event.token])
+            return pb.FeedItem(request_id=rid, chunk=chunk)
+        except Exception as e:  # noqa: BLE001 - one stream's failure, not the feed's
+            log.exception("request %s: its feed message could not be built", rid)
+            entry.stream.events.put(BrokenEvent(f"its feed message could not be built: {e}"))
+            return None
 
     def _fed_lately(self, stream: Stream) -> bool:
         """A stream on a feed: its Start call hears of its tokens only through this."""

@@ -35,6 +35,14 @@ class EndEvent:
     last_token: int | None = None
 
 
+@dataclass(frozen=True)
+class BrokenEvent:
+    """(A stream on a feed.) Its message could not be built: its Start call fails instead
+    (a retry, a resume, can help); the feed goes on for every other stream."""
+
+    reason: str
+
+
 StreamEvent = TokenEvent | EndEvent
 
 

@@ -334,11 +334,13 @@ class DecodeWorker:
             step_start = now()
             result = core.run(plan)
             step_end = now()
-        with self.lock:
-            out = core.end_step(plan, result)
-            self.state.observe_step(plan, step_end - step_start)
-            self._deliver(out, step_start, step_end)
-        self.feeds.flush()
+        try:
+            with self.lock:
+                out = core.end_step(plan, result)
+                self.state.observe_step(plan, step_end - step_start)
+                self._deliver(out, step_start, step_end)
+        finally:  # what the step handed over goes now, even when a later part failed
+            self.feeds.flush()
         return True
 
     def _deliver(self, out: StepOutput, step_start: float, step_end: float) -> None:
@@ -380,6 +382,7 @@ class DecodeWorker:
             stream.end(done.finish_reason, last_token)
 
     def close(self) -> None:
+        self.feeds.close_all()
         self._stop.set()
         self._wake.set()
         self._loop.join(timeout=5)

@@ -20,7 +20,9 @@ from decode.streams import EndEvent, Stream, TokenEvent
 from pdserve import failpoints
 from pdserve.client import Client
 from pdserve.launch import Cluster
-from pdserve.router.feed import RouterFeeds
+from pdserve.router import feed as feed_module
+from pdserve.router.feed import FeedLost, RouterFeeds, Subscription
+from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving.server import start_server
 from tests.test_cluster import PROMPTS, colocated, wait_all_blocks_free
@@ -106,12 +108,15 @@ def test_a_cluster_streams_the_colocated_engines_tokens_with_the_feed_on_or_off(
         router_args=[] if feed else ["--no-token-feed"],
     ) as cluster:
         with Client(cluster.address) as client:
+            # the request that opens the feed waits for it; others meanwhile go plain
+            first = client.generate(PROMPTS[0], max_tokens=3, temperature=0, ignore_eos=True)
+            assert first.token_ids == expected[0][:3]
             results = _generate(client, PROMPTS)
             assert [r.token_ids for r in results] == expected
             assert all(r.finish_reason == "length" and r.timings["tpot_s"] > 0 for r in results)
             wait_all_blocks_free(client)
         decode = cluster.metrics["decode-0"]
-        tokens = sum(len(r.token_ids) for r in results)
+        tokens = sum(len(r.token_ids) for r in [first, *results])
         by_path = {"feed": 0.0, "stream": 0.0}
         for s in _samples(decode, "pdserve_decode_stream_messages_total"):
             by_path[s.labels["path"]] += s.value
@@ -169,7 +174,7 @@ def test_a_worker_without_feed_gets_plain_streams_and_is_not_asked_again():
         worker = SimpleNamespace(worker_id="old", stub=rpc.DecodeStub(channel))
         feeds = RouterFeeds()
         assert feeds.subscribe(worker, "r1") is None
-        client = feeds._clients["old"]
+        client = feeds._clients[id(worker)]
         assert client.state == "unsupported"
         assert feeds.subscribe(worker, "r2") is None and client._call is None
         assert RouterFeeds(enabled=False).subscribe(worker, "r3") is None
@@ -177,3 +182,78 @@ def test_a_worker_without_feed_gets_plain_streams_and_is_not_asked_again():
     finally:
         channel.close()
         server.stop(None)
+
+
+class _FakeCall(grpc.RpcError):
+    """A Start call as the router's Subscription sees it."""
+
+    def __init__(self) -> None:
+        self.callbacks, self.cancelled, self._code = [], False, None
+
+    def add_done_callback(self, callback) -> None:
+        if self._code is not None:  # as gRPC does for a call that ended already
+            callback(self)
+        else:
+            self.callbacks.append(callback)
+
+    def end(self, code: grpc.StatusCode) -> None:
+        self._code = code
+        for callback in self.callbacks:
+            callback(self)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+def _subscription() -> Subscription:
+    return Subscription(SimpleNamespace(feed_id="r", unsubscribe=lambda sub: None), "x")
+
+
+def test_a_start_that_ends_before_its_final_feed_item_still_gets_it_within_the_grace(
+    monkeypatch,
+):
+    sub, call = _subscription(), _FakeCall()
+    chunks = sub.chunks(call, timeout_s=30)
+    sub.queue.put(pb.TokenChunk(token_ids=[1]))
+    assert next(chunks).token_ids == [1]
+    call.end(grpc.StatusCode.OK)  # the Start returned before the feed sent the end
+    sub.queue.put(pb.TokenChunk(token_ids=[2], finished=True, finish_reason="length"))
+    assert [c.token_ids for c in chunks] == [[2]]  # and then the chunks end
+    monkeypatch.setattr(feed_module, "END_GRACE_S", 0.05)
+    sub, call = _subscription(), _FakeCall()
+    chunks = sub.chunks(call, timeout_s=30)
+    call.end(grpc.StatusCode.OK)
+    assert list(chunks) == []  # no end within the grace: no final chunk (the relay resumes)
+
+
+def test_a_failed_start_or_a_lost_feed_is_raised_and_a_lost_feed_cancels_the_start():
+    sub, call = _subscription(), _FakeCall()
+    chunks = sub.chunks(call, timeout_s=30)
+    call.end(grpc.StatusCode.UNAVAILABLE)  # the worker died
+    with pytest.raises(grpc.RpcError) as e:
+        next(chunks)
+    assert e.value is call and not call.cancelled
+    sub, call = _subscription(), _FakeCall()
+    chunks = sub.chunks(call, timeout_s=30)
+    sub.queue.put(FeedLost("the feed broke"))
+    with pytest.raises(FeedLost) as e:
+        next(chunks)
+    assert call.cancelled  # the worker releases the request; the relay resumes it
+    assert e.value.code() is grpc.StatusCode.ABORTED  # a resume, its worker not suspected
+    sub, call = _subscription(), _FakeCall()
+    assert list(sub.chunks(call, timeout_s=0.05)) == [] and call.cancelled  # its deadline
+
+
+def test_each_worker_record_has_its_own_feed_client_and_a_forgotten_worker_loses_them():
+    feeds = RouterFeeds()
+    old = SimpleNamespace(worker_id="d", stub=None)  # closed: plain streams
+    new = SimpleNamespace(worker_id="d", stub=None)
+    assert feeds.subscribe(old, "a") is None and feeds.subscribe(new, "b") is None
+    clients = dict(feeds._clients)
+    assert set(clients) == {id(old), id(new)}  # a stale record never takes the new one's
+    feeds.forget("d")
+    assert feeds._clients == {} and all(c.state == "unsupported" for c in clients.values())

@@ -281,14 +281,14 @@ def test_no_workers_is_503_after_the_queue_timeout():
         assert time.monotonic() - started >= 1.0  # it waited in the queue first
 
 
-def _cancelled(c) -> float:
+def _router_metric(c, name: str, **labels) -> float:
     url = f"http://{c.metrics['router-0']}/metrics"
     body = urllib.request.urlopen(url, timeout=5).read().decode()
     return sum(
         s.value
         for f in text_string_to_metric_families(body)
         for s in f.samples
-        if s.name == "pdserve_router_requests_total" and s.labels["outcome"] == "cancelled"
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     )
 
 
@@ -338,6 +338,8 @@ def test_both_paths_to_the_router_serve_the_sdks_tokens_and_a_dropped_stream_fre
         conn.close()
         wait_all_blocks_free(sdk, timeout_s=30)
         deadline = time.monotonic() + 30
-        while _cancelled(c) < 1:
+        while _router_metric(c, "pdserve_router_requests_total", outcome="cancelled") < 1:
             assert time.monotonic() < deadline, "the dropped stream was not counted cancelled"
             time.sleep(0.1)
+        # the path taken: 3 HTTP requests, each through Generate in the router's process or not
+        assert _router_metric(c, "pdserve_router_http_in_process_total") == (3 if in_process else 0)

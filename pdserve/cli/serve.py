@@ -152,6 +152,7 @@ def run_router(args: argparse.Namespace) -> int:
                 service.Generate,
                 lambda metadata: security.refusal(auth.DOORS[auth.GENERATE], metadata),
                 config.max_queue,
+                service.metrics.http_in_process.inc,
             )
             if args.http_in_process
             else None,
@@ -236,6 +237,8 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         _drain_before_exit(args, security, worker, worker_id)
     if registration is not None:
         registration.close()
+    if role == "decode":  # its routers' feed calls end now, not at the server's grace
+        worker.feeds.close_all()
     server.stop(grace=2).wait()
     worker.close()
     return 0

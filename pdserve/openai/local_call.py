@@ -171,15 +171,18 @@ class LocalRouter:
         generate: Callable[[pb.GenerateRequest, LocalContext], Iterator[pb.GenerateResponse]],
         refusal: Callable[[dict[str, str]], tuple[grpc.StatusCode, str] | None],
         max_calls: int,
+        on_call: Callable[[], None] = lambda: None,  # each call, before its door
     ) -> None:
         self._generate = generate
         self._refusal = refusal
+        self._on_call = on_call
         self._pool = ThreadPoolExecutor(
             max_workers=max_calls + SPARE_THREADS, thread_name_prefix="router-local"
         )
 
     def generate(self, request: pb.GenerateRequest, metadata) -> LocalCall:
         """(On the front door's loop.) The call, started."""
+        self._on_call()
         metadata = tuple(metadata or ())
         context = LocalContext(metadata)
         call = LocalCall(asyncio.get_running_loop(), context)

@@ -109,7 +109,8 @@ def _sendable(key: str) -> bool:
 
 @dataclass(frozen=True)
 class RouterView:
-    """What the front door needs of the router beside it (it calls the router over gRPC)."""
+    """What the front door needs of the router beside it (it calls the router's Generate in
+    its process through `local`, else over gRPC)."""
 
     vocab_size: int
     max_model_len: int

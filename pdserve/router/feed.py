@@ -5,9 +5,12 @@ step, instead of a message a token on each stream.
 A request's Start names the feed; its tokens and its end then come through it, and its
 Start call carries no message: the call still fails when the worker dies and is cancelled
 to abort (pdserve/router/handoff.py relays a Subscription's chunks exactly as it relays a
-stream's). A worker whose Feed is unimplemented (an older worker, a test's fake) or does
-not open within FEED_OPEN_S gets plain streams. A feed that breaks fails every request it
-carried (UNAVAILABLE: they resume as after a worker's death) and opens again on next use.
+stream's). A worker whose Feed is unimplemented (an older worker, a test's fake) gets plain streams
+from then on (an upgrade in place is not noticed until it registers again); so does a
+request while its worker's feed is opening (only the request that opens it waits, at most
+FEED_OPEN_S) or when its channel is closed. A feed that breaks fails every request it
+carried (ABORTED: they resume; its worker is not suspected, since it may be alive) and
+opens again on next use.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class FeedLost(grpc.RpcError):
         self._details = details
 
     def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
+        return grpc.StatusCode.ABORTED
 
     def details(self) -> str:
         return self._details
@@ -102,10 +105,14 @@ class FeedClient:
     def subscribe(self, request_id: str) -> Subscription | None:
         """Before the request's Start: its chunks from the feed, or None (plain stream)."""
         with self._lock:
-            if self.state == "unsupported" or self.worker.stub is None:
+            if self.state in ("unsupported", "opening") or self.worker.stub is None:
                 return None
             if self.state in ("new", "broken"):
-                self._open()
+                try:
+                    self._open()
+                except ValueError:  # its channel was closed: the worker is gone
+                    self.state = "broken"
+                    return None
             opened = self._opened
             sub = self._subs[request_id] = Subscription(self, request_id)
         if opened.wait(FEED_OPEN_S) and self.state == "open":
@@ -153,12 +160,15 @@ class FeedClient:
         except grpc.RpcError as e:
             code, details = e.code(), e.details() or e.code().name
         with self._lock:
+            was_open = opened.is_set()
             if self._call is call:
-                never = not opened.is_set() and code is grpc.StatusCode.UNIMPLEMENTED
+                never = not was_open and code is grpc.StatusCode.UNIMPLEMENTED
                 self.state = "unsupported" if never else "broken"
                 self._call = None
             subs, self._subs = list(self._subs.values()), {}
-        opened.set()  # a subscriber waiting for it sees that it did not open
+        opened.set()  # a subscriber waiting for it sees that it did not open: plain stream
+        if not was_open:  # nobody was given a subscription of it
+            return
         if subs:
             log.warning("feed of %s broke (%s): %d requests resume", self.worker.worker_id,
                         details, len(subs))  # fmt: skip
@@ -168,26 +178,32 @@ class FeedClient:
 
 
 class RouterFeeds:
-    """Every decode worker's FeedClient, under this router's feed id."""
+    """Every decode worker's FeedClient, under this router's feed id: one per Worker record
+    (a request still holding the record of a worker that registered again since uses that
+    record's own client, never the new one's)."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self.feed_id = f"router-{uuid.uuid4().hex[:12]}"
-        self._clients: dict[str, FeedClient] = {}
+        self._clients: dict[int, FeedClient] = {}  # by id() of the Worker (held: no reuse)
         self._lock = threading.Lock()
 
     def subscribe(self, worker: Worker, request_id: str) -> Subscription | None:
         if not self.enabled:
             return None
         with self._lock:
-            client = self._clients.get(worker.worker_id)
-            old = None
-            if client is None or client.worker is not worker:
-                old, client = client, FeedClient(worker, self.feed_id)
-                self._clients[worker.worker_id] = client
-        if old is not None:
-            old.close()
+            client = self._clients.get(id(worker))
+            if client is None:
+                client = self._clients[id(worker)] = FeedClient(worker, self.feed_id)
         return client.subscribe(request_id)
+
+    def forget(self, worker_id: str) -> None:
+        """The worker left the registry: its records' feeds close."""
+        with self._lock:
+            gone = [k for k, c in self._clients.items() if c.worker.worker_id == worker_id]
+            clients = [self._clients.pop(k) for k in gone]
+        for client in clients:
+            client.close()
 
     def close(self) -> None:
         with self._lock:

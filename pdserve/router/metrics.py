@@ -11,7 +11,9 @@ pdserve_router_local_prefills_total (prompts their decode worker computed: condi
 disaggregation, RouterConfig.local_prefill_tokens),
 pdserve_router_migrations_total{outcome="completed"|"failed"} (live KV moves between decode
 workers: pdserve/router/migrate.py), pdserve_router_migration_switch_seconds (the source's
-last token -> the destination's first: the stall a migrated request's client sees)
+last token -> the destination's first: the stall a migrated request's client sees),
+pdserve_router_http_in_process_total (OpenAI front door requests that called the router's
+Generate in its own process, pdserve/openai/local_call.py, not over gRPC)
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ class RouterMetrics:
             r,
             "pdserve_router_transfer_seconds",
             "KV push tail per request (last layer computed -> KV in the decode blocks)",
+        )
+        self.http_in_process = Counter(
+            "pdserve_router_http_in_process",
+            "front door requests that called Generate in this process (not over gRPC)",
+            registry=r,
         )
         self.requests = Counter(
             "pdserve_router_requests", "requests by outcome", ["outcome"], registry=r

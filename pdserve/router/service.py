@@ -135,7 +135,7 @@ class RouterService(rpc.RouterServicer):
         self.registry = WorkerRegistry(
             config,
             connect=lambda record: grpc_connect(record, self.security),
-            on_forget=self.metrics.forget_worker,
+            on_forget=self._forget_worker,
         )
         self.admission = threading.BoundedSemaphore(config.max_queue)
         self.inflight: dict[str, Inflight] = {}  # request id -> its decode worker
@@ -328,6 +328,11 @@ class RouterService(rpc.RouterServicer):
                 code = context.code() or grpc.StatusCode.UNKNOWN
                 outcome = f"failed_{code.name.lower()}"
             self.metrics.requests.labels(outcome).inc()
+
+    def _forget_worker(self, worker_id: str) -> None:
+        """A worker left the registry: its series and its feed go."""
+        self.metrics.forget_worker(worker_id)
+        self.handoff.feeds.forget(worker_id)
 
     def _claim(self, request_id: str, owner: str) -> bool:
         with self._owners_lock:
