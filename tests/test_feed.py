@@ -1,9 +1,9 @@
 """Token feeds: a decode worker's tokens for a router on one call, one message a step for
-all its streams (decode/feed.py, pdserve/router/feed.py). The books of a feed with exact
-expectations, then launched clusters (real processes, real sockets): the colocated engine's
-tokens with the feed on and off, fewer messages than tokens on it, and a feed cut with its
-worker alive (a failpoint): every request resumed with nothing lost or repeated, every
-block back, and the feed open again for the next requests."""
+all its streams (decode/feed.py, pdserve/router/feed.py). The books of a feed and a
+subscription with exact expectations, then launched clusters (real processes, real
+sockets): the colocated engine's tokens with the feed on and off, fewer messages than
+tokens on it, and a feed cut with its worker alive (a failpoint): every request resumed
+with nothing lost or repeated, every block back, and the feed open again."""
 
 from __future__ import annotations
 
@@ -96,8 +96,13 @@ def _generate(client: Client, prompts, **kw):
 
 
 @pytest.mark.parametrize("feed", [True, False])
-def test_a_cluster_streams_the_colocated_engines_tokens_with_the_feed_on_or_off(feed):
-    """Prompts on the prefill worker and on the decode worker (short ones), concurrently."""
+def test_a_cluster_streams_the_colocated_engines_tokens_with_the_feed_on_or_off(feed, tmp_path):
+    """Prompts on the prefill worker and on the decode worker (short ones), concurrently.
+    With the feed on, its call is then cut mid-stream with the worker alive (a failpoint,
+    UNAVAILABLE): the router cancels the Starts it carried (their blocks come back) and
+    resumes them; the clients get the colocated engine's tokens, nothing lost or repeated,
+    and the next requests go through a feed opened again."""
+    points = str(tmp_path)
     expected = colocated("tiny-llama")
     with Cluster(
         "tiny-llama",
@@ -105,8 +110,10 @@ def test_a_cluster_streams_the_colocated_engines_tokens_with_the_feed_on_or_off(
         1,
         worker_args=["--num-kv-blocks", "64"],
         local_prefill_tokens=20,
+        decode_args=["--failpoints", points],
         router_args=[] if feed else ["--no-token-feed"],
     ) as cluster:
+        decode = cluster.metrics["decode-0"]
         with Client(cluster.address) as client:
             # the request that opens the feed waits for it; others meanwhile go plain
             first = client.generate(PROMPTS[0], max_tokens=3, temperature=0, ignore_eos=True)
@@ -115,53 +122,35 @@ def test_a_cluster_streams_the_colocated_engines_tokens_with_the_feed_on_or_off(
             assert [r.token_ids for r in results] == expected
             assert all(r.finish_reason == "length" and r.timings["tpot_s"] > 0 for r in results)
             wait_all_blocks_free(client)
-        decode = cluster.metrics["decode-0"]
-        tokens = sum(len(r.token_ids) for r in [first, *results])
-        by_path = {"feed": 0.0, "stream": 0.0}
-        for s in _samples(decode, "pdserve_decode_stream_messages_total"):
-            by_path[s.labels["path"]] += s.value
-        if feed:
+            tokens = sum(len(r.token_ids) for r in [first, *results])
+            by_path = {"feed": 0.0, "stream": 0.0}
+            for s in _samples(decode, "pdserve_decode_stream_messages_total"):
+                by_path[s.labels["path"]] += s.value
+            if not feed:
+                assert by_path["feed"] == 0
+                assert by_path["stream"] == tokens  # a message a token, the last with the end
+                assert metric(decode, "pdserve_decode_feeds_open") == 0
+                return
             assert by_path["stream"] == 0
             # a message a step for every stream: fewer than a message a token
             assert 0 < by_path["feed"] < tokens, (by_path, tokens)
             assert metric(decode, "pdserve_decode_feeds_open") == 1
-        else:
-            assert by_path["feed"] == 0
-            assert by_path["stream"] == tokens  # every token a message, the last with the end
-            assert metric(decode, "pdserve_decode_feeds_open") == 0
-
-
-def _samples(address: str, name: str):
-    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    return [s for f in text_string_to_metric_families(body) for s in f.samples if s.name == name]
-
-
-def test_a_feed_cut_with_its_worker_alive_resumes_every_request_it_carried(tmp_path):
-    """The feed call ends UNAVAILABLE mid-stream (a failpoint): the router cancels the
-    Starts it carried (their blocks come back) and resumes them; the clients get the
-    colocated engine's tokens, nothing lost or repeated, and the next requests go through
-    a feed opened again."""
-    points = str(tmp_path)
-    expected = colocated("tiny-llama")
-    with Cluster(
-        "tiny-llama",
-        1,
-        1,
-        worker_args=["--num-kv-blocks", "64"],
-        decode_args=["--failpoints", points],
-    ) as cluster:
-        with Client(cluster.address) as client:
             failpoints.arm(points, "any", "decode.feed", "error")
-            results = _generate(client, PROMPTS)
+            cut = _generate(client, PROMPTS)
             assert failpoints.fired(points, "any", "decode.feed") is not None
-            assert [r.token_ids for r in results] == expected
-            assert sum(r.timings["resumes"] for r in results) >= 1
+            assert [r.token_ids for r in cut] == expected
+            assert sum(r.timings["resumes"] for r in cut) >= 1
             wait_all_blocks_free(client)
             again = _generate(client, PROMPTS)
             assert [r.token_ids for r in again] == expected
             assert sum(r.timings["resumes"] for r in again) == 0
             wait_all_blocks_free(client)
-        assert metric(cluster.metrics["decode-0"], "pdserve_decode_feeds_open") == 1
+        assert metric(decode, "pdserve_decode_feeds_open") == 1
+
+
+def _samples(address: str, name: str):
+    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    return [s for f in text_string_to_metric_families(body) for s in f.samples if s.name == name]
 
 
 def test_a_worker_without_feed_gets_plain_streams_and_is_not_asked_again():

@@ -292,54 +292,60 @@ def _router_metric(c, name: str, **labels) -> float:
     )
 
 
-@pytest.mark.parametrize("in_process", [True, False])
-def test_both_paths_to_the_router_serve_the_sdks_tokens_and_a_dropped_stream_frees_its_blocks(
-    in_process,
-):
-    """The front door calls the router's Generate in its own process (the default) or over
-    a loopback gRPC call (--no-http-in-process): the same text either way, streamed or
-    whole; a client that drops its streamed request mid-way aborts it on the workers
-    (every block back, counted cancelled)."""
+def _both_paths(c, sdk) -> None:
+    """Against cluster `c`: the SDK's text whole and streamed over HTTP; a client that drops
+    its streamed request mid-way aborts it on the workers (every block back, counted
+    cancelled). Three HTTP requests."""
+    cancelled = _router_metric(c, "pdserve_router_requests_total", outcome="cancelled")
+    oai = openai.OpenAI(base_url=f"http://{c.http_address}/v1", api_key="unused")
+    want = sdk.generate(PROMPTS[1], ignore_eos=True, **GREEDY)
+    whole = oai.completions.create(
+        model="tiny-llama", prompt=PROMPTS[1], extra_body={"ignore_eos": True}, **GREEDY
+    )
+    streamed = oai.completions.create(
+        model="tiny-llama", prompt=PROMPTS[1], stream=True, extra_body={"ignore_eos": True},
+        **GREEDY,
+    )  # fmt: skip
+    assert whole.choices[0].text == want.text
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == want.text
+    host, port = c.http_address.rsplit(":", 1)
+    conn = HTTPConnection(host, int(port), timeout=30)
+    body = {"model": "tiny-llama", "prompt": "a", "max_tokens": 1000, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body).encode(),
+                 {"Content-Type": "application/json"})  # fmt: skip
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: ")  # streaming: then the client goes
+    conn.sock.close()
+    conn.close()
+    wait_all_blocks_free(sdk, timeout_s=30)
+    deadline = time.monotonic() + 30
+    while _router_metric(c, "pdserve_router_requests_total", outcome="cancelled") < cancelled + 1:
+        assert time.monotonic() < deadline, "the dropped stream was not counted cancelled"
+        time.sleep(0.1)
 
+
+def test_the_front_door_in_the_routers_process_serves_the_sdks_tokens_and_frees_a_dropped_stream(
+    cluster, sdk
+):
+    """The default: the front door calls the router's Generate in its own process."""
+    before = _router_metric(cluster, "pdserve_router_http_in_process_total")
+    _both_paths(cluster, sdk)
+    assert _router_metric(cluster, "pdserve_router_http_in_process_total") == before + 3
+
+
+def test_the_front_door_over_grpc_serves_the_same():
+    """--no-http-in-process: the front door calls its router over a loopback gRPC call."""
     with (
         Cluster(
             "tiny-llama",
             1,
             1,
             worker_args=["--num-kv-blocks", "512"],
-            router_args=[] if in_process else ["--no-http-in-process"],
+            router_args=["--no-http-in-process"],
             http_port=0,
         ) as c,
         Client(c.address) as sdk,
     ):
-        oai = openai.OpenAI(base_url=f"http://{c.http_address}/v1", api_key="unused")
-        want = sdk.generate(PROMPTS[1], ignore_eos=True, **GREEDY)
-        whole = oai.completions.create(
-            model="tiny-llama", prompt=PROMPTS[1], extra_body={"ignore_eos": True}, **GREEDY
-        )
-        streamed = oai.completions.create(
-            model="tiny-llama",
-            prompt=PROMPTS[1],
-            stream=True,
-            extra_body={"ignore_eos": True},
-            **GREEDY,
-        )
-        assert whole.choices[0].text == want.text
-        assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == want.text
-        host, port = c.http_address.rsplit(":", 1)
-        conn = HTTPConnection(host, int(port), timeout=30)
-        body = {"model": "tiny-llama", "prompt": "a", "max_tokens": 1000, "stream": True}
-        conn.request("POST", "/v1/completions", json.dumps(body).encode(),
-                     {"Content-Type": "application/json"})  # fmt: skip
-        resp = conn.getresponse()
-        assert resp.status == 200
-        assert resp.readline().startswith(b"data: ")  # streaming: then the client goes
-        conn.sock.close()
-        conn.close()
-        wait_all_blocks_free(sdk, timeout_s=30)
-        deadline = time.monotonic() + 30
-        while _router_metric(c, "pdserve_router_requests_total", outcome="cancelled") < 1:
-            assert time.monotonic() < deadline, "the dropped stream was not counted cancelled"
-            time.sleep(0.1)
-        # the path taken: 3 HTTP requests, each through Generate in the router's process or not
-        assert _router_metric(c, "pdserve_router_http_in_process_total") == (3 if in_process else 0)
+        _both_paths(c, sdk)
+        assert _router_metric(c, "pdserve_router_http_in_process_total") == 0
