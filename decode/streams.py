@@ -43,7 +43,7 @@ class BrokenEvent:
     reason: str
 
 
-StreamEvent = TokenEvent | EndEvent
+StreamEvent = TokenEvent | EndEvent | BrokenEvent
 
 
 @dataclass
