@@ -44,8 +44,8 @@ class Feed:
 
     def add(self, stream: Stream, event: StreamEvent) -> None:
         with self._lock:
-            if self.closed:  # its caller is gone, or opened it again: a Start whose end
-                return  # is dropped here fails (decode/service.py), and the caller resumes it
+            if self.closed:  # its caller is gone, or opened it again (and resumes what this
+                return  # one carried): the Starts bound to it are cancelled by the caller
             self._pending.append(FeedEntry(stream, event, stream.produced))
         if isinstance(event, EndEvent):
             self.flush()

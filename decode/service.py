@@ -103,19 +103,22 @@ class DecodeService(rpc.DecodeServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         context.add_callback(lambda: worker.release(rid))
         produced = 0
+        # on a feed its end comes from the sender, which stops when the feed closes: look
+        # every FEED_POLL_S whether the call or the feed is gone
+        wait_s = worker.config.stream_idle_s if feed is None else FEED_POLL_S
         while True:
             try:
-                event = stream.events.get(timeout=worker.config.stream_idle_s)
+                event = stream.events.get(timeout=wait_s)
             except queue.Empty:
+                if feed is not None and (not context.is_active() or feed.closed and stream.ended):
+                    return  # its caller is gone, or resumes it (its feed broke)
                 if worker.is_pending(rid) or (feed is not None and self._fed_lately(stream)):
                     continue  # preempted and waiting for room (recompute or reload): alive
                 worker.release(rid)
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "decode produced nothing")
-            if feed is not None:  # only the end comes here: its message went on the feed
+            if feed is not None:  # its end was sent on the feed, or its message failed
                 if isinstance(event, BrokenEvent):
                     context.abort(grpc.StatusCode.ABORTED, event.reason)
-                if feed.closed:  # its end may have been dropped: the caller resumes it
-                    context.abort(grpc.StatusCode.ABORTED, f"feed {feed.feed_id!r} closed")
                 return
             worker.metrics.stream_messages.labels("stream").inc()
             if isinstance(event, EndEvent):
@@ -144,14 +147,15 @@ class DecodeService(rpc.DecodeServicer):
                     continue
                 if self.worker.config.failpoints.hit("decode.feed", feed.feed_id) == "error":
                     context.abort(grpc.StatusCode.UNAVAILABLE, "the feed was cut (failpoint)")
-                items = [item for entry in batch if (item := self._feed_item(entry))]
+                items = [item for entry in batch if (item := self._feed_item(entry)) is not None]
                 yield pb.FeedBatch(items=items)
                 sent.inc()
                 for entry in batch:  # after the message: its tokens are on their way
-                    # (a pause here holds every stream of this feed, not only the struck one)
-                    if entry.produced == STREAM_FAILPOINT_AT and not isinstance(
-                        entry.event, EndEvent
-                    ):
+                    if isinstance(entry.event, EndEvent):
+                        if not entry.stream.feed_broken:
+                            entry.stream.events.put(entry.event)  # its Start ends OK
+                    elif entry.produced == STREAM_FAILPOINT_AT:
+                        # (a pause here holds every stream of this feed, not the struck one)
                         self.worker.config.failpoints.hit("decode.stream", entry.stream.request_id)
         finally:  # ended, cancelled or failed
             feeds.close(feed)
@@ -159,8 +163,11 @@ class DecodeService(rpc.DecodeServicer):
 
     def _feed_item(self, entry: FeedEntry) -> pb.FeedItem | None:
         """A feed entry's message, or None when it cannot be built: then its own Start call
-        fails (the request resumes) and the feed goes on for every other stream."""
+        fails (the request resumes), none of its later entries is sent (no hole in its
+        tokens) and the feed goes on for every other stream."""
         event, rid = entry.event, entry.stream.request_id
+        if entry.stream.feed_broken:
+            return None
         try:
             if isinstance(event, EndEvent):
                 chunk = self._final(entry.stream, event, entry.produced)
@@ -169,6 +176,7 @@ class DecodeService(rpc.DecodeServicer):
             return pb.FeedItem(request_id=rid, chunk=chunk)
         except Exception as e:  # noqa: BLE001 - one stream's failure, not the feed's
             log.exception("request %s: its feed message could not be built", rid)
+            entry.stream.feed_broken = True
             entry.stream.events.put(BrokenEvent(f"its feed message could not be built: {e}"))
             return None
 

@@ -7,8 +7,9 @@ the spans it records for the request's trace.
                             (one message on the wire: a stream cut between the two would
                             leave the router unable to tell that the request was over)
 
-A stream bound to a feed (decode/feed.py) hands its events to the feed instead, its end to
-both: the Start call waits for the end only.
+A stream bound to a feed (decode/feed.py) hands its events to the feed instead; its Start
+call hears of its end from the feed's sender once the message that carried it is sent (or
+a BrokenEvent when its message could not be built).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class Stream:
     feed: Feed | None = None
     request_id: str = ""
     produced: int = 0  # tokens handed over, the one sent with the end included
+    feed_broken: bool = False  # a message of it could not be built: the rest is dropped
+    ended: bool = False
 
     def token(self, token: int) -> float:
         """Hand a token to the stream -> seconds since the previous one."""
@@ -109,7 +112,9 @@ class Stream:
         if last_token is not None:
             self.token_gap()
             self.produced += 1
+        self.ended = True
         event = EndEvent(finish_reason, last_token)
-        if self.feed is not None:
+        if self.feed is not None:  # its sender tells the Start once the end is sent
             self.feed.add(self, event)
-        self.events.put(event)
+        else:
+            self.events.put(event)

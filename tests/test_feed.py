@@ -15,8 +15,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from decode.feed import Feed, Feeds
-from decode.streams import EndEvent, Stream, TokenEvent
+from decode.feed import Feed, FeedEntry, Feeds
+from decode.service import DecodeService
+from decode.streams import BrokenEvent, EndEvent, Stream, TokenEvent
 from pdserve import failpoints
 from pdserve.client import Client
 from pdserve.launch import Cluster
@@ -53,7 +54,7 @@ def test_a_feed_sends_a_step_in_one_batch_and_an_end_at_once_after_what_came_bef
     a.token(3)
     b.end("length", last_token=4)  # an end goes at once, with what waited before it
     assert _batch(feed) == [("a", TokenEvent(3), 2), ("b", EndEvent("length", 4), 2)]
-    assert b.events.get_nowait() == EndEvent("length", 4)  # and to its Start call
+    assert b.events.empty()  # its Start hears of it once the feed's sender sent it
     assert a.produced == 2 and b.produced == 2
     feed.close()
     a.token(5)  # its caller is gone: dropped, never queued
@@ -118,20 +119,21 @@ def test_a_cluster_streams_the_colocated_engines_tokens_with_the_feed_on_or_off(
             # the request that opens the feed waits for it; others meanwhile go plain
             first = client.generate(PROMPTS[0], max_tokens=3, temperature=0, ignore_eos=True)
             assert first.token_ids == expected[0][:3]
+            plain_before = _by_path(decode)["stream"]
             results = _generate(client, PROMPTS)
             assert [r.token_ids for r in results] == expected
             assert all(r.finish_reason == "length" and r.timings["tpot_s"] > 0 for r in results)
             wait_all_blocks_free(client)
             tokens = sum(len(r.token_ids) for r in [first, *results])
-            by_path = {"feed": 0.0, "stream": 0.0}
-            for s in _samples(decode, "pdserve_decode_stream_messages_total"):
-                by_path[s.labels["path"]] += s.value
+            by_path = _by_path(decode)
             if not feed:
                 assert by_path["feed"] == 0
                 assert by_path["stream"] == tokens  # a message a token, the last with the end
                 assert metric(decode, "pdserve_decode_feeds_open") == 0
                 return
-            assert by_path["stream"] == 0
+            # every request once the feed is open; the first one too, unless its wait for
+            # the feed to open ran out (then a plain stream, as designed)
+            assert by_path["stream"] == plain_before and plain_before in (0, len(first.token_ids))
             # a message a step for every stream: fewer than a message a token
             assert 0 < by_path["feed"] < tokens, (by_path, tokens)
             assert metric(decode, "pdserve_decode_feeds_open") == 1
@@ -146,6 +148,13 @@ def test_a_cluster_streams_the_colocated_engines_tokens_with_the_feed_on_or_off(
             assert sum(r.timings["resumes"] for r in again) == 0
             wait_all_blocks_free(client)
         assert metric(decode, "pdserve_decode_feeds_open") == 1
+
+
+def _by_path(decode: str) -> dict[str, float]:
+    by_path = {"feed": 0.0, "stream": 0.0}
+    for s in _samples(decode, "pdserve_decode_stream_messages_total"):
+        by_path[s.labels["path"]] += s.value
+    return by_path
 
 
 def _samples(address: str, name: str):
@@ -237,12 +246,39 @@ def test_a_failed_start_or_a_lost_feed_is_raised_and_a_lost_feed_cancels_the_sta
     assert list(sub.chunks(call, timeout_s=0.05)) == [] and call.cancelled  # its deadline
 
 
-def test_each_worker_record_has_its_own_feed_client_and_a_forgotten_worker_loses_them():
+def test_each_worker_record_has_its_own_feed_client_and_replaced_ones_close_once_unused():
     feeds = RouterFeeds()
     old = SimpleNamespace(worker_id="d", stub=None)  # closed: plain streams
-    new = SimpleNamespace(worker_id="d", stub=None)
-    assert feeds.subscribe(old, "a") is None and feeds.subscribe(new, "b") is None
-    clients = dict(feeds._clients)
-    assert set(clients) == {id(old), id(new)}  # a stale record never takes the new one's
+    assert feeds.subscribe(old, "a") is None
+    old_client = feeds._clients[id(old)]
+    old_client._subs["busy"] = object()  # a request still streaming through the old record
+    new = SimpleNamespace(worker_id="d", stub=None)  # it registered again elsewhere
+    assert feeds.subscribe(new, "b") is None
+    assert set(feeds._clients) == {id(old), id(new)}  # a stale record never takes the new one's
+    old_client._subs.clear()
+    newer = SimpleNamespace(worker_id="d", stub=None)
+    assert feeds.subscribe(newer, "c") is None
+    assert set(feeds._clients) == {id(newer)}  # the unused ones closed
+    assert old_client.state == "unsupported"
     feeds.forget("d")
-    assert feeds._clients == {} and all(c.state == "unsupported" for c in clients.values())
+    assert feeds._clients == {}
+
+
+def test_a_feed_entry_that_cannot_be_built_fails_its_own_start_and_drops_its_later_entries():
+    """One stream's message fails (here its spans are not spans): its Start call is told
+    (BrokenEvent: ABORTED, the router resumes it), its later tokens and end are never sent
+    (no hole in what its client got), and another stream's entries of the same batch go."""
+    metrics = SimpleNamespace(tpot=SimpleNamespace(observe=lambda seconds: None))
+    service = DecodeService(SimpleNamespace(metrics=metrics), on_shutdown=lambda: None)
+    feed = Feed("r")
+    bad, good = _stream(feed, "bad"), _stream(feed, "good")
+    bad.token(1)
+    good.token(2)
+    bad.spans.append("not a span")
+    bad.end("length", last_token=3)
+    entries = feed.next_batch(0.0)
+    assert [service._feed_item(e) is None for e in entries] == [False, False, True]
+    assert bad.feed_broken and isinstance(bad.events.get_nowait(), BrokenEvent)
+    assert service._feed_item(FeedEntry(bad, TokenEvent(4), 3)) is None
+    item = service._feed_item(FeedEntry(good, EndEvent("stop", 5), 2))
+    assert item.request_id == "good" and item.chunk.finished and list(item.chunk.token_ids) == [5]

@@ -297,7 +297,7 @@ def _both_paths(c, sdk) -> None:
     its streamed request mid-way aborts it on the workers (every block back, counted
     cancelled). Three HTTP requests."""
     cancelled = _router_metric(c, "pdserve_router_requests_total", outcome="cancelled")
-    oai = openai.OpenAI(base_url=f"http://{c.http_address}/v1", api_key="unused")
+    oai = openai.OpenAI(base_url=f"http://{c.http_address}/v1", api_key="unused", max_retries=0)
     want = sdk.generate(PROMPTS[1], ignore_eos=True, **GREEDY)
     whole = oai.completions.create(
         model="tiny-llama", prompt=PROMPTS[1], extra_body={"ignore_eos": True}, **GREEDY

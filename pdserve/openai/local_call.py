@@ -171,7 +171,7 @@ class LocalRouter:
         generate: Callable[[pb.GenerateRequest, LocalContext], Iterator[pb.GenerateResponse]],
         refusal: Callable[[dict[str, str]], tuple[grpc.StatusCode, str] | None],
         max_calls: int,
-        on_call: Callable[[], None] = lambda: None,  # each call, before its door
+        on_call: Callable[[], None] = lambda: None,  # each call past its door
     ) -> None:
         self._generate = generate
         self._refusal = refusal
@@ -182,7 +182,6 @@ class LocalRouter:
 
     def generate(self, request: pb.GenerateRequest, metadata) -> LocalCall:
         """(On the front door's loop.) The call, started."""
-        self._on_call()
         metadata = tuple(metadata or ())
         context = LocalContext(metadata)
         call = LocalCall(asyncio.get_running_loop(), context)
@@ -192,6 +191,7 @@ class LocalRouter:
             context.end()
             call._post(_error(code, details))
             return call
+        self._on_call()
         self._pool.submit(call.drive, lambda ctx: self._generate(request, ctx))
         return call
 

@@ -100,7 +100,8 @@ class FeedClient:
         self._subs: dict[str, Subscription] = {}
         self._call = None
         self._opened = threading.Event()
-        self.state = "new"  # -> "open", "broken" (opens again on next use), "unsupported"
+        # "new" -> "opening" -> "open"; "broken" (opens again on next use); "unsupported"
+        self.state = "new"
 
     def subscribe(self, request_id: str) -> Subscription | None:
         """Before the request's Start: its chunks from the feed, or None (plain stream)."""
@@ -115,10 +116,20 @@ class FeedClient:
                     return None
             opened = self._opened
             sub = self._subs[request_id] = Subscription(self, request_id)
-        if opened.wait(FEED_OPEN_S) and self.state == "open":
-            return sub
+        opened.wait(FEED_OPEN_S)
+        with self._lock:  # still this call's, open, and still registered: else plain
+            if (
+                self._opened is opened
+                and self.state == "open"
+                and self._subs.get(request_id) is sub
+            ):
+                return sub
         self.unsubscribe(sub)
         return None
+
+    @property
+    def idle(self) -> bool:
+        return not self._subs
 
     def unsubscribe(self, sub: Subscription) -> None:
         with self._lock:
@@ -191,10 +202,20 @@ class RouterFeeds:
     def subscribe(self, worker: Worker, request_id: str) -> Subscription | None:
         if not self.enabled:
             return None
+        stale = []
         with self._lock:
             client = self._clients.get(id(worker))
             if client is None:
                 client = self._clients[id(worker)] = FeedClient(worker, self.feed_id)
+                # the records this one replaced (it registered again): once unused, closed
+                stale = [
+                    k
+                    for k, c in self._clients.items()
+                    if c.worker.worker_id == worker.worker_id and c is not client and c.idle
+                ]
+                stale = [self._clients.pop(k) for k in stale]
+        for old in stale:
+            old.close()
         return client.subscribe(request_id)
 
     def forget(self, worker_id: str) -> None:

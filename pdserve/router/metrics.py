@@ -12,8 +12,8 @@ disaggregation, RouterConfig.local_prefill_tokens),
 pdserve_router_migrations_total{outcome="completed"|"failed"} (live KV moves between decode
 workers: pdserve/router/migrate.py), pdserve_router_migration_switch_seconds (the source's
 last token -> the destination's first: the stall a migrated request's client sees),
-pdserve_router_http_in_process_total (OpenAI front door requests that called the router's
-Generate in its own process, pdserve/openai/local_call.py, not over gRPC)
+pdserve_router_http_in_process_total (OpenAI front door requests, past its door, that called
+the router's Generate in its own process, pdserve/openai/local_call.py, not over gRPC)
 """
 
 from __future__ import annotations
