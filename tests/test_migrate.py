@@ -113,7 +113,10 @@ def test_a_migrated_request_finishes_on_the_other_worker_with_the_same_tokens(tr
     model, prefill, a, b = trio
     stream = started(prefill, a, "r1")
     sent = take(stream, 6)
-    move = Move(a, b, "r1", "r1~m1", PROMPT, sent)
+    # room for a pre-copy round however far it decoded before the first look (in CI it once
+    # decoded far enough that the default 64 tokens of room did not leave two blocks of
+    # growth: then the first round was the last)
+    move = Move(a, b, "r1", "r1~m1", PROMPT, sent, extra=128)
     kept = snapshots(a)
     moved = move.run()
     more, reason = rest(stream)
@@ -370,7 +373,7 @@ def test_a_tensor_parallel_worker_moves_each_ranks_heads(model, src, dst, first,
     rid = f"t-{src}-{dst}"
     stream = started(prefill, a, rid, prompt)
     sent = take(stream, 6)
-    move = Move(a, b, rid, f"{rid}~m1", prompt, sent)
+    move = Move(a, b, rid, f"{rid}~m1", prompt, sent, extra=128)  # room for a pre-copy round
     kept = snapshots(a)  # (rank 0's; the order of A's blocks is what is used here)
     try:
         moved = move.run()
