@@ -7,13 +7,11 @@ with nothing lost or repeated, every block back, and the feed open again."""
 
 from __future__ import annotations
 
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from decode.feed import Feed, FeedEntry, Feeds
 from decode.service import DecodeService
@@ -151,15 +149,8 @@ def test_a_cluster_streams_the_colocated_engines_tokens_with_the_feed_on_or_off(
 
 
 def _by_path(decode: str) -> dict[str, float]:
-    by_path = {"feed": 0.0, "stream": 0.0}
-    for s in _samples(decode, "pdserve_decode_stream_messages_total"):
-        by_path[s.labels["path"]] += s.value
-    return by_path
-
-
-def _samples(address: str, name: str):
-    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    return [s for f in text_string_to_metric_families(body) for s in f.samples if s.name == name]
+    name = "pdserve_decode_stream_messages_total"
+    return {path: metric(decode, name, path=path) for path in ("feed", "stream")}
 
 
 def test_a_worker_without_feed_gets_plain_streams_and_is_not_asked_again():

@@ -112,10 +112,14 @@ def test_only_a_held_reservation_starts_here(books):
     state.check_integrity()
 
 
-def metric(address: str, name: str) -> float:
+def metric(address: str, name: str, **labels: str) -> float:
+    """The sum of a series' samples at `address`/metrics, of those with `labels` if given."""
     body = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
     return sum(
-        s.value for f in text_string_to_metric_families(body) for s in f.samples if s.name == name
+        s.value
+        for f in text_string_to_metric_families(body)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     )
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from http.client import HTTPConnection
 
 import openai
@@ -17,6 +16,7 @@ from pdserve.client import Client
 from pdserve.launch import Cluster
 from pdserve.weights import resolve
 from tests.test_cluster import wait_all_blocks_free
+from tests.test_local_prefill import metric
 
 PROMPTS = ["Hello there", "The capital of France is", "a", "1 2 3 4 5 6 7 8 9 10 11 12"]
 GREEDY = {"max_tokens": 12, "temperature": 0}
@@ -225,7 +225,6 @@ def test_models_health_and_metrics(cluster, oai):
     assert [m.id for m in oai.models.list().data] == ["tiny-llama"]
     status, _, reply = http(cluster, "GET", "/health")
     assert status == 200 and reply["status"] == "ok"
-    from prometheus_client.parser import text_string_to_metric_families
 
     oai.completions.create(model="tiny-llama", prompt="metrics", max_tokens=4, temperature=0)
     names = {
@@ -281,15 +280,8 @@ def test_no_workers_is_503_after_the_queue_timeout():
         assert time.monotonic() - started >= 1.0  # it waited in the queue first
 
 
-def _router_metric(c, name: str, **labels) -> float:
-    url = f"http://{c.metrics['router-0']}/metrics"
-    body = urllib.request.urlopen(url, timeout=5).read().decode()
-    return sum(
-        s.value
-        for f in text_string_to_metric_families(body)
-        for s in f.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
+def _router_metric(c, name: str, **labels: str) -> float:
+    return metric(c.metrics["router-0"], name, **labels)
 
 
 def _both_paths(c, sdk) -> None:

@@ -57,9 +57,6 @@ class LocalContext:
     def is_active(self) -> bool:
         return self._active
 
-    def time_remaining(self) -> float | None:
-        return None
-
     def send_initial_metadata(self, metadata) -> None:
         pass
 
