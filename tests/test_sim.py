@@ -339,8 +339,14 @@ def test_plan_ranks_by_goodput_and_confirms_its_winner():
 
 
 def test_plan_refuses_what_it_cannot_place():
-    from pdserve.sim.plan import layouts
+    from pdserve.sim.plan import layouts, tp_refusals
 
+    # tiny-llama's 4 heads split 1, 2 or 4 ways, not 8: TP=8 is skipped, with its reason
+    h200, tiny = load_profile("h200"), model_config("tiny-llama")
+    assert {t.tp for t in layouts(tiny, h200, 8, 2)} == {1, 2, 4}
+    refusals = tp_refusals(tiny, h200, 8, 2)
+    assert list(refusals) == [1, 2, 4, 8] and refusals[4] is None
+    assert "8 does not divide the model's 4 heads" in refusals[8]
     with pytest.raises(ValueError, match="gpus: must be >= 1"):
         layouts(model_config("tiny-llama"), load_profile("h200"), 0, 2)
     with pytest.raises(ValueError, match="does not fit 1 x h200"):

@@ -2,7 +2,8 @@
 
 For G GPUs of one profile the candidates are
 
-    layouts     TP=k for every k dividing G whose weight shard leaves room for KV, as G/k
+    layouts     TP=k for every k dividing G that splits the model's heads and whose weight
+                shard leaves room for KV (the others are reported, not searched), as G/k
                 colocated replicas (DP) or as n prefill : m decode workers (n + m = G/k)
     admission   greedy or kv-aware, preempting by recompute, host swap or the full tiers
     settings    max_num_seqs, and the host spill tier's size
@@ -28,6 +29,7 @@ from pdserve.bench.workload import RequestSpec
 from pdserve.config import ModelConfig
 from pdserve.engine.args import EngineArgs
 from pdserve.progress import progress
+from pdserve.sim.engine import per_device_config
 from pdserve.sim.profile import Profile
 from pdserve.sim.run import Setup, Topology, simulate
 
@@ -48,25 +50,44 @@ class Candidate:
         return f"{self.topology.describe()}: {self.policy}, max_num_seqs {self.max_num_seqs}{tier}"
 
 
-def layouts(config: ModelConfig, profile: Profile, gpus: int, weight_bytes: float):
-    """Every topology of `gpus` GPUs whose weights fit, colocated and disaggregated."""
+def tp_refusals(
+    config: ModelConfig, profile: Profile, gpus: int, weight_bytes: float
+) -> dict[int, str | None]:
+    """Every TP degree dividing `gpus` -> why the model cannot run at it (its heads do not
+    split that many ways, or its weight shard leaves no room for KV), or None."""
     if gpus < 1:
         raise ValueError(f"gpus: must be >= 1, got {gpus}")
-    out = []
+    out: dict[int, str | None] = {}
     for tp in (k for k in range(1, gpus + 1) if gpus % k == 0):
         setup = Setup(config, profile, Topology(tp=tp), EngineArgs(), weight_bytes)
         try:
+            per_device_config(config, tp)
             setup.num_blocks()
-        except ValueError:
-            continue  # the shard leaves no room for KV
+        except ValueError as e:
+            out[tp] = str(e)
+        else:
+            out[tp] = None
+    return out
+
+
+def layouts(config: ModelConfig, profile: Profile, gpus: int, weight_bytes: float):
+    """Every topology of `gpus` GPUs the model runs on, colocated and disaggregated."""
+    refusals = tp_refusals(config, profile, gpus, weight_bytes)
+    out = []
+    for tp, refused in refusals.items():
+        if refused:
+            continue
         workers = gpus // tp
         out.append(Topology(dp=workers, tp=tp))
         for prefill in sorted({1, workers // 4, workers // 2} - {0}):
             if prefill < workers:
                 out.append(Topology(tp=tp, prefill=prefill, decode=workers - prefill))
     if not out:
+        why = "; ".join(f"TP={tp}: {r}" for tp, r in refusals.items())
+        hint = "; more GPUs or fp8 weights (--weight-dtype fp8)" if weight_bytes > 1 else ""
         raise ValueError(
-            f"gpus: {config.architecture} does not fit {gpus} x {profile.name} at any TP"
+            f"gpus: {config.architecture} does not fit {gpus} x {profile.name} at any TP "
+            f"({why}){hint}"
         )
     return out
 
@@ -144,6 +165,9 @@ def plan(
         "ranked": [_row(c, p) for c, p in ranked],
         "best": {**_row(winner, confirmed), "searched": _row(winner, predicted)},
         "candidates": len(tried),
+        "skipped_tp": {
+            str(tp): r for tp, r in tp_refusals(config, profile, gpus, weight_bytes).items() if r
+        },
         "wall_s": time.perf_counter() - started,
     }
 
@@ -195,6 +219,8 @@ def format_plan(report: dict, top: int = 8) -> str:
             f"{r['ttft_p99_s']:>8.2f}s {r['tpot_p99_s'] * 1e3:>7.1f}ms {r['preemptions']:>8}  "
             f"{r['layout']}{also}"
         )
+    for tp, why in report.get("skipped_tp", {}).items():
+        lines.append(f"   not searched: TP={tp} ({why})")
     b = report["best"]
     lines.append(
         f"best: {b['layout']}; confirmed on all {report['requests']['confirmed']} requests: "
