@@ -72,6 +72,12 @@ def _unmoved(client: Client, prompt: list[int], params: dict) -> list[int]:
     return runs[0]
 
 
+_ENDED_FIRST = (
+    "after: the stream ended before its move ({after} tokens after the first {before} took "
+    "less than starting a drain; a fast model); give --after more tokens"
+)
+
+
 def _one(cluster: Cluster, client: Client, prompt: list[int], before: int, after: int) -> dict:
     """One moved stream, after its unmoved twins -> the point's row."""
     params = dict(max_tokens=before + after, temperature=0, ignore_eos=True)
@@ -98,12 +104,16 @@ def _one(cluster: Cluster, client: Client, prompt: list[int], before: int, after
             final = msg
         if moved_at is None and len(tokens) >= before:
             counts = _decode_totals(cluster)
-            source = next(w for w, c in counts.items() if c["running"] > 0)
+            source = next((w for w, c in counts.items() if c["running"] > 0), None)
+            if source is None:  # a fast model: it decoded the rest before we looked
+                raise ValueError(_ENDED_FIRST.format(after=after, before=before))
             start_counts = counts[source]
             moved_at = len(tokens)
             drained = mover.submit(move, source)
     assert final is not None and source is not None
     progress_msgs = drained.result(timeout=300)
+    if not final.timings.migrations:  # it ended while the drain started: nothing moved
+        raise ValueError(_ENDED_FIRST.format(after=after, before=before))
     mover.shutdown()
     end_counts = _decode_totals(cluster)[source]
     delta = {k: end_counts[k] - start_counts[k] for k, _ in _SOURCE_METRICS}
