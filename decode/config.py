@@ -7,6 +7,15 @@ from dataclasses import dataclass
 from pdserve.engine.admission import DEFAULT_ADMISSION, DEFAULT_MARGIN, check_admission
 from pdserve.failpoints import NO_FAILPOINTS, Failpoints
 
+# held requests beyond the engine's running batch (max_num_seqs) a decode worker takes by
+# default: reservations whose prompts are being computed, requests waiting for room
+QUEUE_REQUESTS = 64
+
+
+def max_requests(config: DecodeConfig, max_num_seqs: int) -> int:
+    """The most requests a decode worker holds at once (DecodeConfig.max_requests)."""
+    return config.max_requests or max_num_seqs + QUEUE_REQUESTS
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -32,6 +41,13 @@ class DecodeConfig:
     migrate_max_rounds: int = 4
     migrate_final_blocks: int = 2
     migrate_timeout_s: float = 30.0
+    # the most requests it holds at once (reserved, waiting, running, parked, moving out):
+    # each one's Start call holds a thread of the worker's gRPC server for as long as it
+    # streams (pdserve/cli/serve.py sizes the server by it), and a Reserve past it is
+    # refused as one without room (the router places it elsewhere or lines it up). None:
+    # the engine's max_num_seqs plus QUEUE_REQUESTS (reservations whose prompts are being
+    # computed, requests waiting for room)
+    max_requests: int | None = None
     failpoints: Failpoints = NO_FAILPOINTS  # decode.* (pdserve/failpoints.py)
     # the node's CPU lease (pdserve/serving/cpu_lease.py): steps run only in its turns; None:
     # this worker's threads have their CPUs to themselves
@@ -39,6 +55,8 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         check_admission(self.admission, self.admission_margin)
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ValueError(f"max_requests: must be >= 1, got {self.max_requests}")
         for name in ("migrate_max_rounds", "migrate_final_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

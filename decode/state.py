@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from decode.config import DecodeConfig
+from decode.config import DecodeConfig, max_requests
 from decode.reservations import Reservation, Reservations
 from pdserve.engine.admission import ADMISSION, projected_blocks
 from pdserve.engine.core import EngineCore, StepPlan
@@ -79,6 +79,7 @@ class DecodeState:
         )
         core.rotate_by(self.admission.rotation())
         self.reservations = Reservations()
+        self.max_requests = max_requests(config, core.max_num_seqs)
 
     def reserve(
         self,
@@ -100,7 +101,13 @@ class DecodeState:
         req = self.core.make_request(prompt, params, request_id=request_id)
         if request_id in self.reservations or self.core.holds(request_id):
             raise ValueError(f"request_id: {request_id!r} is already known here")
-        refused = self.admission.check(req.token_ids, params.max_tokens, self.held())
+        held = self.held()
+        if len(held) >= self.max_requests:
+            raise ReservationError(
+                f"requests: this worker holds {len(held)}, its most (max_requests "
+                f"{self.max_requests}: each streams on a server thread)"
+            )
+        refused = self.admission.check(req.token_ids, params.max_tokens, held)
         if refused is not None:
             raise ReservationError(refused)
         cost = self.admission.cost(req.token_ids, params.max_tokens)

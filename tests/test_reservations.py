@@ -174,3 +174,29 @@ def test_the_heartbeat_projects_growth_whatever_the_admission_policy(books):
     stats = state.stats()
     assert (stats.free_blocks, stats.headroom_blocks, stats.projected_free_blocks) == (2, 2, -3)
     state.check_integrity()
+
+
+def test_a_worker_holds_at_most_max_requests_whatever_its_free_blocks():
+    """Each held request streams on a thread of the worker's server (sized by it): a Reserve
+    past max_requests is refused as one without room, with blocks to spare; once one ends,
+    the next is taken. The default is max_num_seqs plus QUEUE_REQUESTS."""
+    from decode.config import QUEUE_REQUESTS
+    from decode.state import ReservationError
+
+    core, _ = build_engine("tiny-llama", EngineArgs(block_size=16, num_kv_blocks=32))
+    try:
+        assert DecodeState(core, DecodeConfig("d")).max_requests == 256 + QUEUE_REQUESTS
+        state = DecodeState(core, DecodeConfig("d", admission="greedy", max_requests=2))
+        state.reserve("a", PROMPT, GREEDY, lease_s=5)
+        state.reserve("b", PROMPT, GREEDY, lease_s=5)
+        state.start("a", first_token=7)  # running now (41 tokens in its 3 blocks): held
+        with pytest.raises(ReservationError, match="max_requests 2"):
+            state.reserve("c", PROMPT, GREEDY, lease_s=5)
+        assert free(state) == 32 - 2 * 3  # refused with 26 blocks free
+        assert state.release("b", unpushed=True)[0]
+        state.reserve("c", PROMPT, GREEDY, lease_s=5)
+        assert free(state) == 32 - 2 * 3
+    finally:
+        core.close()
+    with pytest.raises(ValueError, match="max_requests: must be >= 1"):
+        DecodeConfig("d", max_requests=0)

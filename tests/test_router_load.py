@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.client import Client, Overloaded, PdserveError
 from pdserve.launch import Cluster
+from tests.test_local_prefill import metric
 
 QUEUE = 200
 
@@ -46,6 +47,9 @@ def test_200_streams_are_served_and_more_are_refused_resource_exhausted_only():
         results, errors = burst(client, QUEUE, max_tokens=32)
         assert not errors, f"{len(errors)} refused, e.g. {errors[:3]}"
         assert all(len(r.token_ids) == 32 for r in results)
+        # ~100 streams a decode worker, each holding a server thread: its Reserves and
+        # renewals still answered (the server used to have 64 threads: requests resumed)
+        assert not [r.timings["resumes"] for r in results if r.timings.get("resumes")]
         served_by = {r.timings["decode_worker"] for r in results}
         assert len(served_by) == 2, served_by  # spread over both workers
         results, errors = burst(client, QUEUE + 60, max_tokens=128)
@@ -54,3 +58,41 @@ def test_200_streams_are_served_and_more_are_refused_resource_exhausted_only():
         # before the last arrived (60 on a slow machine, 42 on a faster one: seen)
         assert 0 < len(errors) <= 60 and len(results) + len(errors) == QUEUE + 60
         assert all(len(r.token_ids) == 128 for r in results)
+
+
+def test_a_decode_worker_answers_reserves_and_renewals_while_it_streams_past_64():
+    """Every held request's Start stream holds a thread of its decode worker's server; with
+    64 of them all taken (the server's size until 2026-12-07) later Reserves and lease
+    renewals waited behind the streams, leases ran out, and requests resumed. Short leases
+    make any wait show."""
+    with (
+        Cluster(
+            "tiny-llama",
+            1,
+            1,
+            worker_args=["--num-kv-blocks", "4096"],
+            router_args=["--lease", "1"],
+        ) as c,
+        Client(c.address, security=c.security) as client,
+    ):
+        results, errors = burst(client, 96, max_tokens=400)
+        assert not errors, f"{len(errors)} failed, e.g. {errors[:3]}"
+        assert all(len(r.token_ids) == 400 for r in results)
+        assert not [r.timings["resumes"] for r in results if r.timings.get("resumes")]
+
+
+def test_a_decode_worker_holds_at_most_max_requests_and_the_router_lines_up_the_rest():
+    with (
+        Cluster(
+            "tiny-llama",
+            1,
+            1,
+            decode_args=["--num-kv-blocks", "1024", "--max-requests", "3"],
+        ) as c,
+        Client(c.address, security=c.security) as client,
+    ):
+        results, errors = burst(client, 12, max_tokens=48)
+        assert not errors, f"{len(errors)} failed, e.g. {errors[:3]}"
+        assert all(len(r.token_ids) == 48 for r in results)
+        assert not [r.timings["resumes"] for r in results if r.timings.get("resumes")]
+        assert metric(c.metrics["decode-0"], "pdserve_decode_admission_refused_total") > 0

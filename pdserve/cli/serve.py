@@ -198,10 +198,14 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
             admission_margin=args.admission_margin,
             failpoints=Failpoints(args.failpoints),
             cpu_lease=args.cpu_lease,
+            max_requests=args.max_requests,
         )
         worker = DecodeWorker.build(args.model, engine_args(args), config, agent)
         service = DecodeService(worker)
         add = lambda s: rpc.add_DecodeServicer_to_server(service, s)  # noqa: E731
+        # a thread for every held request's Start stream (a worker holds no more: it
+        # refuses their Reserves), besides the server's own for short calls and feeds
+        held_calls = worker.state.max_requests
     else:
         from prefill.config import PrefillConfig
         from prefill.service import PrefillService
@@ -217,10 +221,11 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         worker = PrefillWorker.build(args.model, engine_args(args), config, agent)
         service = PrefillService(worker)
         add = lambda s: rpc.add_PrefillServicer_to_server(service, s)  # noqa: E731
+        held_calls = 0
     # a rank of the group gone: out of service at once (the router stops routing to a
     # worker that does not answer; the launcher restarts it; the other ranks die with us)
     worker.core.on_rank_failure(_exit_on_rank_failure)
-    server, port = start_server(add, args.host, args.port, security=security)
+    server, port = start_server(add, args.host, args.port, held_calls, security)
     rank_memory_metrics(worker.metrics.registry, worker.core.memory())
     metrics_port = serve_metrics(worker.metrics.registry, args.host, args.metrics_port)
     info = pb.WorkerInfo(
@@ -313,6 +318,7 @@ def add_security_flags(p: argparse.ArgumentParser, role: str) -> None:
 
 
 def add_serve_parser(sub) -> None:
+    from decode.config import QUEUE_REQUESTS
     from pdserve.config import DEFAULT_PREEMPTION, PREEMPTION
     from pdserve.engine.admission import ADMISSION, DEFAULT_ADMISSION
     from prefill.config import KV_PUSH, PrefillConfig
@@ -464,6 +470,14 @@ def add_serve_parser(sub) -> None:
                 p.add_argument("--spill-disk-blocks", type=int, default=None)
                 p.add_argument("--spill-dir", default=None, help="parent of the spill directory")
                 p.add_argument("--cxl-path", default=None, help="file/DAX device for the CXL tier")
+                p.add_argument(
+                    "--max-requests",
+                    type=int,
+                    default=None,
+                    help="the most requests held at once (each streams on a server thread; "
+                    f"Reserves past it are refused as without room; default: max_num_seqs + "
+                    f"{QUEUE_REQUESTS})",
+                )
                 p.add_argument(
                     "--exit-drain-timeout",
                     type=float,
