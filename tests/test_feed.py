@@ -7,6 +7,8 @@ with nothing lost or repeated, every block back, and the feed open again."""
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -273,3 +275,56 @@ def test_a_feed_entry_that_cannot_be_built_fails_its_own_start_and_drops_its_lat
     assert service._feed_item(FeedEntry(bad, TokenEvent(4), 3)) is None
     item = service._feed_item(FeedEntry(good, EndEvent("stop", 5), 2))
     assert item.request_id == "good" and item.chunk.finished and list(item.chunk.token_ids) == [5]
+
+
+class _FeedCall:
+    """A Feed call as the router's reader sees it: `items` come out, then `error` raises."""
+
+    def __init__(self, items, error: Exception) -> None:
+        self.items, self.error = iter(items), error
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        for item in self.items:
+            return item
+        raise self.error
+
+    def cancel(self) -> bool:
+        return True
+
+
+def test_a_feed_reader_that_dies_of_any_error_ends_its_feed_at_once():
+    """Through the auth interceptor a call made on a closed channel raises its ValueError on
+    the first read, not where it was made; the reader used to die of it (only RpcError was
+    caught): the opener waited FEED_OPEN_S, and an open feed's subscribers never heard."""
+    calls = [_FeedCall([], ValueError("Cannot invoke RPC on closed channel!"))]
+    worker = SimpleNamespace(worker_id="w", stub=SimpleNamespace(Feed=lambda req: calls.pop()))
+    feeds = RouterFeeds()
+    started = time.monotonic()
+    assert feeds.subscribe(worker, "a") is None  # plain stream, at once
+    assert time.monotonic() - started < feed_module.FEED_OPEN_S / 2
+    client = feeds._clients[id(worker)]
+    assert client.state == "broken" and client._call is None
+    opened = threading.Event()
+    calls.append(_FeedCall([pb.FeedBatch()], RuntimeError("boom")))
+    real_read = client._read
+
+    def read_after_subscribing(call, event):  # the feed opens, then its reader dies
+        def hold(batches):
+            yield next(batches)
+            opened.wait(5)
+            yield from batches
+
+        call.items = hold(call.items)
+        real_read(call, event)
+
+    client._read = read_after_subscribing
+    threading.Timer(0.2, opened.set).start()
+    sub = feeds.subscribe(worker, "b")
+    assert sub is not None
+    with pytest.raises(FeedLost, match="RuntimeError: boom"):
+        next(sub.chunks(_FakeCall(), timeout_s=5))
+    assert client.state == "broken" and client.idle
+    feeds.close()

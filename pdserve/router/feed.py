@@ -170,6 +170,10 @@ class FeedClient:
                         sub.queue.put(item.chunk)
         except grpc.RpcError as e:
             code, details = e.code(), e.details() or e.code().name
+        except Exception as e:  # noqa: BLE001 -- whatever ends the reader ends the feed
+            # (a call made on a closed channel through the auth interceptor raises its
+            # ValueError here, on the first read, not where it was made)
+            details = f"{type(e).__name__}: {e}"
         with self._lock:
             was_open = opened.is_set()
             if self._call is call:
