@@ -328,3 +328,48 @@ def test_a_feed_reader_that_dies_of_any_error_ends_its_feed_at_once():
         next(sub.chunks(_FakeCall(), timeout_s=5))
     assert client.state == "broken" and client.idle
     feeds.close()
+
+
+def test_a_final_message_past_4_mib_reaches_the_router_and_the_client():
+    """A final carries the request's trace, a span a decode step (~60 bytes): past gRPC's
+    default 4 MiB receive limit at ~70k tokens. The router's channels to its workers and
+    the SDK's to the router take what the servers take (on a feed one message too large
+    would have ended every request on it)."""
+    from pdserve.client import Client
+    from pdserve.router.registry import WorkerRecord, grpc_connect
+    from pdserve.serving.registration import WorkerStats
+
+    spans = [pb.Span(name="decode.step", start=1.0, end=2.0, worker="decode-28047-1c1be1")] * 90_000
+    final = pb.TokenChunk(token_ids=[7], finished=True, finish_reason="length", spans=spans)
+    assert final.ByteSize() > 4 << 20
+
+    class Decode(rpc.DecodeServicer):
+        def Feed(self, request, context):
+            yield pb.FeedBatch()
+            yield pb.FeedBatch(items=[pb.FeedItem(request_id="r", chunk=final)])
+
+    class Router(rpc.RouterServicer):
+        def Generate(self, request, context):
+            yield pb.GenerateResponse(
+                request_id="r", token_ids=[7], finished=True, finish_reason="length",
+                trace=spans,
+            )  # fmt: skip
+
+    servers = [
+        start_server(lambda s: rpc.add_DecodeServicer_to_server(Decode(), s), "127.0.0.1", 0),
+        start_server(lambda s: rpc.add_RouterServicer_to_server(Router(), s), "127.0.0.1", 0),
+    ]
+    (decode, dport), (router, rport) = servers
+    stats = WorkerStats(free_blocks=1, total_blocks=1, running=0)
+    record = WorkerRecord("decode-0", "decode", f"127.0.0.1:{dport}", "", stats)
+    channel, stub = grpc_connect(record)
+    try:
+        batches = list(stub.Feed(pb.FeedRequest(feed_id="f"), timeout=30))
+        assert batches[1].items[0].chunk.finished and len(batches[1].items[0].chunk.spans) == 90_000
+        with Client(f"127.0.0.1:{rport}") as client:
+            out = client.generate([1, 2, 3], max_tokens=1)
+        assert out.token_ids == [7] and len(out.trace) == 90_000
+    finally:
+        channel.close()
+        decode.stop(None)
+        router.stop(None)

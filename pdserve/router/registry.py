@@ -31,6 +31,7 @@ from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving import auth
 from pdserve.serving.auth import Security
 from pdserve.serving.registration import WorkerStats
+from pdserve.serving.server import MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,13 @@ class WorkerRecord:
 def grpc_connect(
     record: WorkerRecord, security: Security | None = None
 ) -> tuple[grpc.Channel, rpc.DecodeStub | rpc.PrefillStub]:
-    """A channel to the worker (presenting the cluster secret) and the stub of its role."""
-    channel = auth.channel(record.address, security)
+    """A channel to the worker (presenting the cluster secret) and the stub of its role. It
+    takes messages as large as the workers' servers do: a request's final message carries
+    its trace, a span a decode step (~60 bytes), past gRPC's default 4 MiB at ~70k tokens,
+    and on a feed one message too large would end the feed of every request on it."""
+    channel = auth.channel(
+        record.address, security, [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    )
     return channel, (rpc.DecodeStub if record.role == "decode" else rpc.PrefillStub)(channel)
 
 
