@@ -87,6 +87,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
 
 
 def run_router(args: argparse.Namespace) -> int:
+    from pdserve.client import CHANNEL_OPTIONS
     from pdserve.openai.local_call import LocalRouter
     from pdserve.openai.server import RouterView, start_http
     from pdserve.router.config import RouterConfig
@@ -147,7 +148,9 @@ def run_router(args: argparse.Namespace) -> int:
             public_paths=tuple(args.public_path or PUBLIC_PATHS),
             # the front door calls this router's gRPC port as an HTTP caller's proxy: TLS
             # (with this router's certificate as its client one), the caller's key, no secret
-            channel_factory=lambda address: auth.aio_channel(address, Security(tls=security.tls)),
+            channel_factory=lambda address: auth.aio_channel(
+                address, Security(tls=security.tls), CHANNEL_OPTIONS
+            ),
             local=LocalRouter(
                 service.Generate,
                 lambda metadata: security.refusal(auth.DOORS[auth.GENERATE], metadata),
