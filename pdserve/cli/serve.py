@@ -175,6 +175,9 @@ def run_router(args: argparse.Namespace) -> int:
     return 0
 
 
+PREFILL_HELD_CALLS = 256
+
+
 def _run_worker(args: argparse.Namespace, role: str) -> int:
     import torch
 
@@ -224,7 +227,10 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         worker = PrefillWorker.build(args.model, engine_args(args), config, agent)
         service = PrefillService(worker)
         add = lambda s: rpc.add_PrefillServicer_to_server(service, s)  # noqa: E731
-        held_calls = 0
+        # a Prefill call holds a thread until its push is done: as many as a router admits
+        # requests at once (--max-queue's default), so that its batcher sees every queued
+        # prompt and a Health probe is never stuck behind them
+        held_calls = PREFILL_HELD_CALLS
     # a rank of the group gone: out of service at once (the router stops routing to a
     # worker that does not answer; the launcher restarts it; the other ranks die with us)
     worker.core.on_rank_failure(_exit_on_rank_failure)
