@@ -59,7 +59,11 @@ def assert_trace_tiles(result) -> None:
         assert a.end <= b.start + 1e-3, f"{a.name} overlaps {b.name}"
     t = result.timings
     assert abs(spans[0].start - t["arrival_unix"]) < 1e-3
-    assert 0.95 <= trace.coverage(result.trace, t["arrival_unix"], t["end_unix"]) <= 1.0
+    # at most 5% of its life uncovered, or 10 ms of a short one (a ~100 ms request on this
+    # 2-core box once had a 5.2 ms hole between two processes' spans: 94.7%)
+    life = t["end_unix"] - t["arrival_unix"]
+    covered = trace.coverage(result.trace, t["arrival_unix"], t["end_unix"])
+    assert covered <= 1.0 and (1.0 - covered) * life <= max(0.05 * life, 0.010), (covered, life)
     layers = [s.layer for s in result.trace if s.name == "push.layer"]
     whole = [s for s in result.trace if s.name == "push.all"]
     assert (layers == list(range(len(layers))) and layers and not whole) or (
