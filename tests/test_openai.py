@@ -286,8 +286,8 @@ def _router_metric(c, name: str, **labels: str) -> float:
 
 def _both_paths(c, sdk) -> None:
     """Against cluster `c`: the SDK's text whole and streamed over HTTP; a client that drops
-    its streamed request mid-way aborts it on the workers (every block back, counted
-    cancelled). Three HTTP requests."""
+    its streamed request mid-way, or its whole one while it decodes, aborts it on the
+    workers (every block back, counted cancelled). Four HTTP requests."""
     cancelled = _router_metric(c, "pdserve_router_requests_total", outcome="cancelled")
     oai = openai.OpenAI(base_url=f"http://{c.http_address}/v1", api_key="unused", max_retries=0)
     want = sdk.generate(PROMPTS[1], ignore_eos=True, **GREEDY)
@@ -315,6 +315,23 @@ def _both_paths(c, sdk) -> None:
     while _router_metric(c, "pdserve_router_requests_total", outcome="cancelled") < cancelled + 1:
         assert time.monotonic() < deadline, "the dropped stream was not counted cancelled"
         time.sleep(0.1)
+    # a whole (not streamed) request whose client goes while it decodes: aborted too, not
+    # decoded to its end for nobody (the HTTP handler is cancelled when its client goes)
+    conn = HTTPConnection(host, int(port), timeout=30)
+    body = {"model": "tiny-llama", "prompt": "a", "max_tokens": 4000, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body).encode(),
+                 {"Content-Type": "application/json"})  # fmt: skip
+    deadline = time.monotonic() + 30
+    while all(w.free_blocks == w.total_blocks for w in sdk.workers()):
+        assert time.monotonic() < deadline, "the whole request never started"
+        time.sleep(0.05)
+    conn.sock.close()
+    conn.close()
+    wait_all_blocks_free(sdk, timeout_s=30)
+    deadline = time.monotonic() + 30
+    while _router_metric(c, "pdserve_router_requests_total", outcome="cancelled") < cancelled + 2:
+        assert time.monotonic() < deadline, "the dropped whole request was not cancelled"
+        time.sleep(0.1)
 
 
 def test_the_front_door_in_the_routers_process_serves_the_sdks_tokens_and_frees_a_dropped_stream(
@@ -323,7 +340,7 @@ def test_the_front_door_in_the_routers_process_serves_the_sdks_tokens_and_frees_
     """The default: the front door calls the router's Generate in its own process."""
     before = _router_metric(cluster, "pdserve_router_http_in_process_total")
     _both_paths(cluster, sdk)
-    assert _router_metric(cluster, "pdserve_router_http_in_process_total") == before + 3
+    assert _router_metric(cluster, "pdserve_router_http_in_process_total") == before + 4
 
 
 def test_the_front_door_over_grpc_serves_the_same():

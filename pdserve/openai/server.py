@@ -368,7 +368,9 @@ class HTTPServerThread:
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(front.app(), access_log=None)
+        # a client that goes cancels its handler (aiohttp's default leaves it running): a
+        # whole completion's call is then aborted at once, not decoded to its end for nobody
+        self._runner = web.AppRunner(front.app(), access_log=None, handler_cancellation=True)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(
