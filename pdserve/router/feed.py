@@ -174,6 +174,7 @@ class FeedClient:
             # (a call made on a closed channel through the auth interceptor raises its
             # ValueError here, on the first read, not where it was made)
             details = f"{type(e).__name__}: {e}"
+            call.cancel()  # the worker's sender ends too, not left blocked on this call
         with self._lock:
             was_open = opened.is_set()
             if self._call is call:
