@@ -300,37 +300,38 @@ def _both_paths(c, sdk) -> None:
     )  # fmt: skip
     assert whole.choices[0].text == want.text
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == want.text
-    host, port = c.http_address.rsplit(":", 1)
-    conn = HTTPConnection(host, int(port), timeout=30)
-    body = {"model": "tiny-llama", "prompt": "a", "max_tokens": 1000, "stream": True}
-    conn.request("POST", "/v1/completions", json.dumps(body).encode(),
-                 {"Content-Type": "application/json"})  # fmt: skip
+    conn = _post(c, {"model": "tiny-llama", "prompt": "a", "max_tokens": 1000, "stream": True})
     resp = conn.getresponse()
     assert resp.status == 200
     assert resp.readline().startswith(b"data: ")  # streaming: then the client goes
-    conn.sock.close()
-    conn.close()
-    wait_all_blocks_free(sdk, timeout_s=30)
-    deadline = time.monotonic() + 30
-    while _router_metric(c, "pdserve_router_requests_total", outcome="cancelled") < cancelled + 1:
-        assert time.monotonic() < deadline, "the dropped stream was not counted cancelled"
-        time.sleep(0.1)
+    _drop(conn, c, sdk, cancelled + 1, "the dropped stream")
     # a whole (not streamed) request whose client goes while it decodes: aborted too, not
     # decoded to its end for nobody (the HTTP handler is cancelled when its client goes)
-    conn = HTTPConnection(host, int(port), timeout=30)
-    body = {"model": "tiny-llama", "prompt": "a", "max_tokens": 4000, "ignore_eos": True}
-    conn.request("POST", "/v1/completions", json.dumps(body).encode(),
-                 {"Content-Type": "application/json"})  # fmt: skip
+    conn = _post(c, {"model": "tiny-llama", "prompt": "a", "max_tokens": 4000, "ignore_eos": True})
     deadline = time.monotonic() + 30
     while all(w.free_blocks == w.total_blocks for w in sdk.workers()):
         assert time.monotonic() < deadline, "the whole request never started"
         time.sleep(0.05)
+    _drop(conn, c, sdk, cancelled + 2, "the dropped whole request")
+
+
+def _post(c, body: dict) -> HTTPConnection:
+    """A completion request sent on a connection of its own (its answer not read yet)."""
+    host, port = c.http_address.rsplit(":", 1)
+    conn = HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body).encode(),
+                 {"Content-Type": "application/json"})  # fmt: skip
+    return conn
+
+
+def _drop(conn: HTTPConnection, c, sdk, cancelled: float, what: str) -> None:
+    """The client goes: every block comes back and the router has counted `cancelled`."""
     conn.sock.close()
     conn.close()
     wait_all_blocks_free(sdk, timeout_s=30)
     deadline = time.monotonic() + 30
-    while _router_metric(c, "pdserve_router_requests_total", outcome="cancelled") < cancelled + 2:
-        assert time.monotonic() < deadline, "the dropped whole request was not cancelled"
+    while _router_metric(c, "pdserve_router_requests_total", outcome="cancelled") < cancelled:
+        assert time.monotonic() < deadline, f"{what} was not counted cancelled"
         time.sleep(0.1)
 
 

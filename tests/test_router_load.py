@@ -60,6 +60,13 @@ def test_200_streams_are_served_and_more_are_refused_resource_exhausted_only():
         assert all(len(r.token_ids) == 128 for r in results)
 
 
+def served_unresumed(results: list, errors: list, tokens: int) -> None:
+    """Every request of a burst served whole by its first decode worker."""
+    assert not errors, f"{len(errors)} failed, e.g. {errors[:3]}"
+    assert all(len(r.token_ids) == tokens for r in results)
+    assert not [r.timings["resumes"] for r in results if r.timings.get("resumes")]
+
+
 def test_a_decode_worker_answers_reserves_and_renewals_while_it_streams_past_64():
     """Every held request's Start stream holds a thread of its decode worker's server; with
     64 of them all taken (the server's size until 2026-12-07) later Reserves and lease
@@ -75,10 +82,7 @@ def test_a_decode_worker_answers_reserves_and_renewals_while_it_streams_past_64(
         ) as c,
         Client(c.address, security=c.security) as client,
     ):
-        results, errors = burst(client, 96, max_tokens=400)
-        assert not errors, f"{len(errors)} failed, e.g. {errors[:3]}"
-        assert all(len(r.token_ids) == 400 for r in results)
-        assert not [r.timings["resumes"] for r in results if r.timings.get("resumes")]
+        served_unresumed(*burst(client, 96, max_tokens=400), 400)
 
 
 def test_a_decode_worker_holds_at_most_max_requests_and_the_router_lines_up_the_rest():
@@ -91,8 +95,5 @@ def test_a_decode_worker_holds_at_most_max_requests_and_the_router_lines_up_the_
         ) as c,
         Client(c.address, security=c.security) as client,
     ):
-        results, errors = burst(client, 12, max_tokens=48)
-        assert not errors, f"{len(errors)} failed, e.g. {errors[:3]}"
-        assert all(len(r.token_ids) == 48 for r in results)
-        assert not [r.timings["resumes"] for r in results if r.timings.get("resumes")]
+        served_unresumed(*burst(client, 12, max_tokens=48), 48)
         assert metric(c.metrics["decode-0"], "pdserve_decode_admission_refused_total") > 0
