@@ -347,3 +347,40 @@ def test_short_prompts_go_to_the_decode_worker_with_no_push_window(router):
     assert decode.windows[5] == service.config.push_window_s
     assert prefill.calls == [5]
     assert service.metrics.local_prefills._value.get() == 2
+
+
+class SlowReleaseDecode(SlowDecode):
+    """Answers Release a second late (a worker freezing); records when each came."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s, self.asked = delay_s, []
+
+    def Release(self, request, context):
+        self.asked.append((request.request_id, time.monotonic()))
+        time.sleep(self.delay_s)
+        return pb.AbortResponse(found=False)
+
+
+def test_releases_to_a_frozen_worker_do_not_hold_up_another_workers(router):
+    """The router tells a worker to release without waiting for its answer: releases to a
+    frozen worker (each held a thread of a pool of 8 for its whole timeout) used to queue a
+    healthy worker's release behind them, its blocks fenced meanwhile."""
+    service, _, register = router
+    frozen, healthy = SlowReleaseDecode(1.0), SlowReleaseDecode(0.0)
+    register("d-frozen", "decode", servicer=frozen)
+    register("d-ok", "decode", servicer=healthy)
+    handoff = service.handoff
+    sent = time.monotonic()
+    for i in range(24):
+        handoff.release_later(service.registry.find("d-frozen", "decode"), f"f{i}")
+    handoff.release_later(service.registry.find("d-ok", "decode"), "ok")
+    assert time.monotonic() - sent < 0.5  # nothing waited for an answer
+    deadline = time.monotonic() + 5
+    while not healthy.asked:
+        assert time.monotonic() < deadline, "the healthy worker was never told"
+        time.sleep(0.01)
+    assert healthy.asked[0][0] == "ok" and healthy.asked[0][1] - sent < 0.5
+    while len(frozen.asked) < 24:  # and every one of the frozen worker's was sent
+        assert time.monotonic() < deadline + 5, f"{len(frozen.asked)} of 24 reached it"
+        time.sleep(0.05)

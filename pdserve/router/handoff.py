@@ -29,7 +29,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -173,8 +172,6 @@ class Handoff:
         self.watch = StreamWatch(registry, config.heartbeat_s)
         self.feeds = RouterFeeds(config.token_feed)  # decode tokens, a message a step
         self.line = ReserveLine()  # requests waiting for decode room, in turn
-        # releases of failed attempts: a frozen worker must not delay the resume
-        self._releases = ThreadPoolExecutor(max_workers=8, thread_name_prefix="router-release")
 
     @property
     def lock(self) -> threading.Lock:
@@ -186,7 +183,6 @@ class Handoff:
         self.leases.close()
         self.watch.close()
         self.feeds.close()
-        self._releases.shutdown(wait=False)
 
     # -- one request ----------------------------------------------------------------------
     def serve(self, arrival: Arrival, context) -> Iterator[pb.GenerateResponse]:
@@ -584,22 +580,33 @@ class Handoff:
 
     # -- releasing --------------------------------------------------------------------------
     def release_later(self, worker: Worker, worker_request_id: str, unpushed: bool = False):
-        """Tell `worker` to release, from another thread: a frozen worker must not hold up
-        the request (if it is gone, its lease returns the blocks)."""
+        """Tell `worker` to release, without waiting for its answer: a frozen worker must
+        not hold up the request (if it is gone, its lease returns the blocks), nor the
+        releases to other workers (a pool of 8 threads did: each call to a frozen worker
+        held one for its whole timeout, and a healthy worker's releases queued behind)."""
 
-        def release() -> None:
+        def answered(outcome) -> None:
             try:
-                worker.stub.Release(
-                    pb.AbortRequest(request_id=worker_request_id, unpushed=unpushed),
-                    timeout=self.config.release_rpc_timeout_s,
-                )
+                outcome.result()
+            except grpc.FutureCancelledError:  # its channel closed: the worker left
+                pass
             except _CALL_ERRORS as e:
                 if _code(e) in _SILENT:
                     self.registry.suspect(worker)
             finally:
                 self.line.kick()  # its blocks are free (or its lease will free them)
 
-        self._releases.submit(release)
+        try:
+            if worker.stub is None:  # no channel to it any more
+                raise ValueError("no channel")
+            call = worker.stub.Release.future(
+                pb.AbortRequest(request_id=worker_request_id, unpushed=unpushed),
+                timeout=self.config.release_rpc_timeout_s,
+            )
+        except ValueError:  # a call on a closed channel: the worker re-registered or left
+            self.line.kick()
+            return
+        call.add_done_callback(answered)
 
     def _release_attempt(self, entry: Inflight, unpushed: bool = False) -> None:
         """The attempt in `entry` ended early: release it on its worker."""
