@@ -181,6 +181,15 @@ WRONG_TYPES = [
     ("c", {"frequency_penalty": 3}, "frequency_penalty"),
     ("c", {"repetition_penalty": 1.2}, "repetition_penalty"),
     ("c", {"min_p": 0.1}, "min_p"),
+    # options that would change the answer: refused, not ignored
+    ("c", {"logit_bias": {"5": -100}}, "logit_bias"),
+    ("c", {"suffix": "end"}, "suffix"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat", {"function_call": {"name": "f"}}, "function_call"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("c", {"ignore_eos": "true"}, "ignore_eos"),
     ("c", {"model": ["fake"]}, "model"),
 ]
@@ -209,6 +218,20 @@ def test_wrong_types_are_400_naming_the_field(open_door, kind, fields, param):
     assert status == 400, reply
     assert reply["error"]["param"] == param
     assert reply["error"]["message"].startswith(param)
+
+
+def test_empty_or_default_values_of_options_it_cannot_honour_are_accepted(open_door):
+    """What clients send for nothing (LangChain: `logit_bias: {}`, `tools: []`)."""
+    nothing = {
+        "logit_bias": {}, "tools": [], "functions": [], "tool_choice": "none",
+        "function_call": "auto", "response_format": {"type": "text"}, "top_logprobs": 0,
+    }  # fmt: skip
+    body = json.dumps({**GOOD["chat"], **nothing}).encode()
+    status, _, reply = http(open_door, PATHS["chat"], body)
+    assert status == 200, reply
+    body = {**GOOD["c"], "logit_bias": None, "suffix": ""}
+    status, _, reply = http(open_door, PATHS["c"], json.dumps(body).encode())
+    assert status == 200, reply
 
 
 def test_any_content_type_is_read_as_json(open_door):
@@ -441,7 +464,8 @@ FIELDS = [
     "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "top_k", "seed", "stop", "stream", "stream_options", "include_usage", "n", "best_of",
     "echo", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-    "ignore_eos", "model", "role", "content", "type", "text",
+    "ignore_eos", "model", "role", "content", "type", "text", "logit_bias", "tools",
+    "tool_choice", "functions", "function_call", "response_format", "suffix", "top_logprobs",
 ]  # fmt: skip
 SURROGATES = st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff"])
 TEXT = st.text(max_size=6) | st.builds(

@@ -3,9 +3,10 @@
 Validation raises `BadRequest(param, message)` for anything wrong; the server answers 400
 with the field named. Fields this server does not know are ignored (load tools send extras
 such as `user`); known fields are checked for type and range, and options it cannot honour
-(`n` > 1, `echo`, `logprobs`, `best_of` > 1, non-zero penalties, `min_p`) are refused rather
-than silently dropped. `ignore_eos` and `top_k` are accepted as the vLLM extensions that
-`vllm bench serve` uses.
+(`n` > 1, `echo`, `logprobs`, `best_of` > 1, non-zero penalties, `min_p`, `logit_bias`,
+tools and functions, a `response_format` other than text, `suffix`, `top_logprobs`) are
+refused rather than silently dropped (empty or default values of them are accepted).
+`ignore_eos` and `top_k` are accepted as the vLLM extensions that `vllm bench serve` uses.
 
 The body itself is read by `pdserve.openai.strict_json.loads` (re-exported here).
 """
@@ -100,6 +101,18 @@ def _refuse_unsupported(body: dict) -> None:
         raise BadRequest("repetition_penalty", "repetition_penalty: only 1 is supported")
     if _num(body, "min_p", 0.0, 1.0) not in (None, 0.0):
         raise BadRequest("min_p", "min_p: only 0 is supported")
+    # options that would change what comes back: refused unless empty or their default
+    # (clients such as LangChain send `logit_bias: {}` and `tools: []` for nothing)
+    for name in ("logit_bias", "tools", "functions", "suffix", "top_logprobs"):
+        if body.get(name) not in (None, {}, [], "", 0, False):
+            raise BadRequest(name, f"{name}: not supported")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise BadRequest("tool_choice", "tool_choice: not supported (no tools)")
+    if body.get("function_call") not in (None, "none", "auto"):
+        raise BadRequest("function_call", "function_call: not supported (no functions)")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise BadRequest("response_format", "response_format: only {'type': 'text'} is supported")
 
 
 def _stop(body: dict) -> list[str]:
