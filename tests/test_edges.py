@@ -49,6 +49,7 @@ class FakeRouter(rpc.RouterServicer):
     def __init__(self) -> None:
         self.metadata: list[dict[str, str]] = []  # one per Generate call
         self.abort: grpc.StatusCode | None = None
+        self.finish_reason = "length"
 
     def Generate(self, request, context):
         self.metadata.append(dict(context.invocation_metadata()))
@@ -58,7 +59,7 @@ class FakeRouter(rpc.RouterServicer):
             request_id=request.request_id,
             token_ids=[104, 105],
             finished=True,
-            finish_reason="length",
+            finish_reason=self.finish_reason,
         )
 
 
@@ -412,6 +413,23 @@ def test_router_auth_failures_map_to_http(open_door, router, code, status):
     assert got == status, reply
     assert code.name in reply["error"]["message"]
     assert (headers["WWW-Authenticate"] == "Bearer") == (status == 401)
+
+
+def test_a_request_ended_by_an_abort_is_an_error_not_a_stop(open_door, router):
+    """A request the serving side aborted is not an answer cut short with finish_reason
+    "stop": a whole one is a 500 in OpenAI's error shape, a stream ends with an error."""
+    fake, _ = router
+    fake.finish_reason = "abort"
+    try:
+        status, _, reply = http(open_door, "/v1/completions", b'{"prompt": "x"}')
+        _, _, streamed = http(open_door, "/v1/completions", b'{"prompt": "x", "stream": true}')
+    finally:
+        fake.finish_reason = "length"
+    assert status == 500 and reply["error"]["type"] == "server_error", reply
+    assert "aborted" in reply["error"]["message"]
+    events = [line.removeprefix("data: ") for line in streamed.split("\n\n") if line]
+    assert events[-1] == "[DONE]" and "aborted" in json.loads(events[-2])["error"]["message"]
+    assert not any('"finish_reason": "stop"' in e for e in events)
 
 
 @pytest.mark.parametrize(

@@ -292,6 +292,8 @@ class OpenAIFrontDoor:
                 finish = "stop"
                 break
             if msg.finished:
+                if msg.finish_reason == "abort":  # ended for it, not by its model: no answer
+                    return _json_error(500, ABORTED, "server_error", None)
                 parts.append(text.finish())
                 finish = _finish(msg.finish_reason)
                 extra = _extra(msg)
@@ -325,6 +327,10 @@ class OpenAIFrontDoor:
             while msg is not grpc.aio.EOF:
                 produced += len(msg.token_ids)
                 delta = text.add(list(msg.token_ids))
+                if msg.finished and msg.finish_reason == "abort":
+                    await send(proto.error_body(ABORTED, "server_error"))
+                    await send("[DONE]")
+                    return response
                 if msg.finished and not text.stopped:
                     delta += text.finish()
                     finish = _finish(msg.finish_reason)
@@ -347,6 +353,11 @@ class OpenAIFrontDoor:
         await send("[DONE]")
         await response.write_eof()
         return response
+
+
+# a request the serving side ended (an Abort, a worker giving it up) is not a finished
+# answer: an error, never finish_reason "stop" on text cut short
+ABORTED = "the request was aborted before it finished"
 
 
 def _finish(reason: str) -> str:
