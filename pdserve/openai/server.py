@@ -275,15 +275,16 @@ class OpenAIFrontDoor:
             call = self.stub.Generate(msg, metadata=tuple(metadata) or None)
         try:
             if req.stream:
-                return await self._stream(request, req, rid, call, len(ids))
-            return await self._whole(req, rid, call, len(ids))
+                return await self._stream(request, req, rid, call, ids)
+            return await self._whole(req, rid, call, ids)
         except grpc.RpcError as e:
             return _grpc_error(e)
         finally:
             call.cancel()  # a no-op once finished; aborts everywhere otherwise
 
-    async def _whole(self, req, rid, call, prompt_tokens: int) -> web.Response:
-        text = TextStream(self.service.tokenizer, req.stop)
+    async def _whole(self, req, rid, call, prompt: list[int]) -> web.Response:
+        prompt_tokens = len(prompt)
+        text = TextStream(self.service.tokenizer, req.stop, prompt)
         parts, produced, finish, extra = [], 0, "length", {}
         async for msg in call:
             produced += len(msg.token_ids)
@@ -303,7 +304,8 @@ class OpenAIFrontDoor:
         )
         return web.json_response(body)
 
-    async def _stream(self, request, req, rid, call, prompt_tokens: int) -> web.StreamResponse:
+    async def _stream(self, request, req, rid, call, prompt: list[int]) -> web.StreamResponse:
+        prompt_tokens = len(prompt)
         # The first message decides between an HTTP error and a stream (queue full, bad
         # input, no workers all arrive before it).
         first = await call.read()
@@ -318,7 +320,7 @@ class OpenAIFrontDoor:
             data = payload if isinstance(payload, str) else json.dumps(payload)
             await response.write(f"data: {data}\n\n".encode())
 
-        text = TextStream(self.service.tokenizer, req.stop)
+        text = TextStream(self.service.tokenizer, req.stop, prompt)
         model, chat = self.model_name, req.chat
         if chat:
             await send(proto.chunk_body(rid, model, chat, "", None))
