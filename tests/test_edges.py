@@ -415,6 +415,29 @@ def test_router_auth_failures_map_to_http(open_door, router, code, status):
     assert (headers["WWW-Authenticate"] == "Bearer") == (status == 401)
 
 
+def test_the_developer_role_is_rendered_as_system():
+    """OpenAI's newer name for the system role; checkpoints' templates know "system"."""
+    body = {"messages": [{"role": "developer", "content": "be brief"}, {"role": "user",
+            "content": "hi"}]}  # fmt: skip
+    assert proto.messages_of(body) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
+
+
+def test_an_unexpected_failure_is_a_500_in_openais_shape(open_door, monkeypatch):
+    def broken(body, vocab_size):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(proto, "parse_completion", broken)
+    status, _, reply = http(open_door, PATHS["c"], b'{"prompt": "x"}')
+    assert status == 500, reply
+    assert reply["error"] == {
+        "message": "internal error: RuntimeError", "type": "server_error", "param": None,
+        "code": None,
+    }  # fmt: skip
+
+
 def test_a_request_ended_by_an_abort_is_an_error_not_a_stop(open_door, router):
     """A request the serving side aborted is not an answer cut short with finish_reason
     "stop": a whole one is a 500 in OpenAI's error shape, a stream ends with an error."""

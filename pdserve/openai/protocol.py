@@ -231,7 +231,9 @@ def messages_of(body: dict) -> list[dict[str, str]]:
             content = ""
         if not isinstance(content, str):
             raise BadRequest("messages", f"messages[{i}].content: expected a string")
-        out.append({"role": role, "content": content})
+        # OpenAI's newer name for the system role; checkpoints' templates know "system"
+        # (Llama-3 would render a "developer" header, Mistral's refuse it)
+        out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
 
 

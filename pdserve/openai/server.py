@@ -195,6 +195,11 @@ class OpenAIFrontDoor:
                 raise
             message = f"body: over {MAX_BODY_BYTES} bytes" if e.status == 413 else e.reason
             return _json_error(e.status, message, "invalid_request_error")
+        except (asyncio.CancelledError, ConnectionResetError):  # the client went: no answer
+            raise
+        except Exception as e:  # noqa: BLE001 -- a bug here: OpenAI's error shape, logged
+            log.exception("the front door failed on %s %s", request.method, request.path)
+            return _json_error(500, f"internal error: {type(e).__name__}", "server_error")
 
     # -- simple endpoints ------------------------------------------------------------------
     async def models(self, request) -> web.Response:
@@ -347,6 +352,13 @@ class OpenAIFrontDoor:
         except grpc.RpcError as e:
             status, kind = _STATUS.get(e.code(), (502, "upstream_error"))
             await send(proto.error_body(e.details() or e.code().name, kind))
+            await send("[DONE]")
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:  # noqa: BLE001 -- the stream is open: its error is an event
+            log.exception("the front door's stream failed")
+            await send(proto.error_body(f"internal error: {type(e).__name__}", "server_error"))
             await send("[DONE]")
             return response
         await send(proto.chunk_body(rid, model, chat, None, finish))
