@@ -567,3 +567,34 @@ def test_loads_returns_a_clean_value_or_is_a_bad_request(value):
     # what loads lets through has no NaN, no inf and only encodable text
     assert json.loads(json.dumps(got, allow_nan=False)) == got
     json.dumps(got, ensure_ascii=False).encode("utf-8")
+
+
+def test_every_chunk_of_a_stream_has_the_streams_created_time(open_door, monkeypatch):
+    clock = iter(range(1_800_000_000, 1_900_000_000))
+    monkeypatch.setattr(proto.time, "time", lambda: float(next(clock)))
+    body = {**GOOD["chat"], "stream": True, "stream_options": {"include_usage": True}}
+    _, _, streamed = http(open_door, PATHS["chat"], json.dumps(body).encode())
+    events = [line.removeprefix("data: ") for line in streamed.split("\n\n") if line]
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    assert len(chunks) >= 3 and len({c["created"] for c in chunks}) == 1, chunks
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(router):
+    """A model served without a tokenizer has no text: a stop string could never match."""
+    _, port = router
+    bare = RouterView(
+        vocab_size=VOCAB,
+        max_model_len=MAX_MODEL_LEN,
+        tokenizer=None,
+        metrics=CollectorRegistry(),
+        workers=lambda: (1, 1),
+    )
+    server = start_http(bare, port, "127.0.0.1", 0, "fake")
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        status, _, reply = http(base, PATHS["c"], b'{"prompt": [1, 2], "stop": ["x"]}')
+        assert status == 400 and reply["error"]["param"] == "stop", reply
+        status, _, reply = http(base, PATHS["c"], b'{"prompt": [1, 2]}')
+        assert status == 200, reply
+    finally:
+        server.close()

@@ -288,7 +288,9 @@ def completion_body(
     }
 
 
-def chunk_body(rid: str, model: str, chat: bool, text: str | None, finish: str | None) -> dict:
+def chunk_body(
+    rid: str, model: str, chat: bool, text: str | None, finish: str | None, created: int = 0
+) -> dict:
     """One streamed chunk: `text` None with a finish reason is the closing chunk; for chat,
     text "" with no finish opens the assistant message."""
     if chat:
@@ -303,17 +305,17 @@ def chunk_body(rid: str, model: str, chat: bool, text: str | None, finish: str |
     return {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
+        "created": created or int(time.time()),
         "model": model,
         "choices": [choice],
     }
 
 
-def usage_chunk(rid: str, model: str, chat: bool, use: dict) -> dict:
+def usage_chunk(rid: str, model: str, chat: bool, use: dict, created: int = 0) -> dict:
     return {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
+        "created": created or int(time.time()),
         "model": model,
         "choices": [],
         "usage": use,

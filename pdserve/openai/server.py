@@ -255,6 +255,8 @@ class OpenAIFrontDoor:
             raise proto.BadRequest(field, str(e)) from None
 
     async def _generate(self, request, req: proto.OpenAIRequest) -> web.StreamResponse:
+        if req.stop and self.service.tokenizer is None:
+            raise proto.BadRequest("stop", "stop: this model has no tokenizer: no text to stop on")
         ids = self._prompt_ids(req)
         limit = self.service.max_model_len
         max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(ids)
@@ -327,8 +329,9 @@ class OpenAIFrontDoor:
 
         text = TextStream(self.service.tokenizer, req.stop, prompt)
         model, chat = self.model_name, req.chat
+        created = int(time.time())  # one for every chunk of the stream, as OpenAI's
         if chat:
-            await send(proto.chunk_body(rid, model, chat, "", None))
+            await send(proto.chunk_body(rid, model, chat, "", None, created))
         produced, finish, msg = 0, "length", first
         try:
             while msg is not grpc.aio.EOF:
@@ -342,7 +345,7 @@ class OpenAIFrontDoor:
                     delta += text.finish()
                     finish = _finish(msg.finish_reason)
                 if delta:
-                    await send(proto.chunk_body(rid, model, chat, delta, None))
+                    await send(proto.chunk_body(rid, model, chat, delta, None, created))
                 if text.stopped:
                     finish = "stop"
                     break
@@ -361,9 +364,10 @@ class OpenAIFrontDoor:
             await send(proto.error_body(f"internal error: {type(e).__name__}", "server_error"))
             await send("[DONE]")
             return response
-        await send(proto.chunk_body(rid, model, chat, None, finish))
+        await send(proto.chunk_body(rid, model, chat, None, finish, created))
         if req.include_usage:
-            await send(proto.usage_chunk(rid, model, chat, proto.usage(prompt_tokens, produced)))
+            use = proto.usage(prompt_tokens, produced)
+            await send(proto.usage_chunk(rid, model, chat, use, created))
         await send("[DONE]")
         await response.write_eof()
         return response
