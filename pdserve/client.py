@@ -104,8 +104,8 @@ CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
     # a final message carries the request's trace, a span a decode step: past gRPC's
-    # default 4 MiB at ~70k generated tokens (the servers take 64 MiB too)
-    ("grpc.max_receive_message_length", 64 << 20),
+    # default 4 MiB at ~75k generated tokens (the servers take as much)
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
 
 

@@ -335,7 +335,6 @@ def test_a_final_message_past_4_mib_reaches_the_router_and_the_client():
     default 4 MiB receive limit at ~70k tokens. The router's channels to its workers and
     the SDK's to the router take what the servers take (on a feed one message too large
     would have ended every request on it)."""
-    from pdserve.client import Client
     from pdserve.router.registry import WorkerRecord, grpc_connect
     from pdserve.serving.registration import WorkerStats
 

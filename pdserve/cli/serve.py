@@ -175,9 +175,6 @@ def run_router(args: argparse.Namespace) -> int:
     return 0
 
 
-PREFILL_HELD_CALLS = 256
-
-
 def _run_worker(args: argparse.Namespace, role: str) -> int:
     import torch
 
@@ -227,10 +224,12 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         worker = PrefillWorker.build(args.model, engine_args(args), config, agent)
         service = PrefillService(worker)
         add = lambda s: rpc.add_PrefillServicer_to_server(service, s)  # noqa: E731
+        from pdserve.router.config import RouterConfig
+
         # a Prefill call holds a thread until its push is done: as many as a router admits
         # requests at once (--max-queue's default), so that its batcher sees every queued
         # prompt and a Health probe is never stuck behind them
-        held_calls = PREFILL_HELD_CALLS
+        held_calls = RouterConfig.max_queue
     # a rank of the group gone: out of service at once (the router stops routing to a
     # worker that does not answer; the launcher restarts it; the other ranks die with us)
     worker.core.on_rank_failure(_exit_on_rank_failure)
@@ -330,6 +329,7 @@ def add_serve_parser(sub) -> None:
     from decode.config import QUEUE_REQUESTS
     from pdserve.config import DEFAULT_PREEMPTION, PREEMPTION
     from pdserve.engine.admission import ADMISSION, DEFAULT_ADMISSION
+    from pdserve.router.config import RouterConfig
     from prefill.config import KV_PUSH, PrefillConfig
     from transfer import PROCESS_BACKENDS
 
@@ -357,7 +357,7 @@ def add_serve_parser(sub) -> None:
                 "that compute on them on this node (pdserve launch does so for CPU workers; "
                 "docs/benchmarks.md)",
             )
-            p.add_argument("--max-queue", type=int, default=256)
+            p.add_argument("--max-queue", type=int, default=RouterConfig.max_queue)
             p.add_argument("--queue-timeout", type=float, default=30.0)
             p.add_argument(
                 "--prefill-timeout",
