@@ -211,6 +211,12 @@ class Round:
                 raise RoundFailed("the move was not done by its deadline", True)
             time.sleep(max(poll_s, RANK_POLL_S) if asked else poll_s)
 
+    def take(self) -> list[Transfer]:
+        """Rank 0's transfers of the round, no longer the round's to release (a staged
+        buffer's: kept with it while they may still read it, transfer/retiring.py)."""
+        mine, self._mine = self._mine, []
+        return mine
+
     def release(self, landed: bool) -> None:
         """Every transfer of the round released; `landed`: nothing of it is in flight."""
         worker = self.worker

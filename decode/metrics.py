@@ -19,7 +19,9 @@ pdserve_decode_feeds_open (callers' feed calls open now)
 Live migration, on the worker a request leaves (decode/migrate.py):
 pdserve_decode_migrations_total{outcome="completed"|"failed"}, pdserve_decode_migrated_bytes_total,
 pdserve_decode_migration_rounds (pre-copy rounds per move, the last included),
-pdserve_decode_migration_stall_seconds (the request stopped here -> its last WRITE complete).
+pdserve_decode_migration_stall_seconds (the request stopped here -> its last WRITE complete),
+pdserve_decode_migration_staging_kept_bytes (parked KV staged for moves that failed after
+posting, kept while a WRITE may still read it: transfer/retiring.py; rank 0's).
 
 Every gauge is set after each change of the books (reserve, release, a step, an expiry).
 
@@ -119,6 +121,11 @@ class DecodeMetrics:
             r,
             "pdserve_decode_migration_stall_seconds",
             "a migrating request stopped here -> its last WRITE complete",
+        )
+        self.staging_kept = Gauge(
+            "pdserve_decode_migration_staging_kept_bytes",
+            "staged KV of failed moves kept while a WRITE may still read it",
+            registry=r,
         )
         self._totals = Advancing()
         self.policy: dict[str, Gauge] = {}  # made on first use: a cost-aware worker only

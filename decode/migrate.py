@@ -60,7 +60,8 @@ from decode.legs import (
 from pdserve.serving.destination import Destination
 from pdserve.serving.kv_pool import pool_geometry
 from pdserve.trace import Span, now
-from transfer import HandshakeRefused
+from transfer import HandshakeRefused, Transfer
+from transfer.retiring import Retiring
 from transfer.writes import Peers, PoolSide, pool_side
 
 
@@ -106,7 +107,7 @@ class Migrator:
         self.worker = worker
         self.local = pool_side(worker.endpoint.agent, worker.endpoint.layout)
         self.peers = Peers(worker.endpoint.agent)  # keyed (destination worker id, its rank)
-        self._retired: list[torch.Tensor] = []  # staging buffers a lost WRITE may still read
+        self.retiring = Retiring(worker.endpoint.agent)  # staging a lost WRITE may still read
 
     def move(
         self,
@@ -124,6 +125,7 @@ class Migrator:
             raise ValueError(f"max_rounds: must be >= 0, got {max_rounds}")
         limit = self.worker.config.migrate_timeout_s
         timeout = limit if timeout_s is None else min(limit, timeout_s)
+        self.sweep()
         try:
             return self._move(request_id, dest, dest_request_id, max_rounds, timeout)
         except MigrationFailed:
@@ -222,21 +224,25 @@ class Migrator:
             local = PoolSide(
                 pool_geometry(core.model_config, staging, core.kv_block_dim), region, None
             )
+            posted: list[Transfer] = []  # a failed round's, handed over unreleased
             try:
                 sent = move.dest.cached_blocks
                 nbytes = self._write(
-                    move, blocks, sent, computed, final=True, local=local, staged=True
+                    move, blocks, sent, computed, final=True, local=local, posted=posted
                 )
                 landed = True
             except MigrationFailed as e:
                 landed = not e.wrote  # nothing in flight: the region may go
                 raise
             finally:
-                if landed:
-                    with worker.agent_lock:
+                with worker.agent_lock:
+                    if landed:
+                        for xfer in posted:
+                            xfer.release()
                         worker.endpoint.agent.deregister(region)
-                else:  # a WRITE may still read it: kept until the worker closes
-                    self._retired.append(staging)
+                    else:  # a WRITE may still read it: kept until every one has ended
+                        self.retiring.keep(staging, region, posted)
+                    worker.metrics.staging_kept.set(self.retiring.nbytes)
         except Exception:
             self._readmit(request)
             raise
@@ -322,11 +328,14 @@ class Migrator:
         computed: int,
         final: bool,
         local: PoolSide | None = None,
-        staged: bool = False,
+        posted: list[Transfer] | None = None,
     ) -> int:
         """WRITE blocks [sent, the one holding token `computed` - 1] of every layer (from
-        `local`: our pool when None; the other ranks' pools, or what they `staged`), with
-        the notifications when `final` -> bytes moved."""
+        `local`: our pool when None; the other ranks' pools), with the notifications when
+        `final` -> bytes moved. `posted`: the round's WRITEs are of a staged buffer (every
+        rank's); when it fails, rank 0's go into `posted` unreleased (they may still read
+        it)."""
+        staged = posted is not None
         worker, dest = self.worker, move.dest
         upto = -(-computed // worker.core.block_size)
         if upto > len(dest.block_ids):
@@ -356,4 +365,13 @@ class Migrator:
             landed = not e.wrote
             raise MigrationFailed(f"the move's {e}", e.retryable, wrote=e.wrote) from None
         finally:
+            if staged and not landed:
+                posted.extend(round_.take())
             round_.release(landed)
+
+    def sweep(self) -> int:
+        """Staging buffers of failed moves let go once nothing reads them -> bytes kept."""
+        with self.worker.agent_lock:
+            kept = self.retiring.sweep()
+        self.worker.metrics.staging_kept.set(kept)
+        return kept

@@ -8,8 +8,10 @@ legs and drives its rounds (decode/legs.py); per round a rank runs
                                     a staging buffer registered with its agent -> ok
     migrate_post(key, legs, ...)    one WRITE per leg of this rank -> bytes, error
     migrate_poll(key)               "done", "pending" or "failed: why"
-    migrate_release(key, landed)    the round's transfers released; the staging buffer
-                                    deregistered once nothing can still read it
+    migrate_release(key, landed)    the round's transfers released; a staging buffer
+                                    deregistered once nothing can still read it (kept
+                                    with its transfers until they end: transfer/retiring.py,
+                                    looked at with every step's notifications)
 
 Every op answers and none raises: an op that failed would take the whole group out of
 service (pdserve/engine/tp_group.py), where a failed move only leaves the request where it
@@ -28,6 +30,7 @@ import torch
 from pdserve.serving.kv_pool import pool_geometry
 from pdserve.serving.rank_kv import RankEndpoint
 from transfer import Transfer, XferState
+from transfer.retiring import Retiring
 from transfer.writes import Peers, PoolSide, block_runs, pool_side, write_layers
 
 
@@ -44,7 +47,7 @@ class DecodeRank(RankEndpoint):
         self.peers: Peers | None = None  # keyed (destination worker id, its rank)
         self.local: PoolSide | None = None
         self.moves: dict[str, _Move] = {}
-        self.retired: list[torch.Tensor] = []  # staging a lost WRITE may still read
+        self.retiring: Retiring | None = None  # staging a lost WRITE may still read
 
     def _legs(self, legs: dict[int, list[dict]]) -> list[dict]:
         return legs.get(self.state.spec.rank, [])
@@ -53,6 +56,15 @@ class DecodeRank(RankEndpoint):
         if self.local is None:  # the agent exists from op_endpoint on
             self.local = pool_side(self.agent, self.layout)
             self.peers = Peers(self.agent)
+            self.retiring = Retiring(self.agent)
+
+    def op_notifications(self) -> list[bytes]:
+        """The base class's, and failed moves' staging let go once nothing reads it."""
+        notes = super().op_notifications()
+        if self.retiring:
+            with contextlib.suppress(Exception):  # never a reason to fail a step
+                self.retiring.sweep()
+        return notes
 
     def op_migrate_connect(self, legs: dict[int, list[dict]]) -> str | None:
         """Add the destination ranks this rank's legs go to (before the request stops: a
@@ -76,6 +88,7 @@ class DecodeRank(RankEndpoint):
         st = self.state
         region = None
         try:
+            self._ready()
             staging = st.parked_shard(request_id)
             if staging is None:
                 return False
@@ -141,24 +154,21 @@ class DecodeRank(RankEndpoint):
 
     def op_migrate_release(self, key: str, landed: bool) -> None:
         """The round is over: its transfers released; a staging buffer goes once `landed`
-        (or when none of this rank's WRITEs was posted), else it is kept until the rank
-        closes. Releasing a key twice does nothing."""
+        (or when none of this rank's WRITEs was posted), else it is kept, with the
+        transfers that may still read it, until they have ended. Releasing a key twice
+        does nothing."""
         move = self.moves.pop(key, None)
         if move is None:
             return
-        landed = landed or not move.transfers
+        if move.staging is not None and not (landed or not move.transfers):
+            self.retiring.keep(move.staging, move.side.region, move.transfers)
+            return
         for xfer in move.transfers:
             with contextlib.suppress(Exception):  # else released with the agent
                 xfer.release()
-        if move.staging is None:
-            return
-        if landed:
-            try:
+        if move.staging is not None:
+            with contextlib.suppress(Exception):  # a region gone with its agent
                 self.agent.deregister(move.side.region)
-            except Exception:  # noqa: BLE001
-                self.retired.append(move.staging)
-        else:
-            self.retired.append(move.staging)
 
     def close(self) -> None:
         for key in list(self.moves):

@@ -286,6 +286,8 @@ class DecodeWorker:
             return
         try:
             got = self.endpoint.agent.notifications()
+            if self.migrator.retiring:  # failed moves' staging, once nothing reads it
+                self.metrics.staging_kept.set(self.migrator.retiring.sweep())
         finally:
             self.agent_lock.release()
         notes = [n for per_peer in got.values() for n in per_peer]

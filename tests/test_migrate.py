@@ -5,17 +5,20 @@ B's blocks hold A's bytes; every block of every worker is free at the end."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 from workers import decode_worker, destination, drain, prefill_worker
 
+from decode.legs import Round, RoundFailed
 from decode.migrate import MigrationFailed
 from decode.streams import EndEvent
 from pdserve import LLM
 from pdserve.engine.args import EngineArgs
 from pdserve.sampling_params import SamplingParams
+from transfer import XferState
 
 MAX_NEW = 300  # long enough that a move starts well before the request ends
 PROMPT = list(range(3, 60))  # 57 tokens: 4 blocks of 16, the last partial
@@ -309,6 +312,67 @@ def test_a_request_parked_in_a_tier_moves_from_the_tier(trio, expected):
         assert a.core.kv.offload.stats().parked == 0
         assert a.core.stats().parked == 0
     finally:
+        a.close()
+
+
+class HeldOpen:
+    """A posted WRITE that reports itself in flight until `ended` is set (then its own
+    state): a transfer a failed move gave up on while the transport still reads it."""
+
+    def __init__(self, xfer, ended: threading.Event) -> None:
+        self.xfer, self.ended = xfer, ended
+
+    def state(self):
+        return self.xfer.state() if self.ended.is_set() else XferState.PENDING
+
+    def release(self) -> None:
+        self.xfer.release()
+
+
+def test_a_parked_move_given_up_in_flight_keeps_its_staging_until_the_write_ends(
+    trio, expected, monkeypatch
+):
+    """A parked request's move whose WRITE was posted but not seen done by the deadline
+    fails; its staging buffer stays registered (the transport may still read it) exactly
+    until that WRITE has ended, then goes: nothing kept for the worker's lifetime. The
+    request goes on where it was and finishes with the colocated engine's tokens."""
+    model, prefill, _, b = trio
+    a = decode_worker(
+        model, f"s-{model}", "nixl", EngineArgs(block_size=16, num_kv_blocks=24, preemption="swap")
+    )
+    ended = threading.Event()
+    try:
+        stream, sent = parked_by_a_hog(prefill, a, "r6")
+        regions = dict(a.endpoint.agent._regions)
+        with a.lock:
+            staged_bytes = a.core.kv.parked_blocks("r6") * a.endpoint.bytes_per_block
+
+        def late(self, deadline, poll_s):
+            self._mine = [HeldOpen(x, ended) for x in self._mine]
+            raise RoundFailed("the move was not done by its deadline", True)
+
+        monkeypatch.setattr(Round, "wait", late)
+        with pytest.raises(MigrationFailed) as failed:
+            Move(a, b, "r6", "r6~m1", PROMPT, sent).run()
+        monkeypatch.undo()
+        assert failed.value.wrote
+        kept = a.migrator.retiring
+        assert len(kept) == 1 and kept.nbytes == staged_bytes
+        assert len(a.endpoint.agent._regions) == len(regions) + 1  # still registered
+        time.sleep(0.2)  # many sweeps by the step loop meanwhile: the WRITE is in flight
+        assert len(kept) == 1
+        assert a.metrics.staging_kept._value.get() == staged_bytes
+        ended.set()
+        gauge = a.metrics.staging_kept._value
+        wait_for(lambda: len(kept) == 0 and gauge.get() == 0, "the staging buffer let go")
+        assert a.endpoint.agent._regions == regions
+        a.release("hog", unpushed=True)  # room: it comes back from the tier and finishes
+        tokens, reason = rest(stream)
+        assert (sent + tokens, reason) == (expected[model], "length")
+        a.check_integrity()
+        assert a.stats().free_blocks == 24 and a.core.kv.offload.stats().parked == 0
+    finally:
+        ended.set()
         a.close()
 
 

@@ -192,3 +192,82 @@ def test_prepared_tiles_move_the_indexed_blocks(backend):
     finally:
         a.close()
         b.close()
+
+
+class _Pending:
+    """A transfer whose state the test sets; counts its releases."""
+
+    def __init__(self) -> None:
+        self.now = XferState.PENDING
+        self.released = 0
+
+    def state(self) -> XferState:
+        return self.now
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def test_a_retired_buffer_stays_registered_until_every_transfer_reading_it_ended():
+    from transfer.retiring import Retiring
+
+    agent = make_agent("loopback", "r", fabric=LoopbackFabric())
+    kept = Retiring(agent)
+    a, b = torch.zeros(4, 8), torch.zeros(2, 8)  # 128 and 64 bytes
+    ra, rb = agent.register(a), agent.register(b)
+    x1, x2, x3 = _Pending(), _Pending(), _Pending()
+    kept.keep(a, ra, [x1, x2])
+    kept.keep(b, rb, [x3])
+    assert (len(kept), kept.nbytes) == (2, 192)
+    x1.now = XferState.DONE  # one of a's two: a stays
+    x3.now = XferState.FAILED  # b's only one, ended in error: nothing reads b any more
+    assert kept.sweep() == 128 and len(kept) == 1
+    assert (x1.released, x2.released, x3.released) == (0, 0, 1)
+    assert sorted(agent._regions) == [ra]  # b's region deregistered, a's not
+    x2.now = XferState.DONE
+    assert kept.sweep() == 0 and len(kept) == 0
+    assert (x1.released, x2.released) == (1, 1)
+    assert agent._regions == {}
+    kept.keep(a, agent.register(a), [])  # nothing posted: let go at once
+    assert len(kept) == 0 and agent._regions == {}
+    agent.close()
+
+
+def test_peers_take_a_restarted_worker_as_a_new_peer_and_keep_at_most_their_capacity():
+    """A key (a worker's rank) whose metadata now names another agent (the worker came back
+    under the same id) gets the new agent, the old one dropped; past `capacity` the peer
+    used longest ago goes. Each peer's prepared tiles go with it."""
+    from transfer.wire import PoolGeometry, PoolLayout
+    from transfer.writes import Peers
+
+    net = LoopbackFabric()
+    pusher = make_agent("loopback", "p", fabric=net)
+    released = []
+    pusher.release_tiles = released.append
+
+    def worker(name: str):
+        agent = make_agent("loopback", name, fabric=net)
+        pool = torch.zeros(4, 16)
+        region = agent.register(pool)
+        layout = PoolLayout(0, "h", PoolGeometry(4, 64, 1), region)
+        return agent, agent.metadata(), layout, pool
+
+    peers = Peers(pusher, capacity=2)
+    w1, meta1, layout1, _p1 = worker("w1@a")
+    assert peers.side("w1", meta1, layout1)[0] == "w1@a"
+    first = peers.side("w1", meta1, layout1)
+    assert first[0] == "w1@a" and len(peers) == 1 and released == []  # the same, kept
+    w1b, meta1b, layout1b, _p1b = worker("w1@b")  # w1 restarted: a new agent
+    assert peers.side("w1", meta1b, layout1b)[0] == "w1@b"
+    assert len(peers) == 1 and released == [first[1].tiles]
+    assert set(pusher._peers) == {"w1@b"}  # the old agent no longer a peer
+    w2, meta2, layout2, _p2 = worker("w2@a")
+    w3, meta3, layout3, _p3 = worker("w3@a")
+    peers.side("w2", meta2, layout2)
+    peers.side("w1", meta1b, layout1b)  # w1 used since w2: w2 is the oldest now
+    peers.side("w3", meta3, layout3)
+    assert len(peers) == 2 and set(pusher._peers) == {"w1@b", "w3@a"}
+    with pytest.raises(ValueError, match="capacity"):
+        Peers(pusher, capacity=0)
+    for agent in (pusher, w1, w1b, w2, w3):
+        agent.close()

@@ -125,6 +125,10 @@ class TransferAgent(ABC):
         """Prepare a region (local when `peer` is None, else the peer's) as equal tiles once,
         so that later transfers name tiles by index (NIXL's prepared descriptor lists)."""
 
+    def release_tiles(self, tiles: Tiles) -> None:
+        """Let go of prepared tiles (a dropped peer's); nothing to do where none are kept."""
+        return None
+
     @abstractmethod
     def write_tiles(
         self,

@@ -56,6 +56,15 @@ def decode(metadata: bytes, backend: str) -> tuple[str, dict[int, Region], bytes
     return name, regions, metadata[HEADER.size + size :]
 
 
+def agent_name(metadata: bytes) -> str:
+    """The agent a peer's metadata names (ValueError when malformed)."""
+    try:
+        (size,) = HEADER.unpack_from(metadata)
+        return json.loads(metadata[HEADER.size : HEADER.size + size])["name"]
+    except (struct.error, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"agent metadata is malformed ({e})") from None
+
+
 def resolve(regions: dict[int, Region], desc, side: str) -> tuple[int, int, int, str]:
     """Desc -> (address, length, device, memory type), bounds-checked."""
     region = regions.get(desc.region)

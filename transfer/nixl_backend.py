@@ -232,6 +232,10 @@ class NixlAgent(TransferAgent):
             handle = self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", table, r.mem)
         return Tiles(handle, count, tile_bytes)
 
+    def release_tiles(self, tiles: Tiles) -> None:
+        with self._lock, contextlib.suppress(Exception):  # a gone peer's, too
+            self._agent.release_dlist_handle(tiles.handle)
+
     def write_tiles(self, peer, local: Tiles, local_idx, remote: Tiles, remote_idx, notif):
         check_tiles(local, local_idx, remote, remote_idx)
         with self._lock, _refused("WRITE"):

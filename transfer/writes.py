@@ -19,12 +19,15 @@ post through here.
 
 from __future__ import annotations
 
+import contextlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from transfer.agent import Desc, Tiles, Transfer, TransferAgent
 from transfer.heads import HeadSlice, Route, route_descs, whole_blocks
+from transfer.metadata import agent_name
 from transfer.wire import PoolGeometry, PoolLayout
 
 
@@ -63,17 +66,43 @@ def pool_side(agent: TransferAgent, layout: PoolLayout, peer: str | None = None)
 
 class Peers:
     """The peers one agent pushes to, each added (its metadata loaded) and its pool prepared
-    once: `side(key, metadata, layout)` -> (the peer's agent name, its PoolSide)."""
+    once: `side(key, metadata, layout)` -> (the peer's agent name, its PoolSide).
 
-    def __init__(self, agent: TransferAgent) -> None:
+    `key` names a worker's rank, which may come back as a new process under the same key
+    (a restart with a fixed worker id): its metadata then names another agent (each start's
+    agent has a name of its own, pdserve/cli/serve.py), and the old peer is dropped for the
+    new one. At most `capacity` peers are kept: the one used longest ago goes first (workers
+    that left for good; a push to it, if any, was posted long before)."""
+
+    def __init__(self, agent: TransferAgent, capacity: int = 256) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity: must be >= 1, got {capacity}")
         self.agent = agent
-        self._known: dict[object, tuple[str, PoolSide]] = {}
+        self.capacity = capacity
+        self._known: OrderedDict[object, tuple[str, PoolSide]] = OrderedDict()
 
     def side(self, key, metadata: bytes, layout: PoolLayout) -> tuple[str, PoolSide]:
-        if key not in self._known:
-            peer = self.agent.add_peer(metadata)
-            self._known[key] = (peer, pool_side(self.agent, layout, peer))
+        known = self._known.get(key)
+        if known is not None and known[0] == agent_name(metadata):
+            self._known.move_to_end(key)
+            return known
+        if known is not None:  # the key's process came back as another agent
+            self._drop(key)
+        peer = self.agent.add_peer(metadata)
+        self._known[key] = (peer, pool_side(self.agent, layout, peer))
+        while len(self._known) > self.capacity:
+            self._drop(next(iter(self._known)))
         return self._known[key]
+
+    def _drop(self, key) -> None:
+        peer, side = self._known.pop(key)
+        with contextlib.suppress(Exception):  # a peer gone, or never fully added
+            if side.tiles is not None:
+                self.agent.release_tiles(side.tiles)
+            self.agent.remove_peer(peer)
+
+    def __len__(self) -> int:
+        return len(self._known)
 
 
 def block_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:

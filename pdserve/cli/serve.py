@@ -189,7 +189,9 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
     worker_id = args.worker_id or f"{role}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     if args.threads:
         torch.set_num_threads(args.threads)
-    agent = make_agent(args.transfer, worker_id)
+    # the agent's name is this start's own: a worker restarted under a fixed --worker-id is
+    # a new peer to those that pushed to the old one (transfer/writes.py Peers)
+    agent = make_agent(args.transfer, f"{worker_id}@{uuid.uuid4().hex[:8]}")
     if role == "decode":
         from decode.config import DecodeConfig
         from decode.service import DecodeService
