@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -31,6 +32,8 @@ class PrefillJob:
     post_by: float = float("inf")
     enqueued: float = field(default_factory=time.monotonic)
     enqueued_wall: float = field(default_factory=now)
+    # whether its caller went away (a cancelled call): dropped if it has not started
+    gone: Callable[[], bool] = lambda: False
 
     @property
     def tokens(self) -> int:

@@ -21,7 +21,7 @@ from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving.convert import sampling_from_proto, spans_to_proto
 from pdserve.serving.destination import destination_from_proto
 from pdserve.serving.server import health
-from prefill.worker import PrefillDeadline, PrefillWorker, nothing_posted
+from prefill.worker import PrefillCancelled, PrefillDeadline, PrefillWorker, nothing_posted
 from transfer import HandshakeRefused, TransferFailed
 
 
@@ -43,6 +43,7 @@ class PrefillService(rpc.PrefillServicer):
                 params,
                 dest,
                 deadline=time.monotonic() + timeout,
+                gone=lambda: not context.is_active(),  # the router cancelled the call
             )
         except HandshakeRefused as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -71,6 +72,8 @@ class PrefillService(rpc.PrefillServicer):
 
 def _abort(context, e: Exception) -> None:
     """End the call with `e`'s status, typed for the router (module doc)."""
+    if isinstance(e, PrefillCancelled):  # nobody is listening; for the logs
+        context.abort(grpc.StatusCode.CANCELLED, str(e))
     if isinstance(e, TransferFailed):
         context.abort(grpc.StatusCode.ABORTED, f"KV push failed: {e}")
     if isinstance(e, (PrefillDeadline, TimeoutError)):  # TimeoutError: the wait's own

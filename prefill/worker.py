@@ -15,6 +15,7 @@ import copy
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -50,6 +51,11 @@ class PrefillResult:
     transfer_s: float  # push tail: last layer computed -> every layer's write done
     transfer_bytes: int
     spans: tuple[Span, ...] = ()
+
+
+class PrefillCancelled(RuntimeError):
+    """Its caller went away (the call was cancelled) before its prompt was computed: it
+    was dropped from the queue, nothing computed or posted."""
 
 
 class PrefillDeadline(TimeoutError):
@@ -122,9 +128,12 @@ class PrefillWorker:
         params: SamplingParams,
         dest: Destination,
         deadline: float = float("inf"),
+        gone: Callable[[], bool] | None = None,
     ) -> Future:
         """Validate and queue a prompt; the future resolves to a PrefillResult, or to
-        PrefillDeadline when `deadline` (time.monotonic()) passed before its push was done."""
+        PrefillDeadline when `deadline` (time.monotonic()) passed before its push was done,
+        or to PrefillCancelled when `gone()` (its caller went away) turned true before its
+        batch started."""
         self.endpoint.routes_to(dest.pools)  # the handshake: refused before anything queues
         req = self.core.make_request(prompt, params, request_id=request_id)
         if len(dest.block_ids) != self.core.blocks_needed(len(prompt)):
@@ -141,6 +150,8 @@ class PrefillWorker:
         # given, at most push_timeout_s)
         drain = min(self.config.push_timeout_s, 0.25 * max(0.0, deadline - time.monotonic()))
         job = PrefillJob(req, dest, deadline=deadline, post_by=deadline - drain)
+        if gone is not None:
+            job.gone = gone
         with self.lock:
             self.queued_tokens += len(prompt)
             self.metrics.queued_tokens.set(self.queued_tokens)
@@ -186,14 +197,19 @@ class PrefillWorker:
         return self.batcher.next_batch()
 
     def _late(self, batch: list[PrefillJob]) -> list[PrefillJob]:
-        """Fail the jobs whose deadline passed while they queued -> the others."""
+        """Drop the jobs whose caller went away and fail those whose deadline passed while
+        they queued -> the others."""
         t, kept = time.monotonic(), []
         for job in batch:
-            if job.post_by > t:
+            if job.gone():
+                self._dequeued([job])
+                self.metrics.cancelled.inc()
+                _fail(job, PrefillCancelled("the call was cancelled while it queued"), False)
+            elif job.post_by > t:
                 kept.append(job)
-                continue
-            self._dequeued([job])
-            _fail(job, PrefillDeadline("the caller's deadline passed in the queue"), False)
+            else:
+                self._dequeued([job])
+                _fail(job, PrefillDeadline("the caller's deadline passed in the queue"), False)
         return kept
 
     def _dequeued(self, jobs: list[PrefillJob]) -> None:

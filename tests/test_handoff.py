@@ -462,6 +462,98 @@ def test_the_prefill_service_tells_the_router_when_nothing_was_posted(layerwise)
         decode.close()
 
 
+def test_a_prefill_call_cancelled_while_queued_is_dropped_uncomputed():
+    """Over gRPC: a Prefill whose caller cancels it (the router does when its client goes)
+    while it waits behind another prompt is dropped when its turn comes: never computed,
+    nothing posted, counted; the prompt ahead is served as usual."""
+    import threading
+
+    import grpc
+
+    from pdserve.rpc import pdserve_pb2 as pb
+    from pdserve.rpc import pdserve_pb2_grpc as rpc
+    from pdserve.serving.kv_pool import layout_to_proto
+    from pdserve.serving.server import start_server
+    from prefill.service import PrefillService
+
+    args = EngineArgs(num_kv_blocks=16)
+    prefill = prefill_worker("tiny-llama", "p-cancel", "nixl", args)
+    decode = decode_worker("tiny-llama", "d-cancel", "nixl", args)
+    go, passes = threading.Event(), []
+    compute = prefill.core.prefill
+
+    def held(requests, **kwargs):  # the first pass waits for `go`
+        passes.append([r.request_id for r in requests])
+        assert go.wait(30)
+        return compute(requests, **kwargs)
+
+    prefill.core.prefill = held
+    asked = {}
+    submit = prefill.submit
+
+    def seen(request_id, *args, **kwargs):
+        asked[request_id] = kwargs.get("gone")
+        return submit(request_id, *args, **kwargs)
+
+    prefill.submit = seen
+    server, port = start_server(
+        lambda s: rpc.add_PrefillServicer_to_server(PrefillService(prefill), s), "127.0.0.1", 0
+    )
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        first_prompt, prompt = list(range(3, 40)), list(range(5, 30))
+        ahead = prefill.submit(
+            "ahead",
+            first_prompt,
+            GREEDY,
+            destination(decode, decode.reserve("ahead", first_prompt, GREEDY, lease_s=30)),
+        )
+        wait_until = time.monotonic() + 10
+        while not passes:  # "ahead" is being computed: the next prompt queues
+            assert time.monotonic() < wait_until
+            time.sleep(0.01)
+        held_by = decode.reserve("r", prompt, GREEDY, lease_s=30)
+        call = rpc.PrefillStub(channel).Prefill.future(
+            pb.PrefillRequest(
+                request_id="r",
+                prompt_token_ids=prompt,
+                sampling=pb.SamplingParams(max_tokens=6, top_p=1.0, ignore_eos=True),
+                dest_worker_id=decode.worker_id,
+                dest_block_ids=held_by.block_ids,
+                dest_layout=layout_to_proto(decode.endpoint.layout),
+                dest_agent_metadata=decode.endpoint.agent.metadata(),
+                dest_fence=held_by.fence,
+            ),
+            timeout=30,
+        )
+        while "r" not in asked:  # queued behind "ahead"
+            assert time.monotonic() < wait_until
+            time.sleep(0.01)
+        assert prefill.stats().queued_tokens == len(prompt)
+        assert not asked["r"]()  # its caller is there
+        call.cancel()
+        while not asked["r"]():  # the server saw the cancellation
+            assert time.monotonic() < wait_until
+            time.sleep(0.01)
+        go.set()
+        assert ahead.result(30).first_token >= 0
+        while prefill.metrics.cancelled._value.get() != 1:
+            assert time.monotonic() < wait_until, "the cancelled prompt was not dropped"
+            time.sleep(0.01)
+        assert passes == [["ahead"]]  # "r" never computed
+        assert prefill.stats().queued_tokens == 0
+        _await_freed(prefill)
+        prefill.check_integrity()
+        assert decode.release("ahead") and decode.release("r", unpushed=True)
+        decode.check_integrity()
+    finally:
+        go.set()
+        server.stop(grace=0)
+        channel.close()
+        prefill.close()
+        decode.close()
+
+
 def test_a_failure_is_said_unposted_on_a_copy_per_job_or_not_at_all():
     """One error often fails every job of a batch: the flag goes on a copy for the job that
     posted nothing, never on the shared error; an error that cannot be copied (its class
