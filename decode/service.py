@@ -110,8 +110,13 @@ class DecodeService(rpc.DecodeServicer):
             try:
                 event = stream.events.get(timeout=wait_s)
             except queue.Empty:
-                if feed is not None and (not context.is_active() or feed.closed and stream.ended):
-                    return  # its caller is gone, or resumes it (its feed broke)
+                if feed is not None and not context.is_active():
+                    return  # its caller is gone
+                if feed is not None and feed.closed:  # nothing more of it reaches the caller
+                    worker.release(rid)  # (its caller opened the feed again, or it closes):
+                    context.abort(  # told now, not after a grace, it resumes the request
+                        grpc.StatusCode.ABORTED, f"its feed {feed.feed_id!r} closed"
+                    )
                 if worker.is_pending(rid) or (feed is not None and self._fed_lately(stream)):
                     continue  # preempted and waiting for room (recompute or reload): alive
                 worker.release(rid)

@@ -277,6 +277,69 @@ def test_a_feed_entry_that_cannot_be_built_fails_its_own_start_and_drops_its_lat
     assert item.request_id == "good" and item.chunk.finished and list(item.chunk.token_ids) == [5]
 
 
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """A Start call's server context: active until told, abort raises."""
+
+    def __init__(self) -> None:
+        self.active = True
+
+    def add_callback(self, callback) -> None:
+        pass
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def abort(self, code, details):
+        raise _Aborted(code, details)
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["running", "ended"])
+def test_a_start_whose_feed_closed_fails_aborted_at_its_next_look(monkeypatch, ended):
+    """A Start bound to a feed that closed (its caller opened the feed again under the same
+    id, or is going): whatever the stream does next cannot reach the caller, so the call
+    fails ABORTED (the router resumes it) and the request is released here, at the next
+    look, not after a grace (an ended stream's Start used to end OK: the router waited 10
+    s for an end that never came) nor when a running one runs dry."""
+    monkeypatch.setattr("decode.service.FEED_POLL_S", 0.05)
+    feeds = Feeds()
+    feed = feeds.open("router-1")
+    stream = _stream(feed, "r")
+    released, started = [], threading.Event()
+
+    def start(*args):
+        started.set()
+        return stream
+
+    worker = SimpleNamespace(
+        feeds=feeds,
+        start=start,
+        release=released.append,
+        is_pending=lambda rid: False,
+        config=SimpleNamespace(stream_idle_s=60.0),
+    )
+    service = DecodeService(worker, on_shutdown=lambda: None)
+    context = _Context()
+    call = service.Start(
+        pb.StartRequest(request_id="r", first_token=1, feed_id="router-1"), context
+    )
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(next, call)  # the call runs: bound to the feed open now
+        assert started.wait(10)
+        stream.token(2)  # it is producing: alive
+        feeds.open("router-1")  # the caller opened its feed again: this one closed
+        closed = time.monotonic()
+        if ended:
+            stream.end("length", last_token=3)  # dropped: the feed was closed
+        with pytest.raises(_Aborted) as failed:
+            first.result(30)
+    assert failed.value.args == (grpc.StatusCode.ABORTED, "its feed 'router-1' closed")
+    assert time.monotonic() - closed < 5 and released == ["r"]
+
+
 class _FeedCall:
     """A Feed call as the router's reader sees it: `items` come out, then `error` raises."""
 
