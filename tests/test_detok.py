@@ -91,3 +91,14 @@ def test_decoding_per_token_stays_bounded_on_a_long_output():
     out = run(stream, [6] * 4000)
     assert out == " ok" * 4000
     assert tok.decoded / tok.calls < 10 and tok.calls <= 2 * 4000 + 4
+
+
+def test_take_uses_the_tokens_up_to_the_one_that_completed_a_stop_string():
+    """What usage counts: of a message's tokens, those up to the one that completed a stop
+    string (none after it, none once stopped); all of them without stop strings."""
+    tok = ByteTokenizer(300)
+    stream = TextStream(tok, ["END"])
+    assert stream.take(list(b"abE")) == ("ab", 3)
+    assert stream.take(list(b"NDxyz")) == ("", 2) and stream.stopped  # "D" completed it
+    assert stream.take(list(b"more")) == ("", 0)
+    assert TextStream(tok, []).take(list(b"END")) == ("END", 3)

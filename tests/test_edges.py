@@ -425,6 +425,30 @@ def test_the_developer_role_is_rendered_as_system():
     ]
 
 
+def test_text_parts_are_joined_by_newlines():
+    """As vLLM joins a message's text parts (its chat_utils), not glued together."""
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    body = {"messages": [{"role": "user", "content": parts}]}
+    assert proto.messages_of(body) == [{"role": "user", "content": "first\nsecond"}]
+
+
+def test_a_chat_prompt_that_fills_the_context_is_refused_naming_the_messages(open_door):
+    """Chat without max_tokens takes the rest of the context; when the prompt leaves none,
+    the error names the messages, not a max_tokens the client never sent."""
+    empty = len(TOKENIZER.encode(TOKENIZER.apply_chat_template([{"role": "user", "content": ""}])))
+    content = "x" * (MAX_MODEL_LEN - empty)  # exactly the context: valid, but no room
+    body = json.dumps({"messages": [{"role": "user", "content": content}]}).encode()
+    status, _, reply = http(open_door, PATHS["chat"], body)
+    assert status == 400 and reply["error"]["param"] == "messages", reply
+    assert reply["error"]["message"] == (
+        f"messages: the prompt's {MAX_MODEL_LEN} tokens leave no room in the model's context "
+        f"of {MAX_MODEL_LEN}"
+    )
+    body = json.dumps({"messages": [{"role": "user", "content": content[1:]}]}).encode()
+    status, _, reply = http(open_door, PATHS["chat"], body)  # one token of room: served
+    assert status == 200, reply
+
+
 def test_an_unexpected_failure_is_a_500_in_openais_shape(open_door, monkeypatch):
     def broken(body, vocab_size):
         raise RuntimeError("a bug")

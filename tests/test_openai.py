@@ -130,19 +130,32 @@ def test_top_k_one_is_greedy_over_http(oai):
     assert top1.choices[0].text == greedy.choices[0].text
 
 
-def test_stop_strings_cut_the_text_before_them(oai):
+def test_stop_strings_cut_the_text_before_them(oai, sdk):
     full = oai.completions.create(model="tiny-llama", prompt=PROMPTS[0], **GREEDY)
     text = full.choices[0].text
     # a character from the middle of the greedy output (not a replacement character)
-    k = next(i for i in range(3, len(text)) if text[i] != "\ufffd")
+    k = next(i for i in range(3, len(text)) if text[i] not in "\ufffd \n")
     stop = text[k]
     cut = oai.completions.create(model="tiny-llama", prompt=PROMPTS[0], stop=[stop], **GREEDY)
     assert cut.choices[0].text == text[: text.find(stop)]
     assert cut.choices[0].finish_reason == "stop"
-    streamed = oai.completions.create(
-        model="tiny-llama", prompt=PROMPTS[0], stop=stop, stream=True, **GREEDY
+    # usage counts the tokens up to the one that completed the stop string, none after
+    ids = sdk.generate(PROMPTS[0], **GREEDY).token_ids
+    tokenizer = resolve("tiny-llama").tokenizer
+    used = next(n for n in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:n]))
+    assert cut.usage.completion_tokens == used < full.usage.completion_tokens
+    streamed = list(
+        oai.completions.create(
+            model="tiny-llama",
+            prompt=PROMPTS[0],
+            stop=stop,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
     )
-    assert "".join(c.choices[0].text for c in streamed) == text[: text.find(stop)]
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text[: text.find(stop)]
+    assert streamed[-1].usage.completion_tokens == used
 
 
 BAD = [
@@ -175,6 +188,7 @@ BAD = [
     (b'{"prompt": "x", "stream": true, "stream_options": 1}', "stream_options"),
     (b'{"prompt": "x", "echo": true}', "echo"),
     (b'{"prompt": "x", "logprobs": 2}', "logprobs"),
+    (b'{"prompt": "x", "logprobs": 0}', "logprobs"),  # the sampled tokens' logprobs
     (b'{"prompt": "x", "presence_penalty": 1}', "presence_penalty"),
     (b'{"prompt": "x", "model": 7}', "model"),
     (b'{"prompt": "x", "ignore_eos": "no"}', "ignore_eos"),

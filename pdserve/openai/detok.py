@@ -80,6 +80,19 @@ class TextStream:
         self.sent = max(self.sent, end)
         return delta
 
+    def take(self, token_ids: list[int]) -> tuple[str, int]:
+        """`add`, a token at a time while stop strings are watched -> (the new text, how
+        many of `token_ids` it used: all, or up to the one that completed a stop string;
+        the tokens after it were never part of the answer, nor of its usage)."""
+        if not self.stops or self.stopped:
+            return self.add(token_ids), 0 if self.stopped else len(token_ids)
+        out = []
+        for i, token in enumerate(token_ids):
+            out.append(self.add([token]))
+            if self.stopped:
+                return "".join(out), i + 1
+        return "".join(out), len(token_ids)
+
     def add(self, token_ids: list[int]) -> str:
         """New text that is safe to release; sets `stopped` when a stop string appeared."""
         if self.stopped:

@@ -84,15 +84,17 @@ def _bool(body: dict, name: str, parent: str | None = None) -> bool:
     return v
 
 
-def _refuse_unsupported(body: dict) -> None:
+def _refuse_unsupported(body: dict, chat: bool) -> None:
     if _int(body, "n", 1, INT32_MAX) not in (None, 1):
         raise BadRequest("n", "n: only n=1 is supported")
     if _int(body, "best_of", 1, INT32_MAX) not in (None, 1):
         raise BadRequest("best_of", "best_of: only best_of=1 is supported")
     if _bool(body, "echo"):
         raise BadRequest("echo", "echo: not supported")
+    # chat's logprobs is a switch (off: false); a completion's a count, where 0 still asks
+    # for the sampled tokens' log probabilities
     logprobs = body.get("logprobs")
-    if logprobs not in (None, False, 0):
+    if not (logprobs is None or logprobs is False or (chat and logprobs == 0)):
         raise BadRequest("logprobs", "logprobs: not supported")
     for name in ("presence_penalty", "frequency_penalty"):
         if _num(body, name, -2.0, 2.0) not in (None, 0.0):
@@ -130,7 +132,7 @@ def _stop(body: dict) -> list[str]:
 
 
 def _common(body: dict, chat: bool, prompt, vocab_size: int) -> OpenAIRequest:
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, chat)
     max_tokens = _int(body, "max_tokens", 1, INT32_MAX)
     if chat and max_tokens is None:
         max_tokens = _int(body, "max_completion_tokens", 1, INT32_MAX)
@@ -205,7 +207,8 @@ def parse_completion(body, vocab_size: int) -> OpenAIRequest:
 
 
 def messages_of(body: dict) -> list[dict[str, str]]:
-    """`messages` -> [{"role", "content"}] with text content (text parts are joined)."""
+    """`messages` -> [{"role", "content"}] with text content (text parts joined by
+    newlines)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages", "messages: expected a non-empty list")
@@ -226,7 +229,7 @@ def messages_of(body: dict) -> list[dict[str, str]]:
                 if not isinstance(part.get("text"), str):
                     raise BadRequest("messages", f"messages[{i}].content[{j}].text: not a string")
                 parts.append(part["text"])
-            content = "".join(parts)
+            content = "\n".join(parts)  # as vLLM joins them (its chat_utils)
         if content is None and role == "assistant":
             content = ""
         if not isinstance(content, str):

@@ -259,6 +259,13 @@ class OpenAIFrontDoor:
             raise proto.BadRequest("stop", "stop: this model has no tokenizer: no text to stop on")
         ids = self._prompt_ids(req)
         limit = self.service.max_model_len
+        if req.max_tokens is None and len(ids) >= limit:  # chat without a limit: the rest
+            field = "messages" if req.chat else "prompt"
+            raise proto.BadRequest(
+                field,
+                f"{field}: the prompt's {len(ids)} tokens leave no room in the model's "
+                f"context of {limit}",
+            )
         max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(ids)
         if len(ids) + max_tokens > limit:
             raise proto.BadRequest(
@@ -294,8 +301,9 @@ class OpenAIFrontDoor:
         text = TextStream(self.service.tokenizer, req.stop, prompt)
         parts, produced, finish, extra = [], 0, "length", {}
         async for msg in call:
-            produced += len(msg.token_ids)
-            parts.append(text.add(list(msg.token_ids)))
+            delta, used = text.take(list(msg.token_ids))
+            produced += used
+            parts.append(delta)
             if text.stopped:
                 finish = "stop"
                 break
@@ -335,8 +343,8 @@ class OpenAIFrontDoor:
         produced, finish, msg = 0, "length", first
         try:
             while msg is not grpc.aio.EOF:
-                produced += len(msg.token_ids)
-                delta = text.add(list(msg.token_ids))
+                delta, used = text.take(list(msg.token_ids))
+                produced += used
                 if msg.finished and msg.finish_reason == "abort":
                     await send(proto.error_body(ABORTED, "server_error"))
                     await send("[DONE]")
