@@ -25,6 +25,13 @@ if TYPE_CHECKING:
     from decode.feed import Feed
 
 
+# a request's first STEP_SPANS steps are a decode.step span each; later ones fold into one
+# decode.steps span per run of steps (a preemption starts a new run): a final message's trace
+# stays under ~20 KB however long the output (a span a step was ~55 bytes a token: 0.5 MB for
+# 10k tokens, held by the router for every request it streams, past gRPC's 4 MiB at ~75k)
+STEP_SPANS = 256
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     token: int
@@ -67,6 +74,7 @@ class Stream:
     produced: int = 0  # tokens handed over, the one sent with the end included
     feed_broken: bool = False  # a message of it could not be built: the rest is dropped
     ended: bool = False
+    steps: int = 0  # decode.step spans recorded (at most STEP_SPANS)
 
     def token(self, token: int) -> float:
         """Hand a token to the stream -> seconds since the previous one."""
@@ -101,7 +109,13 @@ class Stream:
         if self.preempted_at is not None:
             self.spans.append(Span("decode.preempted", self.preempted_at, start, self.worker))
             self.preempted_at = None
-        self.spans.append(Span("decode.step", start, end, self.worker))
+        if self.steps < STEP_SPANS:
+            self.steps += 1
+            self.spans.append(Span("decode.step", start, end, self.worker))
+        elif self.spans[-1].name == "decode.steps":  # the run of folded steps goes on
+            self.spans[-1] = Span("decode.steps", self.spans[-1].start, end, self.worker)
+        else:  # the first step past the limit, or the first after a preemption
+            self.spans.append(Span("decode.steps", start, end, self.worker))
 
     def end(self, finish_reason: str, last_token: int | None = None) -> None:
         t = now()

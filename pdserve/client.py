@@ -103,8 +103,9 @@ _UNREACHED_PAUSE_MAX_S = 1.0  # doubling up to this
 CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
-    # a final message carries the request's trace, a span a decode step: past gRPC's
-    # default 4 MiB at ~75k generated tokens (the servers take as much)
+    # a final message carries the request's trace: its step spans are bounded
+    # (decode/streams.py STEP_SPANS), but a request resumed or moved many times carries
+    # every worker's share; the servers take as much
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
 

@@ -27,7 +27,8 @@ the worker's spans inside it: RPC transit, serialisation and (first call) connec
 Detail spans sit inside those and are not part of the tiling: `push.layer` (one per layer:
 the write posted -> seen complete; `push.all` when every layer goes in one write after the
 forward pass), `prefill.part` (a part of a long prompt computed in a turn of its own,
-prefill/turns.py), `decode.step` (each step the request took part in) and
+prefill/turns.py), `decode.step` (each of the first 256 steps the request took part in on a
+worker; later ones fold into a `decode.steps` span per run of steps, decode/streams.py) and
 `decode.preempted` (preempted -> running again), `decode.prefill` (a prompt the decode
 worker computed itself, conditional disaggregation: its first step -> its first token; such a
 request has no rpc.prefill .. rpc.prefill_reply). What is left between top-level spans is

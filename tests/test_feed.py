@@ -394,8 +394,9 @@ def test_a_feed_reader_that_dies_of_any_error_ends_its_feed_at_once():
 
 
 def test_a_final_message_past_4_mib_reaches_the_router_and_the_client():
-    """A final carries the request's trace, a span a decode step (~60 bytes): past gRPC's
-    default 4 MiB receive limit at ~70k tokens. The router's channels to its workers and
+    """A final carries the request's trace (a span a decode step, ~60 bytes, before step
+    spans were folded past 256: past gRPC's default 4 MiB receive limit at ~70k tokens;
+    still reachable by a request moved many times). The router's channels to its workers and
     the SDK's to the router take what the servers take (on a feed one message too large
     would have ended every request on it)."""
     from pdserve.router.registry import WorkerRecord, grpc_connect

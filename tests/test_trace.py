@@ -34,3 +34,27 @@ def test_jsonl_round_trip(tmp_path):
     write_jsonl(tmp_path / "t.jsonl", [rec, rec])
     back = read_jsonl(tmp_path / "t.jsonl")
     assert len(back) == 2 and back[0]["spans"] == [Span("x", 1.0, 2.0)]
+
+
+def test_a_long_requests_steps_fold_into_one_span_per_run_past_the_first_256():
+    """A decode stream's first STEP_SPANS steps are a span each; later steps extend one
+    decode.steps span per run (a preemption starts a new one): the trace stays bounded."""
+    from decode.streams import STEP_SPANS, Stream
+
+    stream = Stream("d")
+    for i in range(STEP_SPANS + 40):
+        stream.stepped(100.0 + i, 100.5 + i)
+    stream.preempted_at = 500.0
+    for i in range(5):
+        stream.stepped(600.0 + i, 600.5 + i)
+    names = [s.name for s in stream.spans]
+    assert names == (
+        ["decode.admission"]
+        + ["decode.step"] * STEP_SPANS
+        + ["decode.steps", "decode.preempted", "decode.steps"]
+    )
+    first, preempted, second = stream.spans[-3:]
+    assert (first.start, first.end) == (100.0 + STEP_SPANS, 100.5 + STEP_SPANS + 39)
+    assert (preempted.start, preempted.end) == (500.0, 600.0)
+    assert (second.start, second.end) == (600.0, 604.5)
+    assert stream.spans[STEP_SPANS].end == 100.5 + STEP_SPANS - 1  # the last one listed
