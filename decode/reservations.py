@@ -4,6 +4,7 @@
                                            │ lease expired / release
                                            ├── push arrived ────────────────────> FREE
                                            └── push not arrived -> FENCED -its notification
+                                                                  (or "nothing posted")
                                                                   or the window end-> FREE
 
 Every reservation gets a fencing token (`fence`, unique in this process). The prefill
@@ -15,7 +16,9 @@ Fencing the blocks themselves: a push is a one-sided WRITE into this pool, which
 cannot refuse. So blocks of a reservation that ends before its push arrived are not handed
 to anyone until that push can no longer land: its notification came (the writer is done),
 or the push window the router named at Reserve is over (the router gives the prefill worker
-a deadline inside that window, and the prefill worker posts no WRITE after its deadline).
+a deadline inside that window, and the prefill worker posts no WRITE after its deadline), or
+the prefill worker said it gave the prompt up before posting anything (a notification alone,
+transfer/wire.py `unposted_notification`: a cancelled call's prompt dropped from its queue).
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ class Reservations:
         # parallel group is one WRITE stream per pair of ranks, each with its notification)
         self._parts: dict[int, set[int]] = {}
         self._fences = itertools.count(1)
+        # held ones whose prefill worker said no WRITE of them was or will be posted (it
+        # gave the prompt up): their end frees the blocks at once
+        self._unposted: set[str] = set()
 
     def add(self, res: Reservation) -> int:
         """Hold `res` -> its fencing token."""
@@ -68,6 +74,7 @@ class Reservations:
 
     def _take(self, request_id: str) -> Reservation | None:
         self._arrived.discard(request_id)
+        self._unposted.discard(request_id)
         return self._held.pop(request_id, None)
 
     def end(
@@ -78,6 +85,7 @@ class Reservations:
         ever posted). When its push may still land, it is fenced instead: its blocks come
         back from `unfenced()`."""
         arrived = request_id in self._arrived
+        unpushed = unpushed or request_id in self._unposted
         res = self._take(request_id)
         if res is None and unpushed:  # ended and fenced before: the caller knows better now
             fence = next(
@@ -142,9 +150,15 @@ class Reservations:
             parsed = parse_notification(note)
             if parsed is None:
                 continue
-            rid, fence, part, parts = parsed
+            rid, fence, part, parts, unposted = parsed
             held = self._held.get(rid)
             fenced = self._fenced.get(fence)
+            if unposted:  # nothing of it will land: an end (or the fence's) frees it at once
+                if held is not None and held.fence == fence:
+                    self._unposted.add(rid)
+                elif fenced is not None and fenced.request.request_id == rid:
+                    self._fenced_done.add(fence)
+                continue
             if held is not None and held.fence == fence:
                 done = self._arrived
                 key: str | int = rid
@@ -177,6 +191,7 @@ class Reservations:
 
     def check_integrity(self) -> None:
         assert self._arrived <= set(self._held), "an arrival of no held reservation"
+        assert self._unposted <= set(self._held), "an unposted note of no held reservation"
         assert self._fenced_done <= set(self._fenced), "a done fence of no fenced reservation"
         live = {r.fence for r in self._held.values()} | set(self._fenced)
         assert set(self._parts) <= live, "push parts kept for a reservation that is gone"

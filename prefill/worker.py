@@ -35,7 +35,7 @@ from prefill.config import PrefillConfig
 from prefill.metrics import PrefillMetrics
 from prefill.push import BatchPush, PushTarget
 from prefill.turns import TurnBudget
-from transfer import TransferAgent, TransferFailed, notification
+from transfer import TransferAgent, TransferFailed, notification, unposted_notification
 from transfer.writes import Peers, pool_side
 
 RANK_EXTENSION = "prefill.rank:PrefillRank"  # what ranks 1..n-1 run (prefill/rank.py)
@@ -51,6 +51,9 @@ class PrefillResult:
     transfer_s: float  # push tail: last layer computed -> every layer's write done
     transfer_bytes: int
     spans: tuple[Span, ...] = ()
+
+
+UNFENCE_WAIT_S = 1.0  # a dropped prompt's "nothing posted" note: handed to the transport
 
 
 class PrefillCancelled(RuntimeError):
@@ -201,16 +204,36 @@ class PrefillWorker:
         they queued -> the others."""
         t, kept = time.monotonic(), []
         for job in batch:
-            if job.gone():
-                self._dequeued([job])
-                self.metrics.cancelled.inc()
-                _fail(job, PrefillCancelled("the call was cancelled while it queued"), False)
-            elif job.post_by > t:
-                kept.append(job)
-            else:
+            if job.post_by <= t:  # (a call past its deadline is no longer active either)
                 self._dequeued([job])
                 _fail(job, PrefillDeadline("the caller's deadline passed in the queue"), False)
+            elif job.gone():
+                self._dequeued([job])
+                self.metrics.cancelled.inc()
+                self._unfence(job)
+                _fail(job, PrefillCancelled("the call was cancelled while it queued"), False)
+            else:
+                kept.append(job)
         return kept
+
+    def _unfence(self, job: PrefillJob) -> None:
+        """Tell the decode worker that no WRITE of `job` was or will be posted: its
+        reservation's blocks go back when the router releases it (it did, or will: its
+        call was cancelled, so it never heard that nothing was posted) instead of at the
+        end of the push window. Best effort: a note that cannot go leaves the window to
+        end the fence, as before."""
+        dest = job.dest
+        try:
+            peer, _ = self.peers.side((dest.worker_id, 0), dest.rank_metadata(0), dest.pools[0])
+            note = unposted_notification(job.request.request_id, dest.fence)
+            sent = self.endpoint.agent.notify(peer, note)
+            try:
+                sent.wait(UNFENCE_WAIT_S)
+            finally:
+                sent.release()
+        except Exception as e:  # noqa: BLE001 - any failure: the push window ends it
+            log.info("could not tell %s that nothing was posted for %s: %s",
+                     dest.worker_id, job.request.request_id, e)  # fmt: skip
 
     def _dequeued(self, jobs: list[PrefillJob]) -> None:
         with self.lock:

@@ -465,7 +465,8 @@ def test_the_prefill_service_tells_the_router_when_nothing_was_posted(layerwise)
 def test_a_prefill_call_cancelled_while_queued_is_dropped_uncomputed():
     """Over gRPC: a Prefill whose caller cancels it (the router does when its client goes)
     while it waits behind another prompt is dropped when its turn comes: never computed,
-    nothing posted, counted; the prompt ahead is served as usual."""
+    nothing posted, counted, and the decode worker told so (its blocks need not wait out
+    the push window); the prompt ahead is served as usual."""
     import threading
 
     import grpc
@@ -544,7 +545,13 @@ def test_a_prefill_call_cancelled_while_queued_is_dropped_uncomputed():
         assert prefill.stats().queued_tokens == 0
         _await_freed(prefill)
         prefill.check_integrity()
-        assert decode.release("ahead") and decode.release("r", unpushed=True)
+        # the router, its call cancelled, released the reservation as it does (fenced: it
+        # cannot know that nothing was posted); the prefill worker's note frees it at once,
+        # not at the end of the push window (minutes)
+        assert decode.release("ahead") and decode.release("r")
+        while decode.stats().free_blocks != 16 or decode.reservations.fenced:
+            assert time.monotonic() < wait_until + 10, "the dropped prompt's blocks stayed fenced"
+            time.sleep(0.01)
         decode.check_integrity()
     finally:
         go.set()

@@ -10,7 +10,7 @@ from decode.state import DecodeState
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.build import build_engine
 from pdserve.sampling_params import SamplingParams
-from transfer import notification, parse_notification
+from transfer import notification, parse_notification, unposted_notification
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 PROMPT = list(range(1, 41))  # 40 tokens: 3 blocks of 16
@@ -39,11 +39,20 @@ def free(state: DecodeState) -> int:
 
 
 def test_notifications_name_their_reservation_and_token():
-    assert parse_notification(notification("req-1", 7)) == ("req-1", 7, 0, 1)
-    assert parse_notification(notification("a#b", 12)) == ("a#b", 12, 0, 1)  # the last '#' counts
-    assert parse_notification(notification("a#b", 12, 2, 3)) == ("a#b", 12, 2, 3)
+    assert parse_notification(notification("req-1", 7)) == ("req-1", 7, 0, 1, False)
+    assert parse_notification(notification("a#b", 12)) == (
+        "a#b",
+        12,
+        0,
+        1,
+        False,
+    )  # the last '#' counts
+    assert parse_notification(notification("a#b", 12, 2, 3)) == ("a#b", 12, 2, 3, False)
     assert notification("r", 5) == b"r#5"  # one part: the notification of wire version 3
+    assert parse_notification(unposted_notification("a#b", 9)) == ("a#b", 9, 0, 1, True)
     for bad in (b"req-1", b"req-1#", b"req-1#x", b"#", b"", b"r#5#2/2", b"r#1/2", b"r#x#0/2"):
+        assert parse_notification(bad) is None
+    for bad in (b"none", b"#none", b"r#x#none", b"r#none"):
         assert parse_notification(bad) is None
 
 
@@ -124,6 +133,28 @@ def test_an_arrived_or_unpushed_reservation_frees_at_once(books):
     state.release("t")
     assert free(state) == 5 and state.reservations.fenced == 1
     assert state.release("t", unpushed=True) == (True, None)  # learnt later: no push came
+    assert free(state) == 8 and state.reservations.fenced == 0
+
+
+def test_a_nothing_posted_note_frees_its_reservation_at_its_end_whichever_comes_first(books):
+    """A prefill worker that gave a prompt up before posting anything says so (a note
+    alone): a reservation released before the note is fenced until it comes, one released
+    after frees at once; the note never counts as an arrival, and one of another token
+    (an earlier reservation of the same id) frees nothing."""
+    state, _ = books
+    a = state.reserve("a", PROMPT, GREEDY, lease_s=5, push_window_s=20)
+    state.release("a")  # the router gave it up: fenced, the push may still land
+    assert free(state) == 5 and state.reservations.fenced == 1
+    state.note_arrivals([unposted_notification("a", a.fence + 7)])  # not its token
+    state.expire()
+    assert free(state) == 5 and state.reservations.fenced == 1
+    state.note_arrivals([unposted_notification("a", a.fence)])
+    state.expire()
+    assert free(state) == 8 and state.reservations.fenced == 0
+    b = state.reserve("b", PROMPT, GREEDY, lease_s=5, push_window_s=20)
+    state.note_arrivals([unposted_notification("b", b.fence)])  # before the release
+    assert not state.reservations.arrived("b") and free(state) == 5
+    state.release("b")
     assert free(state) == 8 and state.reservations.fenced == 0
 
 

@@ -233,10 +233,11 @@ def test_a_retired_buffer_stays_registered_until_every_transfer_reading_it_ended
     agent.close()
 
 
-def test_peers_take_a_restarted_worker_as_a_new_peer_and_keep_at_most_their_capacity():
+def test_peers_add_a_restarted_worker_beside_the_old_and_let_idle_ones_go_past_capacity():
     """A key (a worker's rank) whose metadata now names another agent (the worker came back
-    under the same id) gets the new agent, the old one dropped; past `capacity` the peer
-    used longest ago goes. Each peer's prepared tiles go with it."""
+    under the same id) gets the new agent added beside the old one (a batch may still post
+    to a side handed out for the old); past `capacity`, peers unused for `idle_s` go, the
+    longest unused first, with their prepared tiles."""
     from transfer.wire import PoolGeometry, PoolLayout
     from transfer.writes import Peers
 
@@ -252,22 +253,42 @@ def test_peers_take_a_restarted_worker_as_a_new_peer_and_keep_at_most_their_capa
         layout = PoolLayout(0, "h", PoolGeometry(4, 64, 1), region)
         return agent, agent.metadata(), layout, pool
 
-    peers = Peers(pusher, capacity=2)
+    peers = Peers(pusher, capacity=2, idle_s=0.2)
     w1, meta1, layout1, _p1 = worker("w1@a")
-    assert peers.side("w1", meta1, layout1)[0] == "w1@a"
-    first = peers.side("w1", meta1, layout1)
-    assert first[0] == "w1@a" and len(peers) == 1 and released == []  # the same, kept
+    old = peers.side("w1", meta1, layout1)
+    assert old[0] == "w1@a" and peers.side("w1", meta1, layout1) == old and len(peers) == 1
     w1b, meta1b, layout1b, _p1b = worker("w1@b")  # w1 restarted: a new agent
     assert peers.side("w1", meta1b, layout1b)[0] == "w1@b"
-    assert len(peers) == 1 and released == [first[1].tiles]
-    assert set(pusher._peers) == {"w1@b"}  # the old agent no longer a peer
+    assert len(peers) == 2 and set(pusher._peers) == {"w1@a", "w1@b"} and released == []
     w2, meta2, layout2, _p2 = worker("w2@a")
-    w3, meta3, layout3, _p3 = worker("w3@a")
-    peers.side("w2", meta2, layout2)
-    peers.side("w1", meta1b, layout1b)  # w1 used since w2: w2 is the oldest now
-    peers.side("w3", meta3, layout3)
-    assert len(peers) == 2 and set(pusher._peers) == {"w1@b", "w3@a"}
+    peers.side("w2", meta2, layout2)  # 3 > capacity, but every one was used just now
+    assert len(peers) == 3 and released == []
+    time.sleep(0.3)
+    peers.side("w1", meta1b, layout1b)  # w1@a is the longest unused, and idle: it goes
+    assert len(peers) == 2 and set(pusher._peers) == {"w1@b", "w2@a"}
+    assert released == [old[1].tiles]
     with pytest.raises(ValueError, match="capacity"):
         Peers(pusher, capacity=0)
-    for agent in (pusher, w1, w1b, w2, w3):
+    for agent in (pusher, w1, w1b, w2):
         agent.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_notification_alone_reaches_the_peer(backend):
+    a, b = pair(backend, "note-a", "note-b")
+    try:
+        peer = a.add_peer(b.metadata())
+        sent = a.notify(peer, b"r#3#none")
+        sent.wait(10)
+        sent.release()
+        got = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            got = [n for notes in b.notifications().values() for n in notes]
+            time.sleep(0.01)
+        assert got == [b"r#3#none"]
+        with pytest.raises(ValueError, match="unknown peer"):
+            a.notify("nobody", b"x")
+    finally:
+        a.close()
+        b.close()

@@ -33,6 +33,7 @@ from transfer.wire import (
     check_handshake,
     notification,
     parse_notification,
+    unposted_notification,
 )
 
 __all__ = [
@@ -56,5 +57,6 @@ __all__ = [
     "make_agent",
     "notification",
     "parse_notification",
+    "unposted_notification",
     "route_descs",
 ]

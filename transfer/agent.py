@@ -88,6 +88,16 @@ class Transfer(ABC):
             raise TransferFailed("transfer failed")
 
 
+class Done(Transfer):
+    """A transfer complete when made (a notification handed to the transport whole)."""
+
+    def state(self) -> XferState:
+        return XferState.DONE
+
+    def release(self) -> None:
+        return None
+
+
 class TransferAgent(ABC):
     backend: str
 
@@ -140,6 +150,11 @@ class TransferAgent(ABC):
         notif: bytes,
     ) -> Transfer:
         """WRITE local tiles `local_idx[i]` into the peer's tiles `remote_idx[i]`."""
+
+    @abstractmethod
+    def notify(self, peer: str, notif: bytes) -> Transfer:
+        """A notification alone, no bytes moved: `notif` reaches the peer's notifications()
+        as a WRITE's would."""
 
     @abstractmethod
     def notifications(self) -> dict[str, list[bytes]]:

@@ -96,6 +96,12 @@ class LoopbackAgent(RegionTableAgent):
     def read(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
         return self._move(peer, local, remote, notif, write=False)
 
+    def notify(self, peer: str, notif: bytes) -> Transfer:
+        if peer not in self._peers:
+            raise ValueError(f"unknown peer {peer!r}; add_peer() its metadata first")
+        self.fabric.deliver(peer, self.name, notif)
+        return _Done()
+
     def notifications(self) -> dict[str, list[bytes]]:
         return self.fabric.collect(self.name)
 

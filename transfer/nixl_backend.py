@@ -34,6 +34,7 @@ import torch
 from transfer import metadata as md
 from transfer.agent import (
     Desc,
+    Done,
     Tiles,
     Transfer,
     TransferAgent,
@@ -231,6 +232,14 @@ class NixlAgent(TransferAgent):
         with self._lock:
             handle = self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", table, r.mem)
         return Tiles(handle, count, tile_bytes)
+
+    def notify(self, peer: str, notif: bytes) -> Transfer:
+        if peer not in self._peers:
+            raise ValueError(f"unknown peer {peer!r}; add_peer() its metadata first")
+        with self._lock, _refused("notification"):
+            self._agent.send_notif(peer, notif)
+        self._busy()  # progress soon: the notification goes out with it
+        return Done()
 
     def release_tiles(self, tiles: Tiles) -> None:
         with self._lock, contextlib.suppress(Exception):  # a gone peer's, too

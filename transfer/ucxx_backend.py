@@ -227,6 +227,19 @@ class UcxxAgent(RegionTableAgent):
     def write(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
         return self._post("W", peer, local, remote, notif)
 
+    def notify(self, peer: str, notif: bytes) -> Transfer:
+        """A WRITE header with no ranges: the target acknowledges it and files `notif`."""
+        if peer not in self._peers:
+            raise ValueError(f"unknown peer {peer!r}; add_peer() its metadata first")
+        seq = next(self._seq) & 0xFFFF
+        ep = self._endpoint(self._peer_addr[peer])
+        Array, Tag, full = self._Array, self._ucx.UCXXTag, self._ucx.UCXXTagMaskFull
+        ack = np.ones(1, dtype=np.int64)
+        requests = [self._worker.tag_recv(Array(ack), Tag(_tag(ACK, self._id, seq)), full)]
+        header = self._header("W", seq, notif, np.zeros((0, 2), dtype=np.int64))
+        requests.append(ep.tag_send(Array(header), Tag(_tag(HDR, self._id, seq))))
+        return UcxxTransfer(_Pending(requests, ack, keep=(header,)))
+
     def read(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
         return self._post("R", peer, local, remote, notif)
 

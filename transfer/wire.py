@@ -32,6 +32,10 @@ class Note(NamedTuple):
     fence: int
     part: int  # which of the push's parts this notification ends
     parts: int  # how many parts the push has (one per pair of prefill and decode ranks)
+    unposted: bool = False  # no WRITE of this reservation was or will be posted
+
+
+_UNPOSTED = b"none"
 
 
 def notification(request_id: str, fence: int, part: int = 0, parts: int = 1) -> bytes:
@@ -44,11 +48,24 @@ def notification(request_id: str, fence: int, part: int = 0, parts: int = 1) -> 
     return note
 
 
+def unposted_notification(request_id: str, fence: int) -> bytes:
+    """What a prefill worker that gave a prompt up before posting any WRITE of it sends
+    (a notification alone): the reservation `fence` will receive nothing, so its blocks
+    need not wait out the push window. A worker older than this drops it (the window
+    ends the fence, as before)."""
+    return request_id.encode() + _FENCE_SEP + str(fence).encode() + _FENCE_SEP + _UNPOSTED
+
+
 def parse_notification(note: bytes) -> Note | None:
     """-> Note, or None for anything else."""
     head, sep, tail = note.rpartition(_FENCE_SEP)
     if not sep:
         return None
+    if tail == _UNPOSTED:
+        head, sep, fence = head.rpartition(_FENCE_SEP)
+        if not sep or not fence.isdigit():
+            return None
+        return Note(head.decode(errors="replace"), int(fence), 0, 1, unposted=True)
     part, parts = 0, 1
     k, slash, n = tail.partition(b"/")
     if slash:

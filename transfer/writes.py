@@ -20,6 +20,7 @@ post through here.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -68,41 +69,53 @@ class Peers:
     """The peers one agent pushes to, each added (its metadata loaded) and its pool prepared
     once: `side(key, metadata, layout)` -> (the peer's agent name, its PoolSide).
 
-    `key` names a worker's rank, which may come back as a new process under the same key
-    (a restart with a fixed worker id): its metadata then names another agent (each start's
-    agent has a name of its own, pdserve/cli/serve.py), and the old peer is dropped for the
-    new one. At most `capacity` peers are kept: the one used longest ago goes first (workers
-    that left for good; a push to it, if any, was posted long before)."""
+    Keyed by `key` (a worker's rank) and the agent its metadata names: a worker restarted
+    under the same id is a new agent (each start's agent has a name of its own,
+    pdserve/cli/serve.py), added beside the old one, never in its place: a batch may hold
+    targets of both, and what was handed out for one stays valid while the batch posts.
+    Past `capacity` peers, those unused for `idle_s` go, the longest unused first (workers
+    that left or restarted: nothing is posted to them any more)."""
 
-    def __init__(self, agent: TransferAgent, capacity: int = 256) -> None:
+    def __init__(self, agent: TransferAgent, capacity: int = 256, idle_s: float = 600.0) -> None:
         if capacity < 1:
             raise ValueError(f"capacity: must be >= 1, got {capacity}")
         self.agent = agent
         self.capacity = capacity
-        self._known: OrderedDict[object, tuple[str, PoolSide]] = OrderedDict()
+        self.idle_s = idle_s
+        self._known: OrderedDict[tuple, _Peer] = OrderedDict()
 
     def side(self, key, metadata: bytes, layout: PoolLayout) -> tuple[str, PoolSide]:
-        known = self._known.get(key)
-        if known is not None and known[0] == agent_name(metadata):
-            self._known.move_to_end(key)
-            return known
-        if known is not None:  # the key's process came back as another agent
-            self._drop(key)
-        peer = self.agent.add_peer(metadata)
-        self._known[key] = (peer, pool_side(self.agent, layout, peer))
-        while len(self._known) > self.capacity:
-            self._drop(next(iter(self._known)))
-        return self._known[key]
+        full = (key, agent_name(metadata))
+        known = self._known.get(full)
+        if known is None:
+            peer = self.agent.add_peer(metadata)
+            known = self._known[full] = _Peer(peer, pool_side(self.agent, layout, peer))
+        known.used = time.monotonic()
+        self._known.move_to_end(full)
+        self._evict(known.used)
+        return known.name, known.side
 
-    def _drop(self, key) -> None:
-        peer, side = self._known.pop(key)
-        with contextlib.suppress(Exception):  # a peer gone, or never fully added
-            if side.tiles is not None:
-                self.agent.release_tiles(side.tiles)
-            self.agent.remove_peer(peer)
+    def _evict(self, now: float) -> None:
+        while len(self._known) > self.capacity:
+            full, oldest = next(iter(self._known.items()))
+            if now - oldest.used < self.idle_s:
+                return  # used lately: a push may still hold its side
+            del self._known[full]
+            if oldest.side.tiles is not None:
+                with contextlib.suppress(Exception):
+                    self.agent.release_tiles(oldest.side.tiles)
+            with contextlib.suppress(Exception):  # a peer gone already
+                self.agent.remove_peer(oldest.name)
 
     def __len__(self) -> int:
         return len(self._known)
+
+
+@dataclass
+class _Peer:
+    name: str
+    side: PoolSide
+    used: float = 0.0  # time.monotonic() of the last side() that returned it
 
 
 def block_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
