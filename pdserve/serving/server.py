@@ -17,6 +17,25 @@ SERVER_THREADS = 64
 # beyond max_model_len reaches validation and is answered INVALID_ARGUMENT naming `prompt`
 # (10M token ids fit); the SDK refuses larger ones itself (pdserve/client.py).
 MAX_MESSAGE_BYTES = 64 << 20
+# A caller whose host vanished without a reset (powered off, cut off, frozen) held its calls
+# here until TCP gave up, which can take many minutes: a router's feed and every stream it
+# started on a decode worker (a thread each), an SDK client's Generate on the router. The
+# server pings each connection this often and ends it when a ping is not answered within
+# KEEPALIVE_TIMEOUT_S (gRPC's ping timeout too: its own default is 60 s, and without it
+# a frozen client was never let go; a throwaway probe, docs/faults.md). Answering a ping is
+# gRPC's own work in the client: a live but busy client keeps its calls.
+KEEPALIVE_S = 20.0
+KEEPALIVE_TIMEOUT_S = 10.0
+
+
+def keepalive_options(every_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    timeout_ms = int(timeout_s * 1000)
+    return [
+        ("grpc.keepalive_time_ms", int(every_s * 1000)),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        ("grpc.http2.max_pings_without_data", 0),  # an idle feed sends no data for long
+    ]
 
 
 def start_server(
@@ -26,14 +45,17 @@ def start_server(
     held_calls: int = 0,
     security: Security | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    keepalive: tuple[float, float] = (KEEPALIVE_S, KEEPALIVE_TIMEOUT_S),
 ):
     """-> (server, bound port). Port 0 asks the OS for a free one. `held_calls`: how many
     long calls (streams) may hold a thread at once; SERVER_THREADS more stay for short ones
     (a router whose threads all held streams could not take the workers' heartbeats, and
     routed on what it knew when they stopped: the capacity sweep hung at 64 clients).
-    `security`: the doors every RPC passes (pdserve/serving/auth.py) and TLS when set."""
+    `security`: the doors every RPC passes (pdserve/serving/auth.py) and TLS when set.
+    `keepalive`: (ping every, answer within) seconds: a caller gone silent loses its calls."""
     security = security or Security()
     options = [("grpc.max_receive_message_length", max_message_bytes)]
+    options += keepalive_options(*keepalive)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=held_calls + SERVER_THREADS),
         interceptors=[AuthInterceptor(security), ParseGuard()],
