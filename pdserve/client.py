@@ -19,8 +19,11 @@ goes on with no token lost or repeated (greedy: the tokens an unbroken run gives
 `reconnects` times (3), each waiting at most `reconnect_timeout_s` (30 s) for the router;
 `result.timings["reconnects"]` counts them. Within that wait a continuation that reaches
 no router (the old one's channel can look ready a moment after it died; the new one may not
-listen yet) is sent again. A status the router answered itself is never retried
-(`retryable` says whether the caller may).
+listen yet) is sent again. A request that reached no router at all (sent while one
+restarts, or a moment before one died) waits up to `connect_timeout_s` (5 s; 0: fails at
+once) for one to answer and is sent then; an address nobody serves fails after that wait.
+A status the router answered itself is never retried (`retryable` says whether the caller
+may).
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ _NO_FINAL = "the stream ended without its final message"
 _TAKEN_PAUSE_S = 0.2  # before a continuation whose id the router still holds is sent again
 _UNREACHED_PAUSE_S = 0.05  # before a continuation that reached no router is sent again,
 _UNREACHED_PAUSE_MAX_S = 1.0  # doubling up to this
+# a request no router took (none listening: one restarting, or none at that address): how
+# long it waits for one to answer before its UNAVAILABLE is raised
+FRESH_WAIT_S = 5.0
 # gRPC's own redial backoff grows to 120 s by default: on a 2-vCPU VM a server back after a
 # 20 s outage was first seen ready 6.1 s later (0.45 s with these; a throwaway probe), and
 # after a longer one the redial can miss the whole reconnect window. Dial the router often.
@@ -251,7 +257,14 @@ class _Sent:
         if not self.finished:
             raise StreamEnded(grpc.StatusCode.UNKNOWN, _NO_FINAL)
 
-    def again(self, e: grpc.RpcError, metadata, limit: int, window_s: float) -> _Again | None:
+    def again(
+        self,
+        e: grpc.RpcError,
+        metadata,
+        limit: int,
+        window_s: float,
+        fresh_s: float = FRESH_WAIT_S,
+    ) -> _Again | None:
         """After a call broke with `e` (`metadata`: the initial metadata it got): how the
         request is sent again as a continuation, or None when it is not.
 
@@ -265,6 +278,16 @@ class _Sent:
         code, taken = e.code(), _has(metadata, ACCEPTED_KEY)
         own = _has(e.trailing_metadata(), STATUS_KEY)
         now = time.monotonic()
+        unreached = code == grpc.StatusCode.UNAVAILABLE and not taken and not own
+        if unreached and limit and fresh_s and self.reconnects == 0 and not self.tokens:
+            # it reached no router, or one that died before taking it (a router takes every
+            # call first thing): sent again once one answers, within a shorter wait than a
+            # taken request's (`connect_timeout_s`: an address nobody serves fails after
+            # it), as a continuation of nothing (a router that died may have begun it: the
+            # next gives it its own id on the workers)
+            wait = min(window_s, fresh_s)
+            self.reconnects, self.tries, self.window_ends = 1, 0, now + wait
+            return _Again(0.0, wait)
         if code == grpc.StatusCode.UNAVAILABLE and taken and not own:
             if self.reconnects >= limit:
                 return None
@@ -275,7 +298,7 @@ class _Sent:
             return None
         if code == grpc.StatusCode.ALREADY_EXISTS:
             pause = _TAKEN_PAUSE_S
-        elif code == grpc.StatusCode.UNAVAILABLE and not taken and not own:
+        elif unreached:
             # a failed connection leaves the channel waiting out gRPC's own backoff before
             # it dials again; a fail-fast call made meanwhile fails at once, so back off too
             pause = min(_UNREACHED_PAUSE_S * 2 ** min(self.tries, 8), _UNREACHED_PAUSE_MAX_S)
@@ -323,12 +346,16 @@ class Client:
         security: Security | None = None,
         reconnects: int = 3,
         reconnect_timeout_s: float = 30.0,
+        connect_timeout_s: float = FRESH_WAIT_S,
     ) -> None:
-        if reconnects < 0 or reconnect_timeout_s <= 0:
-            raise ValueError("reconnects: must be >= 0, reconnect_timeout_s > 0")
+        if reconnects < 0 or reconnect_timeout_s <= 0 or connect_timeout_s < 0:
+            raise ValueError(
+                "reconnects: must be >= 0, reconnect_timeout_s > 0, connect_timeout_s >= 0"
+            )
         self.channel = auth.channel(address, _security(api_key, tls, security), CHANNEL_OPTIONS)
         self.stub = rpc.RouterStub(self.channel)
         self.reconnects, self.reconnect_timeout_s = reconnects, reconnect_timeout_s
+        self.connect_timeout_s = connect_timeout_s
 
     def messages(
         self,
@@ -356,8 +383,9 @@ class Client:
                 if sent.finished:
                     return  # the request is whole: whatever broke after, never send it again
                 again = sent.again(
-                    e, call.initial_metadata(), self.reconnects, self.reconnect_timeout_s
-                )
+                    e, call.initial_metadata(), self.reconnects, self.reconnect_timeout_s,
+                    self.connect_timeout_s,
+                )  # fmt: skip
                 if again is None:
                     raise
                 time.sleep(again.pause_s)
@@ -432,14 +460,18 @@ class AsyncClient:
         security: Security | None = None,
         reconnects: int = 3,
         reconnect_timeout_s: float = 30.0,
+        connect_timeout_s: float = FRESH_WAIT_S,
     ) -> None:
-        if reconnects < 0 or reconnect_timeout_s <= 0:
-            raise ValueError("reconnects: must be >= 0, reconnect_timeout_s > 0")
+        if reconnects < 0 or reconnect_timeout_s <= 0 or connect_timeout_s < 0:
+            raise ValueError(
+                "reconnects: must be >= 0, reconnect_timeout_s > 0, connect_timeout_s >= 0"
+            )
         security = _security(api_key, tls, security)
         self.channel = auth.aio_channel(address, security, CHANNEL_OPTIONS)
         self.metadata = security.call_metadata()
         self.stub = rpc.RouterStub(self.channel)
         self.reconnects, self.reconnect_timeout_s = reconnects, reconnect_timeout_s
+        self.connect_timeout_s = connect_timeout_s
 
     async def messages(
         self,
@@ -473,8 +505,9 @@ class AsyncClient:
                     return  # the request is whole: whatever broke after, never send it again
                 # an AioRpcError carries the initial metadata the call got
                 again = sent.again(
-                    e, e.initial_metadata(), self.reconnects, self.reconnect_timeout_s
-                )
+                    e, e.initial_metadata(), self.reconnects, self.reconnect_timeout_s,
+                    self.connect_timeout_s,
+                )  # fmt: skip
                 if again is None:
                     raise
                 await asyncio.sleep(again.pause_s)

@@ -117,12 +117,42 @@ def test_a_router_that_never_comes_back_fails_the_request_when_the_wait_ends(rou
     assert 3 <= len(servicer.calls) <= 12  # backing off between tries, not spinning
 
 
-@pytest.mark.parametrize("script", ["router-status", "never-accepted"])
-def test_a_status_of_the_routers_own_or_a_call_never_taken_is_not_sent_again(router, script):
-    servicer, address = router(script)
+def test_a_status_of_the_routers_own_is_not_sent_again(router):
+    servicer, address = router("router-status")
     with Client(address, reconnect_timeout_s=5) as client, pytest.raises(Unavailable):
         client.generate([1, 2, 3], max_tokens=4, ignore_eos=True)
     assert len(servicer.calls) == 1
+
+
+def test_a_call_no_router_took_is_sent_again_as_a_continuation_of_nothing(router):
+    """A call that broke before any router took it (a router that died a moment after it
+    was sent, or none listening yet) is sent again; as a continuation of nothing, so that
+    the router that serves it gives it its own workers' id (the dead one may have begun
+    it there)."""
+    servicer, address = router("never-accepted")
+    with Client(address, reconnect_timeout_s=5) as client:
+        result = client.generate([1, 2, 3], max_tokens=4, ignore_eos=True)
+    assert result.token_ids == [10, 11, 12, 13] and result.timings["reconnects"] == 1
+    assert len(servicer.calls) == 2
+    assert servicer.calls[1].HasField("continuation") and not servicer.calls[1].continuation.ids
+
+
+def test_an_address_nobody_serves_fails_after_the_fresh_wait_not_the_reconnect_one():
+    import socket
+
+    from pdserve.client import FRESH_WAIT_S
+
+    with socket.socket() as s:  # a port nobody listens on (bound, then freed)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with Client(f"127.0.0.1:{port}", reconnect_timeout_s=60) as c, pytest.raises(Unavailable):
+        c.generate([1, 2, 3], max_tokens=4)
+    assert FRESH_WAIT_S - 0.5 <= time.monotonic() - t0 < FRESH_WAIT_S + 5
+    t0 = time.monotonic()  # 0: at once
+    with Client(f"127.0.0.1:{port}", connect_timeout_s=0) as c, pytest.raises(Unavailable):
+        c.generate([1, 2, 3], max_tokens=4)
+    assert time.monotonic() - t0 < 2
 
 
 def test_a_request_whose_final_message_came_is_never_sent_again(router):
@@ -161,12 +191,14 @@ def test_the_async_client_continues_as_the_sync_one_does(router):
     assert list(servicer.calls[1].continuation.ids) == [10, 11]
 
 
-@pytest.mark.parametrize("script", ["router-status", "never-accepted"])
-def test_the_async_client_does_not_resend_a_status_or_a_call_never_taken(router, script):
-    servicer, address = router(script)
+def test_the_async_client_does_not_resend_a_status_but_resends_a_call_never_taken(router):
+    servicer, address = router("router-status")
     with pytest.raises(Unavailable):
         _agenerate(address, max_tokens=4)
     assert len(servicer.calls) == 1
+    servicer, address = router("never-accepted")
+    assert _agenerate(address, max_tokens=4).token_ids == [10, 11, 12, 13]
+    assert len(servicer.calls) == 2
 
 
 def test_the_async_client_never_resends_a_whole_request_nor_hides_a_missing_end(router):

@@ -195,6 +195,9 @@ class _FakeCall(grpc.RpcError):
     def code(self) -> grpc.StatusCode:
         return self._code
 
+    def done(self) -> bool:
+        return self._code is not None
+
     def cancel(self) -> bool:
         self.cancelled = True
         return True
@@ -235,6 +238,15 @@ def test_a_failed_start_or_a_lost_feed_is_raised_and_a_lost_feed_cancels_the_sta
         next(chunks)
     assert call.cancelled  # the worker releases the request; the relay resumes it
     assert e.value.code() is grpc.StatusCode.ABORTED  # a resume, its worker not suspected
+    # the worker died: its feed broke first, its Start failed a moment after; the Start's
+    # UNAVAILABLE is raised (the router suspects the worker), not the feed's ABORTED
+    sub, call = _subscription(), _FakeCall()
+    chunks = sub.chunks(call, timeout_s=30)
+    sub.queue.put(FeedLost("the feed broke"))
+    threading.Timer(0.05, call.end, (grpc.StatusCode.UNAVAILABLE,)).start()
+    with pytest.raises(grpc.RpcError) as e:
+        next(chunks)
+    assert e.value is call and not call.cancelled
     sub, call = _subscription(), _FakeCall()
     assert list(sub.chunks(call, timeout_s=0.05)) == [] and call.cancelled  # its deadline
 

@@ -315,3 +315,27 @@ def test_requests_waiting_for_room_are_served_in_turn_and_woken_when_room_is_bac
     finally:
         for server in servers:
             server.stop(grace=0)
+
+
+def test_an_id_that_ended_lately_gets_its_own_workers_id_until_the_window_passes():
+    """A client that cancels and sends again under the same id: the workers may still hold
+    the old request under it, so the new one's first attempt is tagged; so is a continued
+    one's always; an id not seen lately (or seen long ago) is used as it is."""
+    from pdserve.router.request import RecentIds
+
+    class Clock:
+        t = 1000.0
+
+        def __call__(self) -> float:
+            return self.t
+
+    clock = Clock()
+    recent = RecentIds(keep_s=60.0, clock=clock)
+    assert recent.worker_id("a", continued=False) == ""
+    recent.ended("a")
+    tagged = recent.worker_id("a", continued=False)
+    assert tagged.startswith("a~u") and tagged != recent.worker_id("a", continued=False)
+    assert recent.worker_id("b", continued=False) == ""
+    assert recent.worker_id("b", continued=True).startswith("b~c")
+    clock.t += 61.0
+    assert recent.worker_id("a", continued=False) == "" and len(recent) == 0

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 FEED_OPEN_S = 5.0  # a feed's first message within this, or plain streams this time
 END_GRACE_S = 10.0  # a Start call ended OK: its end is on the feed within this
+LOST_LOOK_S = 0.25  # a feed broke: how long its Start calls' own status is waited for
 
 
 class FeedLost(grpc.RpcError):
@@ -79,6 +80,11 @@ class Subscription:
                     raise call
                 deadline = min(deadline, time.monotonic() + END_GRACE_S)
             elif isinstance(item, FeedLost):
+                # a worker that died takes its feed and its Start call down together; the
+                # Start's own status says so (UNAVAILABLE: the router suspects it), where
+                # the feed alone cannot tell a dead worker from a cut feed
+                if _failed_within(call, LOST_LOOK_S):
+                    raise call
                 call.cancel()
                 raise item
             else:
@@ -88,6 +94,16 @@ class Subscription:
 
     def close(self) -> None:
         self.client.unsubscribe(self)
+
+
+def _failed_within(call, timeout_s: float) -> bool:
+    """Whether `call` ended in error by `timeout_s` from now."""
+    deadline = time.monotonic() + timeout_s
+    while not call.done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return call.code() is not grpc.StatusCode.OK
 
 
 class FeedClient:

@@ -141,7 +141,10 @@ class Rebalancer:
         tries = self.pick(donor)
         if not tries:
             return False
-        self._last_gave[donor.worker_id] = self.clock()
+        t = self.clock()
+        interval = self.config.migrate_interval_s  # older entries decide nothing: dropped
+        self._last_gave = {w: at for w, at in self._last_gave.items() if t - at < interval}
+        self._last_gave[donor.worker_id] = t
         moved = failed = shifted = 0
         for entry in tries:  # a request preempted there (no KV to move) refuses: the next
             if failed >= self.TRIES or moved >= self.MOVES_PER_ROUND:

@@ -128,6 +128,7 @@ class WorkerRegistry:
             ]
             for wid in silent:
                 self._close(self._workers.pop(wid))
+                self._draining.discard(wid)  # gone: nothing left to drain
                 if self.on_forget is not None:
                     self.on_forget(wid)
             cutoff = now - self.config.alive_window_s

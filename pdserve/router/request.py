@@ -2,6 +2,7 @@
 arrived, what has been sent so far, why an attempt ended early, and its final message.
 
     Arrival        the validated request as it came in
+    RecentIds      ids that ended lately: a new request under one gets its own workers' id
     Run            the tokens the client has been sent, the resumes, the router's spans
     Failure        why an attempt ended early (resumed if attempts are left)
     Finished       what the attempt that finished brings to the final message
@@ -10,7 +11,10 @@ arrived, what has been sent so far, why an attempt ended early, and its final me
 
 from __future__ import annotations
 
+import secrets
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import grpc
@@ -32,6 +36,45 @@ class Arrival:
     # the workers' id for the first attempt when it is not the request id: a continued
     # request's (the router that died may have left a reservation under the request id)
     worker_id: str = ""
+
+
+# how long an ended request's id is remembered: longer than its workers take to let go of it
+# (a release is retried for a while; an abort end on a feed is a step away)
+REUSE_WINDOW_S = 120.0
+
+
+class RecentIds:
+    """Request ids that ended lately. A client may send a new request under the id of one
+    it just cancelled: the workers may still hold the old one under that id for a moment
+    (its release on the way, its abort end on the feed), which the new one must not be
+    taken for. Such a request gets its own workers' id (`worker_id`)."""
+
+    def __init__(self, keep_s: float = REUSE_WINDOW_S, clock=time.monotonic) -> None:
+        self.keep_s = keep_s
+        self.clock = clock
+        self._ended: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def ended(self, request_id: str) -> None:
+        with self._lock:
+            self._ended.pop(request_id, None)
+            self._ended[request_id] = self.clock()
+
+    def worker_id(self, request_id: str, continued: bool) -> str:
+        """The workers' id of a new request's first attempt: "" (its own id) unless it was
+        used lately or continues one a router that died served (which may have left a
+        reservation under it): then the id with a random tag."""
+        t = self.clock()
+        with self._lock:
+            while self._ended and t - next(iter(self._ended.values())) > self.keep_s:
+                self._ended.popitem(last=False)
+            reused = request_id in self._ended
+        if not (reused or continued):
+            return ""
+        return f"{request_id}~{'c' if continued else 'u'}{secrets.token_hex(4)}"
+
+    def __len__(self) -> int:
+        return len(self._ended)
 
 
 @dataclass(frozen=True)

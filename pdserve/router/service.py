@@ -25,7 +25,7 @@ from pdserve.router.migrate import Mover
 from pdserve.router.periodic import Periodic
 from pdserve.router.rebalance import Rebalancer
 from pdserve.router.registry import WorkerRecord, WorkerRegistry, grpc_connect
-from pdserve.router.request import Arrival
+from pdserve.router.request import Arrival, RecentIds
 from pdserve.rpc import ACCEPTED_KEY, GENERATE_VERSIONS, PROTOCOL_VERSION, STATUS_KEY
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
@@ -141,6 +141,7 @@ class RouterService(rpc.RouterServicer):
         self.inflight: dict[str, Inflight] = {}  # request id -> its decode worker
         self._owners: dict[str, str] = {}  # request id -> who created it (Security.caller)
         self._owners_lock = threading.Lock()
+        self._recent = RecentIds()  # ids ended lately (a new request under one: its own tag)
         self.handoff = Handoff(config, self.registry, self.metrics, tokenizer, self.inflight)
         self.mover = Mover(config, self.registry, self.metrics, self.handoff)
         self.rebalancer = None
@@ -280,13 +281,11 @@ class RouterService(rpc.RouterServicer):
                     grpc.StatusCode.RESOURCE_EXHAUSTED, "router queue is full; retry later"
                 )
             try:
-                # a continued request gets its own id on the workers: the router that died
-                # may have left a reservation under the request id there (until its lease ends)
-                tag = (
-                    f"{request_id}~c{secrets.token_hex(4)}"
-                    if request.HasField("continuation")
-                    else ""
-                )
+                # its own id on the workers when they may still hold another request under
+                # its id: a continued one's (the router that died may have left a
+                # reservation there), or one whose id ended lately (a client that cancelled
+                # and sent again under the same id)
+                tag = self._recent.worker_id(request_id, request.HasField("continuation"))
                 arrival = Arrival(
                     request_id, prompt, request.sampling, arrived, arrived_wall, continued, tag
                 )
@@ -296,6 +295,8 @@ class RouterService(rpc.RouterServicer):
         finally:
             with self._owners_lock:
                 del self._owners[request_id]
+            if request.request_id:  # the router's own ids are random: never sent again
+                self._recent.ended(request_id)
 
     def _served(self, arrival: Arrival, context):
         """The handoff's messages, and the request's outcome counted once: its finish reason
