@@ -20,8 +20,10 @@ goes on with no token lost or repeated (greedy: the tokens an unbroken run gives
 `result.timings["reconnects"]` counts them. Within that wait a continuation that reaches
 no router (the old one's channel can look ready a moment after it died; the new one may not
 listen yet) is sent again. A request that reached no router at all (sent while one
-restarts, or a moment before one died) waits up to `connect_timeout_s` (5 s; 0: fails at
-once) for one to answer and is sent then; an address nobody serves fails after that wait.
+restarts, or a moment before one died) waits up to `connect_timeout_s` (5 s, or the call's
+own timeout if shorter; 0: fails at once) for one to answer and is sent then, not counted
+among the `reconnects` (`reconnects=0` turns every resend off); so an address nobody
+serves, or a TLS or name failure, fails after that wait.
 A status the router answered itself is never retried (`retryable` says whether the caller
 may).
 """
@@ -239,6 +241,7 @@ class _Sent:
     tokens: list[int] = field(default_factory=list)
     finished: bool = False
     reconnects: int = 0  # breaks after which it was sent again
+    fresh: bool = False  # sent again after its first call reached no router
     window_ends: float = 0.0  # monotonic: until when the current reconnect may reach a router
     tries: int = 0  # continuations of the current reconnect that reached no router
 
@@ -264,6 +267,7 @@ class _Sent:
         limit: int,
         window_s: float,
         fresh_s: float = FRESH_WAIT_S,
+        timeout_s: float | None = None,
     ) -> _Again | None:
         """After a call broke with `e` (`metadata`: the initial metadata it got): how the
         request is sent again as a continuation, or None when it is not.
@@ -279,14 +283,14 @@ class _Sent:
         own = _has(e.trailing_metadata(), STATUS_KEY)
         now = time.monotonic()
         unreached = code == grpc.StatusCode.UNAVAILABLE and not taken and not own
-        if unreached and limit and fresh_s and self.reconnects == 0 and not self.tokens:
+        if unreached and limit and fresh_s and not (self.fresh or self.reconnects or self.tokens):
             # it reached no router, or one that died before taking it (a router takes every
-            # call first thing): sent again once one answers, within a shorter wait than a
-            # taken request's (`connect_timeout_s`: an address nobody serves fails after
-            # it), as a continuation of nothing (a router that died may have begun it: the
-            # next gives it its own id on the workers)
-            wait = min(window_s, fresh_s)
-            self.reconnects, self.tries, self.window_ends = 1, 0, now + wait
+            # call first thing): sent again once one answers, within `connect_timeout_s`
+            # (and the call's own timeout), as a continuation of nothing (a router that died
+            # may have begun it: the next gives it its own id on the workers). Not one of
+            # the `reconnects`: those stay for breaks after a router took it.
+            wait = min(window_s, fresh_s, timeout_s if timeout_s is not None else fresh_s)
+            self.fresh, self.tries, self.window_ends = True, 0, now + wait
             return _Again(0.0, wait)
         if code == grpc.StatusCode.UNAVAILABLE and taken and not own:
             if self.reconnects >= limit:
@@ -294,7 +298,7 @@ class _Sent:
             self.reconnects, self.tries = self.reconnects + 1, 0
             self.window_ends = now + window_s
             return _Again(0.0, window_s)
-        if self.reconnects == 0:
+        if self.reconnects == 0 and not self.fresh:
             return None
         if code == grpc.StatusCode.ALREADY_EXISTS:
             pause = _TAKEN_PAUSE_S
@@ -384,7 +388,7 @@ class Client:
                     return  # the request is whole: whatever broke after, never send it again
                 again = sent.again(
                     e, call.initial_metadata(), self.reconnects, self.reconnect_timeout_s,
-                    self.connect_timeout_s,
+                    self.connect_timeout_s, timeout_s,
                 )  # fmt: skip
                 if again is None:
                     raise
@@ -506,7 +510,7 @@ class AsyncClient:
                 # an AioRpcError carries the initial metadata the call got
                 again = sent.again(
                     e, e.initial_metadata(), self.reconnects, self.reconnect_timeout_s,
-                    self.connect_timeout_s,
+                    self.connect_timeout_s, timeout_s,
                 )  # fmt: skip
                 if again is None:
                     raise

@@ -35,7 +35,14 @@ from prefill.config import PrefillConfig
 from prefill.metrics import PrefillMetrics
 from prefill.push import BatchPush, PushTarget
 from prefill.turns import TurnBudget
-from transfer import TransferAgent, TransferFailed, notification, unposted_notification
+from transfer import (
+    Transfer,
+    TransferAgent,
+    TransferFailed,
+    XferState,
+    notification,
+    unposted_notification,
+)
 from transfer.writes import Peers, pool_side
 
 RANK_EXTENSION = "prefill.rank:PrefillRank"  # what ranks 1..n-1 run (prefill/rank.py)
@@ -53,9 +60,6 @@ class PrefillResult:
     spans: tuple[Span, ...] = ()
 
 
-UNFENCE_WAIT_S = 1.0  # a dropped prompt's "nothing posted" note: handed to the transport
-
-
 class PrefillCancelled(RuntimeError):
     """Its caller went away (the call was cancelled) before its prompt was computed: it
     was dropped from the queue, nothing computed or posted."""
@@ -71,6 +75,18 @@ def nothing_posted(e: BaseException) -> bool:
     reserved blocks can take no byte of it (the service tells the router, which releases
     them unfenced instead of keeping them out of the pool for the push window)."""
     return getattr(e, "nothing_posted", False)
+
+
+def _ended(sent: Transfer) -> bool:
+    """Whether a note's transfer has ended (then released; a pending one is kept: its
+    buffers must outlive it)."""
+    try:
+        pending = sent.state() is XferState.PENDING
+    except Exception:  # noqa: BLE001 - lost track of: over
+        pending = False
+    if not pending:
+        sent.release()
+    return not pending
 
 
 def _fail(job: PrefillJob, e: Exception, posted: bool) -> None:
@@ -101,6 +117,7 @@ class PrefillWorker:
         self.local = pool_side(endpoint.agent, endpoint.layout)
         self.metrics = PrefillMetrics()
         self.peers = Peers(endpoint.agent)  # keyed (decode id, its rank)
+        self._notes: list[Transfer] = []  # "nothing posted" notes on their way (_unfence)
         cuda = core.kv_pool.device.type == "cuda"
         self.layerwise = config.kv_push == "layerwise" or (config.kv_push == "auto" and cuda)
         self.batcher = Batcher(core.token_budget)
@@ -202,10 +219,12 @@ class PrefillWorker:
     def _late(self, batch: list[PrefillJob]) -> list[PrefillJob]:
         """Drop the jobs whose caller went away and fail those whose deadline passed while
         they queued -> the others."""
+        self._notes = [n for n in self._notes if not _ended(n)]
         t, kept = time.monotonic(), []
         for job in batch:
             if job.post_by <= t:  # (a call past its deadline is no longer active either)
                 self._dequeued([job])
+                self._unfence(job)
                 _fail(job, PrefillDeadline("the caller's deadline passed in the queue"), False)
             elif job.gone():
                 self._dequeued([job])
@@ -218,19 +237,16 @@ class PrefillWorker:
 
     def _unfence(self, job: PrefillJob) -> None:
         """Tell the decode worker that no WRITE of `job` was or will be posted: its
-        reservation's blocks go back when the router releases it (it did, or will: its
-        call was cancelled, so it never heard that nothing was posted) instead of at the
-        end of the push window. Best effort: a note that cannot go leaves the window to
-        end the fence, as before."""
+        reservation's blocks go back when the router releases it (a cancelled call's
+        router never hears that nothing was posted) instead of at the end of the push
+        window. Not waited for (a dead decode worker's acknowledgement never comes): the
+        note's transfer is kept until it ends, looked at with every batch. Best effort: a
+        note that cannot go leaves the window to end the fence, as before."""
         dest = job.dest
         try:
             peer, _ = self.peers.side((dest.worker_id, 0), dest.rank_metadata(0), dest.pools[0])
             note = unposted_notification(job.request.request_id, dest.fence)
-            sent = self.endpoint.agent.notify(peer, note)
-            try:
-                sent.wait(UNFENCE_WAIT_S)
-            finally:
-                sent.release()
+            self._notes.append(self.endpoint.agent.notify(peer, note))
         except Exception as e:  # noqa: BLE001 - any failure: the push window ends it
             log.info("could not tell %s that nothing was posted for %s: %s",
                      dest.worker_id, job.request.request_id, e)  # fmt: skip

@@ -339,3 +339,54 @@ def test_an_id_that_ended_lately_gets_its_own_workers_id_until_the_window_passes
     assert recent.worker_id("b", continued=True).startswith("b~c")
     clock.t += 61.0
     assert recent.worker_id("a", continued=False) == "" and len(recent) == 0
+
+
+def test_a_stream_that_ends_without_taking_its_pending_move_lets_the_mover_decide_at_once():
+    """A move is under way (its mover waits for the old stream to end "migrated") when the
+    stream fails otherwise (its worker froze past the silence window, say): the mover is
+    told at once and gives the move up, instead of waiting out migrate_timeout_s (a drain
+    in the chaos matrix ended 30 s late that way)."""
+    from types import SimpleNamespace
+
+    from pdserve.router.handoff import Handoff, Handover, Inflight
+    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.request import Arrival, Run
+
+    class Broken(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "Socket closed"
+
+    class Stream:
+        def __iter__(self):
+            raise Broken()
+
+        def cancel(self):
+            return True
+
+    config = RouterConfig(max_model_len=64, token_feed=False)
+    registry = WorkerRegistry(config)
+    handoff = Handoff(config, registry, RouterMetrics(), None, {})
+    record = WorkerRecord("d0", "decode", "127.0.0.1:1", "", WorkerStats(8, 8))
+    released = []
+    release = SimpleNamespace(  # the attempt's release: recorded, answered later
+        future=lambda req, timeout: (
+            released.append(req.request_id) or SimpleNamespace(add_done_callback=lambda f: None)
+        )
+    )
+    stub = SimpleNamespace(Start=lambda start, timeout: Stream(), Release=release)
+    decode = SimpleNamespace(record=record, worker_id="d0", stub=stub, suspect=False)
+    arrival = Arrival("r", [1, 2, 3], pb.SamplingParams(max_tokens=8), time.monotonic(), 0.0)
+    run = Run(arrival, tokens=[5])
+    entry = Inflight(worker=decode, worker_request_id="r", run=run)
+    entry.handover = pending = Handover(SimpleNamespace(worker_id="d1"), "r~m1", 1)
+    context = SimpleNamespace(add_callback=lambda f: None, is_active=lambda: True)
+    relay = handoff._relay(run, entry, context, decode, None, (0.0, 0.0, 0.0), pb.StartRequest())
+    with pytest.raises(StopIteration) as ended:
+        next(relay)
+    assert ended.value.value.code is grpc.StatusCode.UNAVAILABLE  # resumed by recompute
+    assert pending.switched.is_set() and pending.state == "moving"  # the mover's to give up
+    assert released == ["r"]  # the attempt itself is released as before
+    handoff.watch.close()

@@ -253,7 +253,7 @@ def test_peers_add_a_restarted_worker_beside_the_old_and_let_idle_ones_go_past_c
         layout = PoolLayout(0, "h", PoolGeometry(4, 64, 1), region)
         return agent, agent.metadata(), layout, pool
 
-    peers = Peers(pusher, capacity=2, idle_s=0.2)
+    peers = Peers(pusher, capacity=2, idle_s=0.2, superseded_s=600)
     w1, meta1, layout1, _p1 = worker("w1@a")
     old = peers.side("w1", meta1, layout1)
     assert old[0] == "w1@a" and peers.side("w1", meta1, layout1) == old and len(peers) == 1
@@ -267,9 +267,19 @@ def test_peers_add_a_restarted_worker_beside_the_old_and_let_idle_ones_go_past_c
     peers.side("w1", meta1b, layout1b)  # w1@a is the longest unused, and idle: it goes
     assert len(peers) == 2 and set(pusher._peers) == {"w1@b", "w2@a"}
     assert released == [old[1].tiles]
+    # below capacity too, a restarted worker's old agent goes once unused for superseded_s
+    roomy = Peers(pusher, capacity=10, idle_s=600, superseded_s=0.1)
+    w3, meta3, layout3, _p3 = worker("w3@a")
+    w3b, meta3b, layout3b, _p3b = worker("w3@b")
+    roomy.side("w3", meta3, layout3)
+    roomy.side("w3", meta3b, layout3b)
+    assert len(roomy) == 2
+    time.sleep(0.15)
+    roomy.side("w3", meta3b, layout3b)
+    assert len(roomy) == 1 and "w3@a" not in pusher._peers
     with pytest.raises(ValueError, match="capacity"):
         Peers(pusher, capacity=0)
-    for agent in (pusher, w1, w1b, w2):
+    for agent in (pusher, w1, w1b, w2, w3, w3b):
         agent.close()
 
 

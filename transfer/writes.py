@@ -73,39 +73,57 @@ class Peers:
     under the same id is a new agent (each start's agent has a name of its own,
     pdserve/cli/serve.py), added beside the old one, never in its place: a batch may hold
     targets of both, and what was handed out for one stays valid while the batch posts.
-    Past `capacity` peers, those unused for `idle_s` go, the longest unused first (workers
-    that left or restarted: nothing is posted to them any more)."""
+    The old one goes once unused for `superseded_s` (longer than any push lasts); past
+    `capacity` peers, any unused for `idle_s` go too, the longest unused first (workers
+    that left)."""
 
-    def __init__(self, agent: TransferAgent, capacity: int = 256, idle_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        agent: TransferAgent,
+        capacity: int = 256,
+        idle_s: float = 600.0,
+        superseded_s: float = 120.0,
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity: must be >= 1, got {capacity}")
         self.agent = agent
         self.capacity = capacity
         self.idle_s = idle_s
+        self.superseded_s = superseded_s
         self._known: OrderedDict[tuple, _Peer] = OrderedDict()
 
     def side(self, key, metadata: bytes, layout: PoolLayout) -> tuple[str, PoolSide]:
-        full = (key, agent_name(metadata))
-        known = self._known.get(full)
+        name = agent_name(metadata)
+        known = self._known.get((key, name))
         if known is None:
             peer = self.agent.add_peer(metadata)
-            known = self._known[full] = _Peer(peer, pool_side(self.agent, layout, peer))
+            for (k, _), other in self._known.items():
+                other.superseded = other.superseded or k == key  # it restarted as `name`
+            known = self._known[(key, name)] = _Peer(peer, pool_side(self.agent, layout, peer))
         known.used = time.monotonic()
-        self._known.move_to_end(full)
+        self._known.move_to_end((key, name))
         self._evict(known.used)
         return known.name, known.side
 
     def _evict(self, now: float) -> None:
-        while len(self._known) > self.capacity:
-            full, oldest = next(iter(self._known.items()))
-            if now - oldest.used < self.idle_s:
-                return  # used lately: a push may still hold its side
-            del self._known[full]
-            if oldest.side.tiles is not None:
-                with contextlib.suppress(Exception):
-                    self.agent.release_tiles(oldest.side.tiles)
-            with contextlib.suppress(Exception):  # a peer gone already
-                self.agent.remove_peer(oldest.name)
+        gone = [
+            f for f, p in self._known.items() if p.superseded and now - p.used >= self.superseded_s
+        ]
+        for full, oldest in self._known.items():
+            if len(self._known) - len(gone) <= self.capacity or now - oldest.used < self.idle_s:
+                break  # (oldest first: the rest were used later)
+            if full not in gone:
+                gone.append(full)
+        for full in gone:
+            self._drop(full)
+
+    def _drop(self, full: tuple) -> None:
+        peer = self._known.pop(full)
+        if peer.side.tiles is not None:
+            with contextlib.suppress(Exception):
+                self.agent.release_tiles(peer.side.tiles)
+        with contextlib.suppress(Exception):  # a peer gone already
+            self.agent.remove_peer(peer.name)
 
     def __len__(self) -> int:
         return len(self._known)
@@ -116,6 +134,7 @@ class _Peer:
     name: str
     side: PoolSide
     used: float = 0.0  # time.monotonic() of the last side() that returned it
+    superseded: bool = False  # its worker came back as another agent
 
 
 def block_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:

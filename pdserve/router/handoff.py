@@ -401,6 +401,10 @@ class Handoff:
             self.watch.remove(watched)
             if sub is not None:
                 sub.close()
+            with self._lock:
+                pending = entry.handover
+            if pending is not None:  # a move this stream will not take now: its mover
+                pending.switched.set()  # decides at once (it waited migrate_timeout_s)
         if failure.code in _FINAL:
             self._release_attempt(entry)
             context.abort(_to_client(failure.code), f"decode failed: {failure.details}")

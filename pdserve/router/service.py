@@ -293,10 +293,10 @@ class RouterService(rpc.RouterServicer):
             finally:
                 self.admission.release()
         finally:
+            if request.request_id:  # (the router's own ids are random: never sent again)
+                self._recent.ended(request_id)  # before the id is free for a new request
             with self._owners_lock:
                 del self._owners[request_id]
-            if request.request_id:  # the router's own ids are random: never sent again
-                self._recent.ended(request_id)
 
     def _served(self, arrival: Arrival, context):
         """The handoff's messages, and the request's outcome counted once: its finish reason
