@@ -432,6 +432,13 @@ def test_text_parts_are_joined_by_newlines():
     assert proto.messages_of(body) == [{"role": "user", "content": "first\nsecond"}]
 
 
+def test_a_messages_name_is_kept_for_the_template_and_must_be_a_string():
+    body = {"messages": [{"role": "user", "content": "hi", "name": "ada"}]}
+    assert proto.messages_of(body) == [{"role": "user", "content": "hi", "name": "ada"}]
+    with pytest.raises(proto.BadRequest, match=r"messages\[0\]\.name"):
+        proto.messages_of({"messages": [{"role": "user", "content": "hi", "name": 7}]})
+
+
 def test_a_chat_prompt_that_fills_the_context_is_refused_naming_the_messages(open_door):
     """Chat without max_tokens takes the rest of the context; when the prompt leaves none,
     the error names the messages, not a max_tokens the client never sent."""

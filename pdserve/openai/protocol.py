@@ -207,8 +207,8 @@ def parse_completion(body, vocab_size: int) -> OpenAIRequest:
 
 
 def messages_of(body: dict) -> list[dict[str, str]]:
-    """`messages` -> [{"role", "content"}] with text content (text parts joined by
-    newlines)."""
+    """`messages` -> [{"role", "content"[, "name"]}] with text content (text parts joined
+    by newlines)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages", "messages: expected a non-empty list")
@@ -236,7 +236,13 @@ def messages_of(body: dict) -> list[dict[str, str]]:
             raise BadRequest("messages", f"messages[{i}].content: expected a string")
         # OpenAI's newer name for the system role; checkpoints' templates know "system"
         # (Llama-3 would render a "developer" header, Mistral's refuse it)
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        message = {"role": "system" if role == "developer" else role, "content": content}
+        name = m.get("name")
+        if name is not None:  # a participant's name: the chat template may render it
+            if not isinstance(name, str):
+                raise BadRequest("messages", f"messages[{i}].name: expected a string")
+            message["name"] = name
+        out.append(message)
     return out
 
 
