@@ -302,3 +302,36 @@ def test_a_notification_alone_reaches_the_peer(backend):
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.skipif(not available("ucxx"), reason="ucxx not importable")
+def test_a_ucxx_transfer_released_while_running_keeps_its_buffers_until_it_completes():
+    """Releasing a transfer whose UCX requests still run must not free the buffers they
+    read or write (its header, its acknowledgement word): they wait with the agent until
+    the requests complete."""
+    from transfer.ucxx_backend import UcxxTransfer
+
+    class Running:
+        now = XferState.PENDING
+
+        def poll(self):
+            return self.now
+
+    agent = make_agent("ucxx", "orphans")
+    try:
+        running = Running()
+        UcxxTransfer(running, agent._orphans).release()
+        assert list(agent._orphans) == [running]
+        time.sleep(0.3)  # the agent's thread looks many times: still running, still kept
+        assert list(agent._orphans) == [running]
+        running.now = XferState.DONE
+        deadline = time.monotonic() + 10
+        while agent._orphans:
+            assert time.monotonic() < deadline, "a completed transfer was kept"
+            time.sleep(0.01)
+        done = Running()
+        done.now = XferState.DONE
+        UcxxTransfer(done, agent._orphans).release()  # complete: nothing to keep
+        assert not agent._orphans
+    finally:
+        agent.close()

@@ -22,6 +22,7 @@ import struct
 import threading
 import time
 import zlib
+from collections import deque
 
 import numpy as np
 import torch
@@ -92,8 +93,13 @@ class _Pending:
 
 
 class UcxxTransfer(Transfer):
-    def __init__(self, pending: _Pending) -> None:
+    """`orphans`: the agent's, where a transfer released while its requests still run
+    leaves them (its header, its acknowledgement word: UCX still reads or writes them),
+    until they complete (the agent's thread looks)."""
+
+    def __init__(self, pending: _Pending, orphans: deque) -> None:
         self._pending = pending
+        self._orphans = orphans
         self._state = XferState.PENDING
 
     def state(self) -> XferState:
@@ -102,7 +108,9 @@ class UcxxTransfer(Transfer):
         return self._state
 
     def release(self) -> None:
-        self._pending = _Pending([], None)
+        pending, self._pending = self._pending, _Pending([], None)
+        if pending.poll() is XferState.PENDING:  # freeing its buffers now: UCX would write
+            self._orphans.append(pending)  # into memory that is gone
 
 
 class UcxxAgent(RegionTableAgent):
@@ -128,6 +136,7 @@ class UcxxAgent(RegionTableAgent):
         self._lock = threading.Lock()
         self._inbox: dict[str, list[bytes]] = {}
         self._closing = threading.Event()
+        self._orphans: deque[_Pending] = deque()  # released while running: UcxxTransfer
         self._server = threading.Thread(target=self._serve, name=f"ucxx-{name}", daemon=True)
         self._server.start()
 
@@ -222,7 +231,7 @@ class UcxxAgent(RegionTableAgent):
         if op == "W":
             for i, v in enumerate(views):
                 requests.append(ep.tag_send(Array(v), Tag(_tag(DATA, self._id, seq, i))))
-        return UcxxTransfer(_Pending(requests, ack, keep=(header, views)))
+        return UcxxTransfer(_Pending(requests, ack, keep=(header, views)), self._orphans)
 
     def write(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
         return self._post("W", peer, local, remote, notif)
@@ -238,7 +247,7 @@ class UcxxAgent(RegionTableAgent):
         requests = [self._worker.tag_recv(Array(ack), Tag(_tag(ACK, self._id, seq)), full)]
         header = self._header("W", seq, notif, np.zeros((0, 2), dtype=np.int64))
         requests.append(ep.tag_send(Array(header), Tag(_tag(HDR, self._id, seq))))
-        return UcxxTransfer(_Pending(requests, ack, keep=(header,)))
+        return UcxxTransfer(_Pending(requests, ack, keep=(header,)), self._orphans)
 
     def read(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
         return self._post("R", peer, local, remote, notif)
@@ -301,6 +310,10 @@ class UcxxAgent(RegionTableAgent):
         pause = _POLL_S
         while not self._closing.is_set():
             busy = False
+            for _ in range(len(self._orphans)):  # released transfers whose requests ran on
+                orphan = self._orphans.popleft()
+                if orphan.poll() is XferState.PENDING:
+                    self._orphans.append(orphan)
             if header.completed:
                 busy = True
                 try:
