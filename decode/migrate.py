@@ -107,7 +107,8 @@ class Migrator:
         self.worker = worker
         self.local = pool_side(worker.endpoint.agent, worker.endpoint.layout)
         self.peers = Peers(worker.endpoint.agent)  # keyed (destination worker id, its rank)
-        self.retiring = Retiring(worker.endpoint.agent)  # staging a lost WRITE may still read
+        # staging a lost WRITE may still read (swept with the step loop's notifications)
+        self.retiring = Retiring(worker.endpoint.agent)
 
     def move(
         self,
@@ -125,7 +126,6 @@ class Migrator:
             raise ValueError(f"max_rounds: must be >= 0, got {max_rounds}")
         limit = self.worker.config.migrate_timeout_s
         timeout = limit if timeout_s is None else min(limit, timeout_s)
-        self.sweep()
         try:
             return self._move(request_id, dest, dest_request_id, max_rounds, timeout)
         except MigrationFailed:
@@ -368,10 +368,3 @@ class Migrator:
             if staged and not landed:
                 posted.extend(round_.take())
             round_.release(landed)
-
-    def sweep(self) -> int:
-        """Staging buffers of failed moves let go once nothing reads them -> bytes kept."""
-        with self.worker.agent_lock:
-            kept = self.retiring.sweep()
-        self.worker.metrics.staging_kept.set(kept)
-        return kept

@@ -160,7 +160,7 @@ class DecodeRank(RankEndpoint):
         move = self.moves.pop(key, None)
         if move is None:
             return
-        if move.staging is not None and not (landed or not move.transfers):
+        if move.staging is not None and move.transfers and not landed:
             self.retiring.keep(move.staging, move.side.region, move.transfers)
             return
         for xfer in move.transfers:

@@ -337,6 +337,13 @@ def _absorb(result: GenerateResult, msg: pb.GenerateResponse) -> None:
         result.trace = spans_from_proto(msg.trace)
 
 
+def _check_retries(reconnects: int, reconnect_timeout_s: float, connect_timeout_s: float):
+    if reconnects < 0 or reconnect_timeout_s <= 0 or connect_timeout_s < 0:
+        raise ValueError(
+            "reconnects: must be >= 0, reconnect_timeout_s > 0, connect_timeout_s >= 0"
+        )
+
+
 class Client:
     """`api_key`: presented on every call (the router's --api-key); `tls`: the CA that signed
     the router's certificate (and this client's own certificate under mutual TLS);
@@ -352,10 +359,7 @@ class Client:
         reconnect_timeout_s: float = 30.0,
         connect_timeout_s: float = FRESH_WAIT_S,
     ) -> None:
-        if reconnects < 0 or reconnect_timeout_s <= 0 or connect_timeout_s < 0:
-            raise ValueError(
-                "reconnects: must be >= 0, reconnect_timeout_s > 0, connect_timeout_s >= 0"
-            )
+        _check_retries(reconnects, reconnect_timeout_s, connect_timeout_s)
         self.channel = auth.channel(address, _security(api_key, tls, security), CHANNEL_OPTIONS)
         self.stub = rpc.RouterStub(self.channel)
         self.reconnects, self.reconnect_timeout_s = reconnects, reconnect_timeout_s
@@ -466,10 +470,7 @@ class AsyncClient:
         reconnect_timeout_s: float = 30.0,
         connect_timeout_s: float = FRESH_WAIT_S,
     ) -> None:
-        if reconnects < 0 or reconnect_timeout_s <= 0 or connect_timeout_s < 0:
-            raise ValueError(
-                "reconnects: must be >= 0, reconnect_timeout_s > 0, connect_timeout_s >= 0"
-            )
+        _check_retries(reconnects, reconnect_timeout_s, connect_timeout_s)
         security = _security(api_key, tls, security)
         self.channel = auth.aio_channel(address, security, CHANNEL_OPTIONS)
         self.metadata = security.call_metadata()

@@ -195,9 +195,6 @@ class _FakeCall(grpc.RpcError):
     def code(self) -> grpc.StatusCode:
         return self._code
 
-    def done(self) -> bool:
-        return self._code is not None
-
     def cancel(self) -> bool:
         self.cancelled = True
         return True

@@ -17,7 +17,7 @@ import threading
 import torch
 
 from transfer import metadata as md
-from transfer.agent import Desc, Transfer, XferState, check_descs
+from transfer.agent import Desc, Done, Transfer, check_descs
 from transfer.region_agent import RegionTableAgent
 
 
@@ -36,14 +36,6 @@ class LoopbackFabric:
         """Everything delivered to `name` since the last call, by sender."""
         with self._lock:
             return self._inboxes.pop(name, {})
-
-
-class _Done(Transfer):
-    def state(self) -> XferState:
-        return XferState.DONE
-
-    def release(self) -> None:
-        return None
 
 
 class LoopbackAgent(RegionTableAgent):
@@ -88,7 +80,7 @@ class LoopbackAgent(RegionTableAgent):
             ctypes.memmove(dst, src, a.length)
         if notif:
             self.fabric.deliver(peer, self.name, notif)
-        return _Done()
+        return Done()
 
     def write(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
         return self._move(peer, local, remote, notif, write=True)
@@ -100,7 +92,7 @@ class LoopbackAgent(RegionTableAgent):
         if peer not in self._peers:
             raise ValueError(f"unknown peer {peer!r}; add_peer() its metadata first")
         self.fabric.deliver(peer, self.name, notif)
-        return _Done()
+        return Done()
 
     def notifications(self) -> dict[str, list[bytes]]:
         return self.fabric.collect(self.name)

@@ -42,27 +42,37 @@ def encode(name: str, backend: str, regions: dict[int, Region], blob: bytes = b"
     return HEADER.pack(len(raw)) + raw + blob
 
 
-def decode(metadata: bytes, backend: str) -> tuple[str, dict[int, Region], bytes]:
+def _parsed(metadata: bytes) -> tuple[dict, int]:
+    """-> (the JSON header, where the backend's bytes start); ValueError when malformed."""
     try:
         (size,) = HEADER.unpack_from(metadata)
         header = json.loads(metadata[HEADER.size : HEADER.size + size])
+        if not isinstance(header, dict):
+            raise TypeError("not an object")
+    except (struct.error, ValueError, TypeError) as e:
+        raise ValueError(f"agent metadata is malformed ({e})") from None
+    return header, HEADER.size + size
+
+
+def decode(metadata: bytes, backend: str) -> tuple[str, dict[int, Region], bytes]:
+    header, end = _parsed(metadata)
+    try:
         regions = {int(k): Region(*v) for k, v in header["regions"].items()}
         name = header["name"]
         peer_backend = header["backend"]
-    except (struct.error, ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"agent metadata is malformed ({e})") from None
     if peer_backend != backend:
         raise ValueError(f"peer speaks transfer backend {peer_backend!r}, we speak {backend!r}")
-    return name, regions, metadata[HEADER.size + size :]
+    return name, regions, metadata[end:]
 
 
 def agent_name(metadata: bytes) -> str:
     """The agent a peer's metadata names (ValueError when malformed)."""
-    try:
-        (size,) = HEADER.unpack_from(metadata)
-        return json.loads(metadata[HEADER.size : HEADER.size + size])["name"]
-    except (struct.error, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"agent metadata is malformed ({e})") from None
+    name = _parsed(metadata)[0].get("name")
+    if not isinstance(name, str):
+        raise ValueError("agent metadata is malformed (no agent name)")
+    return name
 
 
 def resolve(regions: dict[int, Region], desc, side: str) -> tuple[int, int, int, str]:

@@ -213,13 +213,16 @@ class UcxxAgent(RegionTableAgent):
         return np.frombuffer(blob, dtype=np.uint8).copy()
 
     def _post(self, op: str, peer: str, local: list[Desc], remote: list[Desc], notif: bytes):
-        pairs = self._plan(peer, local, remote)
+        return self._send(op, peer, self._plan(peer, local, remote), notif)
+
+    def _send(self, op: str, peer: str, pairs: list[tuple[int, int, int]], notif: bytes):
+        """The header, then the payload of `pairs` (none: a notification alone)."""
         seq = next(self._seq) & 0xFFFF
         ep = self._endpoint(self._peer_addr[peer])
         Array, Tag, full = self._Array, self._ucx.UCXXTag, self._ucx.UCXXTagMaskFull
         ack = np.ones(1, dtype=np.int64)
         requests = [self._worker.tag_recv(Array(ack), Tag(_tag(ACK, self._id, seq)), full)]
-        remote_ranges = np.array([(dst, n) for _, dst, n in pairs], dtype=np.int64)
+        remote_ranges = np.array([(dst, n) for _, dst, n in pairs], dtype=np.int64).reshape(-1, 2)
         header = self._header(op, seq, notif, remote_ranges)
         views = [_view(src, n) for src, _, n in pairs]
         if op == "R":  # receives first, so that the target's data never waits unexpected
@@ -240,14 +243,7 @@ class UcxxAgent(RegionTableAgent):
         """A WRITE header with no ranges: the target acknowledges it and files `notif`."""
         if peer not in self._peers:
             raise ValueError(f"unknown peer {peer!r}; add_peer() its metadata first")
-        seq = next(self._seq) & 0xFFFF
-        ep = self._endpoint(self._peer_addr[peer])
-        Array, Tag, full = self._Array, self._ucx.UCXXTag, self._ucx.UCXXTagMaskFull
-        ack = np.ones(1, dtype=np.int64)
-        requests = [self._worker.tag_recv(Array(ack), Tag(_tag(ACK, self._id, seq)), full)]
-        header = self._header("W", seq, notif, np.zeros((0, 2), dtype=np.int64))
-        requests.append(ep.tag_send(Array(header), Tag(_tag(HDR, self._id, seq))))
-        return UcxxTransfer(_Pending(requests, ack, keep=(header,)), self._orphans)
+        return self._send("W", peer, [], notif)
 
     def read(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
         return self._post("R", peer, local, remote, notif)

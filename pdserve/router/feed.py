@@ -15,6 +15,7 @@ opens again on next use.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -83,8 +84,10 @@ class Subscription:
                 # a worker that died takes its feed and its Start call down together; the
                 # Start's own status says so (UNAVAILABLE: the router suspects it), where
                 # the feed alone cannot tell a dead worker from a cut feed
-                if _failed_within(call, LOST_LOOK_S):
-                    raise call
+                with contextlib.suppress(queue.Empty):  # its Start's own end, if it comes
+                    ended = self.queue.get(timeout=LOST_LOOK_S) is _START_DONE
+                    if ended and call.code() is not grpc.StatusCode.OK:
+                        raise call
                 call.cancel()
                 raise item
             else:
@@ -94,16 +97,6 @@ class Subscription:
 
     def close(self) -> None:
         self.client.unsubscribe(self)
-
-
-def _failed_within(call, timeout_s: float) -> bool:
-    """Whether `call` ended in error by `timeout_s` from now."""
-    deadline = time.monotonic() + timeout_s
-    while not call.done():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return call.code() is not grpc.StatusCode.OK
 
 
 class FeedClient:
