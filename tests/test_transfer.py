@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -333,5 +334,82 @@ def test_a_ucxx_transfer_released_while_running_keeps_its_buffers_until_it_compl
         done.now = XferState.DONE
         UcxxTransfer(done, agent._orphans).release()  # complete: nothing to keep
         assert not agent._orphans
+    finally:
+        agent.close()
+
+
+@pytest.mark.skipif(not available("ucxx"), reason="ucxx not importable")
+def test_ucxx_sequence_numbers_wrap_round_past_a_transfer_that_still_runs():
+    """A transfer's number is 16 bits of its tags. One abandoned with its acknowledgement
+    never coming (its peer gone) keeps its receive posted; a later transfer wrapped round
+    to the same number would have its acknowledgement taken by that receive and hang. The
+    numbers skip those still running, and every number in use refuses a new transfer."""
+    from transfer.agent import TransferFailed
+    from transfer.ucxx_backend import SEQS
+
+    a, b = pair("ucxx", "ucxx-wrap-a", "ucxx-wrap-b")
+    gone = make_agent("ucxx", "ucxx-wrap-gone")
+    try:
+        src = torch.arange(64, dtype=torch.uint8)
+        dst = torch.zeros(64, dtype=torch.uint8)
+        ra, rb = a.register(src), b.register(dst)
+        rg = gone.register(torch.zeros(64, dtype=torch.uint8))
+        peer_b, peer_gone = a.add_peer(b.metadata()), a.add_peer(gone.metadata())
+        gone.close()  # no acknowledgement will come
+        lost = a.write(peer_gone, [Desc(ra, 0, 8)], [Desc(rg, 0, 8)], notif=b"")
+        time.sleep(0.2)
+        assert lost.state() is XferState.PENDING
+        lost.release()  # abandoned while its receive is posted: kept with the agent
+        (held,) = a._live_seqs
+        a._seq = itertools.count(held + SEQS)  # the next number would wrap round onto it
+        xfer = a.write(peer_b, [Desc(ra, 8, 8)], [Desc(rb, 8, 8)], notif=b"")
+        assert a._live_seqs == {held, (held + 1) % SEQS}
+        xfer.wait(timeout_s=10)  # with the same number its acknowledgement went to `lost`
+        assert xfer.state() is XferState.DONE
+        xfer.release()
+        assert dst[8:16].tolist() == list(range(8, 16))
+        assert a._live_seqs == {held}  # the abandoned one's number stays taken
+        a._live_seqs |= set(range(SEQS))
+        with pytest.raises(TransferFailed, match="transfers still running"):
+            a.write(peer_b, [Desc(ra, 0, 8)], [Desc(rb, 0, 8)], notif=b"")
+    finally:
+        a.close()
+        b.close()
+        gone.close()
+
+
+@pytest.mark.skipif(not available("ucxx"), reason="ucxx not importable")
+def test_a_ucxx_transfers_number_is_freed_once_when_its_requests_end_however_it_ends():
+    from transfer.ucxx_backend import UcxxTransfer, _Pending
+
+    class Request:  # a UCX request as _Pending reads one
+        def __init__(self) -> None:
+            self.completed = False
+
+        def check_error(self) -> None:
+            pass
+
+    agent = make_agent("ucxx", "ucxx-seq-free")
+    try:
+        ends = []
+        requests = [Request(), Request()]
+        pending = _Pending(requests, None, on_end=lambda: ends.append(1))
+        requests[0].completed = True
+        assert pending.poll() is XferState.PENDING and ends == []
+        requests[1].completed = True
+        assert pending.poll() is XferState.DONE and pending.poll() is XferState.DONE
+        assert ends == [1]  # once, and not before every request had ended
+        # released while running: the agent's thread frees its number once it completes
+        seq = agent._take_seq()
+        running = Request()
+        freed = _Pending([running], None, on_end=lambda: agent._end_seq(seq))
+        UcxxTransfer(freed, agent._orphans).release()
+        time.sleep(0.2)  # the agent's thread sweeps many times meanwhile
+        assert seq in agent._live_seqs
+        running.completed = True
+        deadline = time.monotonic() + 10
+        while seq in agent._live_seqs:
+            assert time.monotonic() < deadline, "a completed transfer kept its number"
+            time.sleep(0.01)
     finally:
         agent.close()

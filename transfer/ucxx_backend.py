@@ -18,6 +18,7 @@ import ctypes
 import itertools
 import json
 import logging
+import secrets
 import struct
 import threading
 import time
@@ -31,6 +32,7 @@ from transfer import metadata as md
 from transfer.agent import (
     Desc,
     Transfer,
+    TransferFailed,
     XferState,
     check_descs,
 )
@@ -38,6 +40,7 @@ from transfer.region_agent import RegionTableAgent
 
 HDR, DATA, ACK = 1, 2, 3
 MAX_MESSAGES = 1 << 16  # message index field
+SEQS = 1 << 16  # transfer sequence field: a number is reused only once its transfer ended
 HEADER_BYTES = 2 << 20  # receive buffer for one header: JSON + 16 bytes per range
 _PREAMBLE = struct.Struct("<4sI")  # magic, JSON length
 _MAGIC = b"PDUX"
@@ -51,7 +54,7 @@ log = logging.getLogger(__name__)
 
 
 def _tag(kind: int, sender: int, seq: int, idx: int = 0) -> int:
-    return (kind << 56) | (sender << 32) | ((seq & 0xFFFF) << 16) | idx
+    return (kind << 56) | (sender << 32) | ((seq % SEQS) << 16) | idx
 
 
 def _view(addr: int, length: int) -> np.ndarray:
@@ -71,17 +74,27 @@ def _coalesce(pairs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
 
 
 class _Pending:
-    """Requests whose completion ends a transfer, plus the acknowledgement status word."""
+    """Requests whose completion ends a transfer, plus the acknowledgement status word;
+    `on_end` runs once, when the requests first poll complete."""
 
-    def __init__(self, requests: list, ack: np.ndarray | None, keep: object = None) -> None:
+    def __init__(
+        self, requests: list, ack: np.ndarray | None, keep: object = None, on_end=None
+    ) -> None:
         self.requests = requests
         self.ack = ack
         self.keep = keep  # buffers that must outlive the requests
+        self.on_end = on_end
+        self._ending = threading.Lock()  # a caller's poll and the agent's sweep may race
 
     def poll(self) -> XferState:
         for r in self.requests:
             if not r.completed:
                 return XferState.PENDING
+        if self.on_end is not None:
+            with self._ending:
+                on_end, self.on_end = self.on_end, None
+            if on_end is not None:
+                on_end()
         for r in self.requests:
             try:
                 r.check_error()
@@ -129,7 +142,13 @@ class UcxxAgent(RegionTableAgent):
         self._worker.start_progress_thread(polling_mode=False, epoll_timeout=100)
         self._address = bytes(self._worker.address.tobytes())
         self._id = zlib.crc32(name.encode()) & 0xFFFFFF
-        self._seq = itertools.count(1)
+        # from a random number: a restarted agent under the same name (so the same id in
+        # its tags) does not begin on the numbers its predecessor's stale receives await
+        self._seq = itertools.count(secrets.randbelow(SEQS))
+        # sequence numbers of this agent's transfers whose requests may still run (released
+        # ones included): a number that wrapped round to one of them would have its
+        # acknowledgement (and a READ's payload) matched by the older transfer's receive
+        self._live_seqs: set[int] = set()
         self._ids = itertools.count()
         self._eps: dict[bytes, object] = {}  # worker address -> endpoint
         self._peer_addr: dict[str, bytes] = {}
@@ -217,24 +236,54 @@ class UcxxAgent(RegionTableAgent):
 
     def _send(self, op: str, peer: str, pairs: list[tuple[int, int, int]], notif: bytes):
         """The header, then the payload of `pairs` (none: a notification alone)."""
-        seq = next(self._seq) & 0xFFFF
         ep = self._endpoint(self._peer_addr[peer])
+        seq = self._take_seq()
+        remote_ranges = np.array([(dst, n) for _, dst, n in pairs], dtype=np.int64).reshape(-1, 2)
+        try:
+            header = self._header(op, seq, notif, remote_ranges)
+        except BaseException:
+            self._end_seq(seq)  # nothing posted under it yet
+            raise
+        return self._send_as(ep, seq, op, pairs, header)
+
+    def _take_seq(self) -> int:
+        with self._lock:
+            for _ in range(SEQS):
+                seq = next(self._seq) % SEQS
+                if seq not in self._live_seqs:
+                    self._live_seqs.add(seq)
+                    return seq
+        raise TransferFailed(
+            f"ucxx agent {self.name}: {SEQS} transfers still running; retry once some have ended"
+        )
+
+    def _end_seq(self, seq: int) -> None:
+        with self._lock:
+            self._live_seqs.discard(seq)
+
+    def _send_as(self, ep, seq: int, op: str, pairs: list[tuple[int, int, int]], header):
         Array, Tag, full = self._Array, self._ucx.UCXXTag, self._ucx.UCXXTagMaskFull
         ack = np.ones(1, dtype=np.int64)
-        requests = [self._worker.tag_recv(Array(ack), Tag(_tag(ACK, self._id, seq)), full)]
-        remote_ranges = np.array([(dst, n) for _, dst, n in pairs], dtype=np.int64).reshape(-1, 2)
-        header = self._header(op, seq, notif, remote_ranges)
         views = [_view(src, n) for src, _, n in pairs]
-        if op == "R":  # receives first, so that the target's data never waits unexpected
-            for i, v in enumerate(views):
-                requests.append(
-                    self._worker.tag_recv(Array(v), Tag(_tag(DATA, self._id, seq, i)), full)
-                )
-        requests.append(ep.tag_send(Array(header), Tag(_tag(HDR, self._id, seq))))
-        if op == "W":
-            for i, v in enumerate(views):
-                requests.append(ep.tag_send(Array(v), Tag(_tag(DATA, self._id, seq, i))))
-        return UcxxTransfer(_Pending(requests, ack, keep=(header, views)), self._orphans)
+        requests: list = []
+        pending = _Pending(requests, ack, keep=(header, views), on_end=lambda: self._end_seq(seq))
+        try:
+            requests.append(self._worker.tag_recv(Array(ack), Tag(_tag(ACK, self._id, seq)), full))
+            if op == "R":  # receives first, so that the target's data never waits unexpected
+                for i, v in enumerate(views):
+                    requests.append(
+                        self._worker.tag_recv(Array(v), Tag(_tag(DATA, self._id, seq, i)), full)
+                    )
+            requests.append(ep.tag_send(Array(header), Tag(_tag(HDR, self._id, seq))))
+            if op == "W":
+                for i, v in enumerate(views):
+                    requests.append(ep.tag_send(Array(v), Tag(_tag(DATA, self._id, seq, i))))
+        except BaseException:
+            # what was posted runs on into these buffers, under this number: both are kept
+            # with the agent until it completes (nothing posted: freed at the next sweep)
+            self._orphans.append(pending)
+            raise
+        return UcxxTransfer(pending, self._orphans)
 
     def write(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
         return self._post("W", peer, local, remote, notif)
@@ -327,7 +376,10 @@ class UcxxAgent(RegionTableAgent):
                     still.append((meta, pending))
                 else:
                     busy = True
-                    acks.append(self._finish(meta, pending, state))
+                    try:
+                        acks.append(self._finish(meta, pending, state))
+                    except Exception:  # noqa: BLE001 - one lost peer must not stop the service
+                        log.exception("ucxx agent %s: could not acknowledge a transfer", self.name)
             active = still
             acks = [a for a in acks if not a[0].completed]
             if busy or active:
