@@ -13,6 +13,8 @@ with --only. Parts:
                   its throughput scaled by DP; `stranded` runs all eight replicas
     stranded      DP=8, all eight replicas at 400 clients: headroom routing against round-robin
     deepseek      the DeepSeek-V3-shaped MLA model, FP8 weights, TP=8
+    deepseek-dpattn-reasoning-steady  the same at TP=8 with attention data-parallel over
+                  the 8 ranks (how MLA is served), one rank simulated with 1/8 of the clients
     trtllm-16827  Llama-3.3-70B FP8 on one H200, 16k in / 512 out, concurrency 32: greedy
                   (MAX_UTILIZATION) against kv-aware admission (GUARANTEED_NO_EVICT)
     vllm-44594    Qwen2.5-7B, ~1k in / ~5k out, concurrency 128, a 299,584-token pool:
@@ -57,8 +59,15 @@ REASONING = dict(kind="reasoning", mean_output=10000, max_output=30000, requests
 REASONING_STEADY = dict(REASONING, requests_per_client=6)
 AZURE = dict(kind="azure-conv", requests_per_client=2)
 AZURE_STEADY = dict(AZURE, requests_per_client=6)
-LAYOUTS = {"dp8": Topology(dp=1, tp=1), "tp2dp4": Topology(dp=1, tp=2), "tp8": Topology(tp=8)}
-REPLICAS = {"dp8": 8, "tp2dp4": 4, "tp8": 1}
+LAYOUTS = {
+    "dp8": Topology(dp=1, tp=1),
+    "tp2dp4": Topology(dp=1, tp=2),
+    "tp8": Topology(tp=8),
+    # attention data-parallel over the 8 ranks (MLA): one rank simulated with 1/8 of the
+    # clients, as DP=8 simulates one replica (a rank's cost assumes the others as loaded)
+    "tp8dpa": Topology(tp=8, dp_attention=True, attention_ranks=1),
+}
+REPLICAS = {"dp8": 8, "tp2dp4": 4, "tp8": 1, "tp8dpa": 8}  # pools holding different requests
 
 
 def config(name: str):
@@ -71,11 +80,13 @@ def arithmetic() -> dict:
     rows = []
     for model, weight_bytes, layouts in (
         ("qwen2.5-32b", 2, (("DP=8", 1, 8), ("TP=2 x DP=4", 2, 4), ("TP=8", 8, 1))),
-        ("deepseek-v3", 1, (("TP=8", 8, 1),)),
+        # under DP attention each of the 8 ranks holds its own requests' whole latent
+        ("deepseek-v3", 1, (("TP=8", 8, 1), ("TP=8, DP attention", 8, 8))),
     ):
         c = config(model)
         for name, tp, replicas in layouts:
-            shape = ModelShape.of(c, weight_bytes, 2, tp)
+            dp_attention = "DP attention" in name
+            shape = ModelShape.of(c, weight_bytes, 2, tp, dp_attention)
             usable = h200.memory_bytes * h200.usable_fraction - h200.activation_reserve_bytes
             free = usable - shape.weight_bytes
             tokens_gpu_share = free / shape.kv_bytes_per_token  # tokens whose KV one GPU holds
@@ -86,7 +97,8 @@ def arithmetic() -> dict:
                     "model": model,
                     "layout": name,
                     "tp": tp,
-                    "replicas": replicas,
+                    "dp_attention": dp_attention,
+                    "replicas": replicas,  # pools holding different requests
                     "weight_gb_per_gpu": shape.weight_bytes / 1e9,
                     "kv_bytes_per_token_per_gpu": shape.kv_bytes_per_token,
                     "usable_gb_per_gpu": usable / 1e9,
@@ -245,7 +257,7 @@ PARTS = {
                 node_conc=NODE_CONCURRENCY[:3] if (layout, wname) == ("tp8", "reasoning") else None,
             )
         )
-        for layout in LAYOUTS
+        for layout in ("dp8", "tp2dp4", "tp8")
         for wname, w in (("reasoning", REASONING), ("azure", AZURE))
     },
     "qwen-dp8-reasoning-steady": lambda out: sweep(
@@ -282,6 +294,15 @@ PARTS = {
         out,
         weight_bytes=1,
         node_conc=NODE_CONCURRENCY[:2],
+    ),
+    # the MLA model as it is served (2026-12-07): TP=8 with DP attention, 6.3x the KV room
+    "deepseek-dpattn-reasoning-steady": lambda out: sweep(
+        "deepseek-dpattn-reasoning-steady",
+        "deepseek-v3",
+        "tp8dpa",
+        REASONING_STEADY,
+        out,
+        weight_bytes=1,
     ),
     "trtllm-16827": lambda out: trtllm_16827(),
     "vllm-44594": lambda out: vllm_44594(),

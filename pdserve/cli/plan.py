@@ -50,7 +50,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def add_plan_parser(sub) -> None:
-    p = sub.add_parser("plan", help="search DP/TP and P:D layouts in the simulator (SIMULATED)")
+    p = sub.add_parser(
+        "plan", help="search DP/TP (and DP attention) and P:D layouts in the simulator (SIMULATED)"
+    )
     p.add_argument("--model", required=True, help="preset, checkpoint dir or config.json")
     p.add_argument("--gpu", default="h200", help="h100 | h200 | a profile JSON file")
     p.add_argument("--gpus", type=int, default=8)

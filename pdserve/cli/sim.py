@@ -3,7 +3,7 @@
 
 pdserve sim --model M [--profile h200|FILE] --policy greedy+recompute,kv-aware+tiered
     --concurrency 1,8,64 [--workload reasoning|azure-conv|...|FILE.jsonl] [--dp N] [--tp K]
-    [--prefill N --decode M] [--num-kv-blocks N] [--json OUT] [--plot DIR]
+    [--dp-attention] [--prefill N --decode M] [--num-kv-blocks N] [--json OUT] [--plot DIR]
 pdserve sim calibrate --model M [--cluster] --json PROFILE.json
 """
 
@@ -32,7 +32,12 @@ def setup_from_args(args: argparse.Namespace):
     config = model_config(args.model)
     profile = load_profile(args.profile)
     topology = Topology(
-        dp=args.dp, tp=args.tp, prefill=args.prefill, decode=args.decode, route=args.route
+        dp=args.dp,
+        tp=args.tp,
+        prefill=args.prefill,
+        decode=args.decode,
+        route=args.route,
+        dp_attention=args.dp_attention,
     )
     engine_args = EngineArgs(
         block_size=args.block_size,
@@ -177,6 +182,12 @@ def add_sim_parser(sub) -> None:
     sim.add_argument("--max-output", type=int, default=None)
     sim.add_argument("--dp", type=int, default=1, help="colocated replicas")
     sim.add_argument("--tp", type=int, default=1, help="GPUs per replica (tensor parallel)")
+    sim.add_argument(
+        "--dp-attention",
+        action="store_true",
+        help="each replica's TP ranks attend data-parallel, each for its own requests with "
+        "their whole KV (how MLA models are served; colocated, --tp 2 or more)",
+    )
     sim.add_argument("--prefill", type=int, default=0, help="disaggregated: prefill workers")
     sim.add_argument("--decode", type=int, default=0, help="disaggregated: decode workers")
     sim.add_argument("--route", default="headroom", choices=["headroom", "round-robin"])

@@ -160,13 +160,17 @@ class RooflineCost:
         return s.flops_per_token * work.tokens + attention
 
     def allreduce_seconds(self, tokens: int) -> float:
-        """Two all-reduces per layer of the step's hidden states (ring: 2(k-1)/k of them)."""
+        """Two all-reduces per layer of the step's hidden states (ring: 2(k-1)/k of them).
+        dp_attention: an all-gather of the group's hidden states before each layer's MLP and
+        a reduce-scatter after it, (k-1)/k of the group's tokens each (k x a rank's)."""
         s, p = self.shape, self.p
         if s.tp == 1:
             return 0.0
-        nbytes = 2 * (s.tp - 1) / s.tp * tokens * s.hidden_size * 2
-        per = p.allreduce_latency_s + (nbytes / p.interconnect_bytes_s if nbytes else 0.0)
-        return 2 * s.num_layers * per
+        nbytes = 2 * (s.tp - 1) / s.tp * tokens * s.group_factor * s.hidden_size * 2
+        moved = nbytes / p.interconnect_bytes_s if nbytes else 0.0
+        if s.dp_attention:  # the two collectives move one all-reduce's bytes between them
+            return s.num_layers * (2 * p.allreduce_latency_s + moved)
+        return 2 * s.num_layers * (p.allreduce_latency_s + moved)
 
     def step_seconds(self, work: StepWork) -> float:
         p = self.p

@@ -47,10 +47,11 @@ class SimEngine:
     runner: SimRunner
 
 
-def per_device_config(config: ModelConfig, tp: int) -> ModelConfig:
+def per_device_config(config: ModelConfig, tp: int, dp_attention: bool = False) -> ModelConfig:
     """The model as one rank of a TP group holds its KV: GQA heads split (KV heads
-    replicated once tp exceeds them), MLA's one latent head whole."""
-    if tp == 1 or config.mla is not None:
+    replicated once tp exceeds them), MLA's one latent head whole; with dp_attention every
+    head whole (a rank attends for its own requests)."""
+    if tp == 1 or config.mla is not None or dp_attention:
         return config
     if config.num_heads % tp:
         raise ValueError(f"tp: {tp} does not divide the model's {config.num_heads} heads")
@@ -65,7 +66,8 @@ def kv_blocks(profile: Profile, shape: ModelShape, block_size: int) -> int:
     if free < per_block:
         raise ValueError(
             f"tp: the model's weights ({shape.weight_bytes / 1e9:.1f} GB per device at TP="
-            f"{shape.tp}) leave no room for KV in {profile.name}'s "
+            f"{shape.tp}{', DP attention' if shape.dp_attention else ''}) leave no room for KV "
+            f"in {profile.name}'s "
             f"{profile.usable_bytes / 1e9:.1f} usable GB"
         )
     return int(free // per_block)
@@ -79,11 +81,13 @@ def sim_engine(
     num_blocks: int,
     tp: int = 1,
     kv_dtype: str | None = None,
+    dp_attention: bool = False,
 ) -> SimEngine:
-    """`kv_dtype`: None is the profile's (the dtype the engine runs on that machine)."""
+    """`kv_dtype`: None is the profile's (the dtype the engine runs on that machine);
+    `dp_attention`: the engine is one attention rank of a TP group (pdserve/sim/shape.py)."""
     dtype = KV_DTYPES[kv_dtype or profile.dtype]
     clock = VirtualClock()
-    device_config = per_device_config(config, tp)
+    device_config = per_device_config(config, tp, dp_attention)
     cache = KVCache(device_config, num_blocks, args.block_size, dtype, torch.device("meta"))
     block_bytes = cache.nbytes // num_blocks
     tiers = []

@@ -4,7 +4,8 @@ For G GPUs of one profile the candidates are
 
     layouts     TP=k for every k dividing G that splits the model's heads and whose weight
                 shard leaves room for KV (the others are reported, not searched), as G/k
-                colocated replicas (DP) or as n prefill : m decode workers (n + m = G/k)
+                colocated replicas (DP) or as n prefill : m decode workers (n + m = G/k);
+                for MLA models also TP=k with attention data-parallel over the k ranks
     admission   greedy or kv-aware, preempting by recompute, host swap or the full tiers
     settings    max_num_seqs, and the host spill tier's size
 
@@ -79,6 +80,15 @@ def layouts(config: ModelConfig, profile: Profile, gpus: int, weight_bytes: floa
             continue
         workers = gpus // tp
         out.append(Topology(dp=workers, tp=tp))
+        if config.mla is not None and tp > 1 and profile.kind == "roofline":
+            # how MLA models are served: the latent does not split under TP
+            dp_attn = Topology(dp=workers, tp=tp, dp_attention=True)
+            try:
+                Setup(config, profile, dp_attn, EngineArgs(), weight_bytes).num_blocks()
+            except ValueError:  # the attention weights whole on each rank leave no room
+                pass
+            else:
+                out.append(dp_attn)
         for prefill in sorted({1, workers // 4, workers // 2} - {0}):
             if prefill < workers:
                 out.append(Topology(tp=tp, prefill=prefill, decode=workers - prefill))

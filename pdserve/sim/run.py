@@ -3,6 +3,7 @@ points, reported as `bench sweep` reports real runs (the same fields, plus what 
 simulator can show: KV usage and memory-bandwidth utilisation over time, steps/s).
 
     Topology(dp=8, tp=1)                       colocated replicas (data parallel)
+    Topology(tp=8, dp_attention=True)          one TP=8 replica, attention data-parallel
     Topology(prefill=1, decode=2)              disaggregated (pdserve/sim/cluster.py)
     point = simulate(setup, "kv-aware+tiered", specs, concurrency=64)
 """
@@ -38,7 +39,15 @@ class Topology:
     tp: int = 1  # GPUs per replica (or per worker) sharing its weights and KV heads
     prefill: int = 0  # disaggregated: prefill workers ...
     decode: int = 0  # ... and decode workers
-    route: str = "headroom"  # how requests pick a colocated replica
+    route: str = "headroom"  # how requests pick a colocated replica (or attention rank)
+    # each replica's TP ranks attend data-parallel, each for its own requests with their
+    # whole KV, the MLP split over the group (pdserve/sim/shape.py): simulated as tp
+    # attention ranks per replica, each its own scheduler and pool, requests routed to them
+    dp_attention: bool = False
+    # dp_attention: how many of a replica's tp attention ranks to simulate (None: all); the
+    # others are taken to carry the same load, as a rank's cost already assumes (a study
+    # at 1/tp of the clients on one rank runs tp times faster)
+    attention_ranks: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp"):
@@ -46,6 +55,17 @@ class Topology:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if (self.prefill > 0) != (self.decode > 0):
             raise ValueError("prefill/decode: give both for a disaggregated topology, or neither")
+        if self.dp_attention and self.tp < 2:
+            raise ValueError("dp_attention: needs tensor parallelism (tp >= 2) to split")
+        if self.dp_attention and self.decode > 0:
+            raise ValueError("dp_attention: simulated for colocated replicas only, not 1PnD")
+        if self.attention_ranks is not None and not (
+            self.dp_attention and 1 <= self.attention_ranks <= self.tp
+        ):
+            raise ValueError(
+                f"attention_ranks: 1 to tp ({self.tp}) with dp_attention, "
+                f"got {self.attention_ranks}"
+            )
         if self.route not in ROUTES:
             raise ValueError(f"route: {self.route!r}; choose one of {', '.join(ROUTES)}")
 
@@ -58,10 +78,23 @@ class Topology:
         workers = self.prefill + self.decode if self.disaggregated else self.dp
         return workers * self.tp
 
+    @property
+    def engines(self) -> int:
+        """Schedulers of a colocated topology: a replica's, or each attention rank's."""
+        if not self.dp_attention:
+            return self.dp
+        return self.dp * (self.attention_ranks or self.tp)
+
     def describe(self) -> str:
         if self.disaggregated:
             return f"{self.prefill}P{self.decode}D, TP={self.tp}"
-        return f"DP={self.dp}, TP={self.tp}"
+        if not self.dp_attention:
+            return f"DP={self.dp}, TP={self.tp}"
+        ranks = self.attention_ranks
+        some = (
+            f" ({ranks} of its {self.tp} ranks simulated)" if ranks not in (None, self.tp) else ""
+        )
+        return f"DP={self.dp}, TP={self.tp}, DP attention{some}"
 
 
 # the terms of a fitted step cost that only a step carrying a prefill chunk pays
@@ -86,6 +119,11 @@ class Setup:
     turn_s: float = PrefillConfig.turn_s
 
     def __post_init__(self) -> None:
+        if self.topology.dp_attention and self.profile.kind != "roofline":
+            raise ValueError(
+                f"dp_attention: profile {self.profile.name} is {self.profile.kind}; "
+                "DP attention is costed from a roofline profile (h100, h200)"
+            )
         if not (math.isfinite(self.turn_s) and self.turn_s >= 0):
             raise ValueError(
                 f"turn_s: must be a finite number >= 0 (0: no bound), got {self.turn_s}"
@@ -93,7 +131,8 @@ class Setup:
 
     def shape(self) -> ModelShape:
         kv = 4 if self.profile.dtype == "float32" else (1 if self.profile.dtype == "fp8" else 2)
-        return ModelShape.of(self.config, self.weight_dtype_bytes, kv, self.topology.tp)
+        topo = self.topology
+        return ModelShape.of(self.config, self.weight_dtype_bytes, kv, topo.tp, topo.dp_attention)
 
     def cost(self, role: str = "engine") -> CostModel:
         """A role's step cost. A fitted profile's decode steps were measured without a
@@ -181,13 +220,19 @@ def simulate(
             )
         else:
             replicas = []
-            for k in range(topo.dp):
+            for k in range(topo.engines):
                 eng = sim_engine(
-                    setup.config, args, setup.cost(), setup.profile, blocks, tp=topo.tp
+                    setup.config,
+                    args,
+                    setup.cost(),
+                    setup.profile,
+                    blocks,
+                    tp=topo.tp,
+                    dp_attention=topo.dp_attention,
                 )
-                replicas.append(
-                    (Replica(f"replica-{k}", eng.core, make_admission(admission, eng.core)), eng)
-                )
+                ranks = topo.engines // topo.dp
+                name = f"replica-{k // ranks}.{k % ranks}" if topo.dp_attention else f"replica-{k}"
+                replicas.append((Replica(name, eng.core, make_admission(admission, eng.core)), eng))
             records, steps = run_sim(
                 replicas,
                 specs,
