@@ -14,7 +14,7 @@ from pdserve.engine.args import EngineArgs
 from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.build import build_engine
 from pdserve.sampling_params import SamplingParams
-from pdserve.sim.calibrate import measure_engine
+from pdserve.sim.calibrate import measure_engine, measure_tiers, tier_costs
 from pdserve.sim.cost import FittedCost, StepWork
 from pdserve.sim.fit import fit_steps
 from pdserve.sim.profile import PROFILE_DIR, load_profile
@@ -201,3 +201,29 @@ def test_calibration_measures_each_context_as_1_and_2_prefilling_sequences(calib
         assert shapes.count((total, 1)) >= 2 and shapes.count((total, 2)) == 2
     assert not any(k == 4 for _, k in shapes)
     assert all(w.seqs == w.prefill_seqs == w.sampled for w in prefill_only)
+
+
+def test_a_tier_costs_the_line_through_its_two_sizes_and_noise_never_makes_it_free():
+    block = 1 << 20
+    # 1 block in 1.1 ms, 32 in 4.2 ms: 31 MiB in 3.1 ms, 1 ms of it fixed
+    latency, rate = tier_costs(0.0011, 0.0042, block, 32)
+    assert rate == pytest.approx(31 * block / 0.0031)
+    assert latency == pytest.approx(0.0011 - block / rate)
+    # the single block no faster than the 32, or nearly as slow (a noisy machine): not a
+    # fixed cost at a near-infinite rate, but what the big copy took
+    for many in (0.0079, 0.0080):
+        latency, rate = tier_costs(0.0079, many, block, 32)
+        assert latency == 0.0 and rate == pytest.approx(32 * block / many)
+
+
+def test_calibration_measures_every_tier_at_a_finite_rate(tmp_path):
+    args = EngineArgs(num_kv_blocks=64, block_size=16, spill_dir=str(tmp_path), preemption="tiered")
+    core, _ = build_engine("tiny-llama", args)
+    try:
+        tiers = measure_tiers(core, args, reps=2)
+    finally:
+        core.close()
+    assert set(tiers) == {"host", "cxl", "disk"}
+    for costs in tiers.values():
+        assert 0 < costs["spill_bytes_s"] < 1e13 and 0 < costs["reload_bytes_s"] < 1e13
+        assert costs["latency_s"] >= 0

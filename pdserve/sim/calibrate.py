@@ -84,22 +84,43 @@ def measure_engine(
     return samples
 
 
-def measure_tiers(core: EngineCore, args: EngineArgs, reps: int = 3) -> dict:
+def tier_costs(one: float, many: float, block_bytes: int, big: int) -> tuple[float, float]:
+    """(latency, bytes/s) of a tier operation from its median times for 1 and `big` blocks:
+    the line through the two. The big size is chosen so that its copy dominates; when the
+    single block took half as long as the big one or more, noise decided the line (a
+    2026-12-07 calibration here: a 7.9 ms single-block park, the 32 MiB one no slower,
+    which read as a fixed 7.9 ms at an infinite rate), so the big operation alone gives the
+    rate and the latency is taken as none: a tier then costs what its big copies took."""
+    if big < 2:
+        raise ValueError(f"tier costs: need two sizes to tell latency from rate, got {big}")
+    if many > 2 * one:
+        rate = (big - 1) * block_bytes / (many - one)
+        return max(0.0, one - block_bytes / rate), rate
+    return 0.0, big * block_bytes / max(many, 1e-9)
+
+
+def measure_tiers(core: EngineCore, args: EngineArgs, reps: int = 5) -> dict:
     """Per tier: latency and bytes/s of a park and an unpark (1 block, and `big` blocks of
-    about 32 MiB together: big enough that the copy, not the fixed cost, dominates)."""
+    about 32 MiB together: big enough that the copy, not the fixed cost, dominates). The
+    two sizes alternate, so that both see the same moments of a shared machine; the first
+    round of each warms the tier up and is not counted."""
     cache = core.kv.cache
     # on CUDA a reload's copy to the device and its unpack are queued: wait for them
     sync = torch.cuda.synchronize if cache.pool.device.type == "cuda" else (lambda: None)
     block_bytes = cache.nbytes // cache.num_blocks
     big = int(min(max(8, (32 << 20) // block_bytes), cache.num_blocks // 2))
+    if big < 2 or reps < 1:
+        raise ValueError(
+            f"calibrate tiers: a pool of at least 4 blocks and 1 round, got "
+            f"{cache.num_blocks} blocks and {reps}"
+        )
     out = {}
     for tier in tiers(args, cache):
         offload = OffloadedKV(cache, [tier])
-        spill, reload = {}, {}
-        for n in (1, big):
-            ids = list(range(n))
-            s_times, r_times = [], []
-            for _ in range(reps + 1):
+        times: dict[int, tuple[list[float], list[float]]] = {1: ([], []), big: ([], [])}
+        for _ in range(reps + 1):
+            for n, (s_times, r_times) in times.items():
+                ids = list(range(n))
                 start = time.perf_counter()
                 assert offload.park("calibrate", ids) == tier.name
                 if hasattr(tier, "flush"):
@@ -109,17 +130,15 @@ def measure_tiers(core: EngineCore, args: EngineArgs, reps: int = 3) -> dict:
                 sync()
                 s_times.append(middle - start)
                 r_times.append(time.perf_counter() - middle)
-            spill[n], reload[n] = statistics.median(s_times[1:]), statistics.median(r_times[1:])
         offload.close()
-        nbytes = (big - 1) * block_bytes
+        (s1, r1), (sb, rb) = ([statistics.median(t[1:]) for t in times[n]] for n in (1, big))
+        spill_latency, spill_rate = tier_costs(s1, sb, block_bytes, big)
+        reload_latency, reload_rate = tier_costs(r1, rb, block_bytes, big)
+        fixed = [t for t in (spill_latency, reload_latency) if t > 0]  # one latency a tier
         out[tier.name] = {
-            "spill_bytes_s": nbytes / max(spill[big] - spill[1], 1e-9),
-            "reload_bytes_s": nbytes / max(reload[big] - reload[1], 1e-9),
-            "latency_s": max(
-                0.0,
-                min(spill[1], reload[1])
-                - block_bytes / (nbytes / max(spill[big] - spill[1], 1e-9)),
-            ),
+            "spill_bytes_s": spill_rate,
+            "reload_bytes_s": reload_rate,
+            "latency_s": min(fixed, default=0.0),
         }
     return out
 
@@ -170,7 +189,7 @@ def calibrate(
         if samples_out is not None:
             samples_out.extend(step_records(samples))
         coefficients, fit = fit_steps(samples)
-        tier_costs = measure_tiers(core, args)
+        measured_tiers = measure_tiers(core, args)
     finally:
         core.close()
     dtype = str(core.kv_pool.dtype).removeprefix("torch.")
@@ -184,7 +203,7 @@ def calibrate(
         "memory_bytes": device_memory_bytes(core.kv_pool.device),
         **usable_memory(core.kv_pool.device),
         "engine": coefficients,
-        "tiers": tier_costs,
+        "tiers": measured_tiers,
         "link": {"bytes_s": 4.0e9, "latency_s": 0.0},
         "fit": {"engine": fit},
         "sources": {

@@ -293,6 +293,7 @@ def bench_sim_vs_real(
         "pool": {"num_kv_blocks": num_kv_blocks, "block_size": 16},
         "cluster": f"1P{decode_workers}D" if cluster else None,
         "workload": {"kind": "reasoning", "mean_output": mean_output, "max_output": max_output},
+        "seed": seed,
         "bounds": dict(BOUNDS),
         "drift": drift or None,
         "cluster_drift": cluster_drift,
