@@ -413,3 +413,33 @@ def test_a_ucxx_transfers_number_is_freed_once_when_its_requests_end_however_it_
             time.sleep(0.01)
     finally:
         agent.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_transfer_to_memory_the_peer_no_longer_holds_fails_within_its_deadline(backend):
+    """The initiator's copy of the peer's metadata still names a region the peer has since
+    let go: a READ or a WRITE of it must end, not wait forever (UCXX's READ used to: the
+    target sent no payload and the initiator's receives never completed). UCXX's target
+    checks the ranges and fails both; NIXL's one-sided RMA and the loopback may still reach
+    the memory (it is this process's) and complete."""
+    a, b = pair(backend, f"{backend}-stale-a", f"{backend}-stale-b")
+    try:
+        local = torch.zeros(64, dtype=torch.uint8)
+        la, rb = a.register(local), b.register(torch.arange(64, dtype=torch.uint8))
+        peer = a.add_peer(b.metadata())
+        b.deregister(rb)
+        for op in (a.read, a.write):
+            try:
+                xfer = op(peer, [Desc(la, 0, 16)], [Desc(rb, 0, 16)], notif=b"")
+            except ValueError:  # refused at once (a backend that checks first): also fine
+                continue
+            deadline = time.monotonic() + 10
+            while xfer.state() is XferState.PENDING:
+                assert time.monotonic() < deadline, f"{op.__name__} of a gone region hangs"
+                time.sleep(0.01)
+            if backend == "ucxx":
+                assert xfer.state() is XferState.FAILED
+            xfer.release()
+    finally:
+        a.close()
+        b.close()

@@ -324,12 +324,16 @@ class UcxxAgent(RegionTableAgent):
         sender, seq = meta["sender"], meta["seq"]
         requests, keep = [], []
         for i, (addr, n) in enumerate(ranges):
-            # Out-of-bounds ranges still drain the payload (into scratch) and then fail.
-            view = _view(int(addr), int(n)) if ok else np.empty(int(n), dtype=np.uint8)
             tag = Tag(_tag(DATA, sender, seq, i))
             if meta["op"] == "W":
+                # out-of-bounds ranges still drain the payload (into scratch), then fail
+                view = _view(int(addr), int(n)) if ok else np.empty(int(n), dtype=np.uint8)
                 requests.append(self._worker.tag_recv(Array(view), tag, full))
-            elif ok:
+            else:
+                # a READ of out-of-bounds ranges answers each with an empty message, which
+                # completes the initiator's receive (the acknowledgement then fails it);
+                # sending nothing left those receives, and the transfer, waiting forever
+                view = _view(int(addr), int(n)) if ok else np.zeros(0, dtype=np.uint8)
                 requests.append(ep.tag_send(Array(view), tag))
             keep.append(view)
         meta["ok"] = ok
