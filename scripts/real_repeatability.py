@@ -22,7 +22,7 @@ import json
 import math
 import sys
 
-from pdserve.sim.vs_real import COUNTS, TIMING, _bound, compare
+from pdserve.sim.vs_real import COUNTS, TIMING, bound_of, compare
 
 
 def setup_key(report: dict, kind: str) -> str:
@@ -66,14 +66,14 @@ def analyse(reports: list[tuple[str, dict]], kind: str) -> list[dict]:
             by_point.setdefault(key, []).append((name, p))
     figures = TIMING + COUNTS  # as compare() checks every point
     rows = []
-    for (setup, policy, conc, _), runs in by_point.items():
+    for (setup, policy, conc, requests), runs in by_point.items():
         if len(runs) < 2:
             continue
         reals = [p["real"] for _, p in runs]
         per_figure = {}
         for figure in figures:
             values = [float(r.get(figure, 0.0)) for r in reals]
-            value, share = best_coverage(values, _bound(figure))
+            value, share = best_coverage(values, bound_of(figure))
             sims = [float(p["sim"].get(figure, 0.0)) for _, p in runs]
             missed = [
                 sim
@@ -99,7 +99,7 @@ def analyse(reports: list[tuple[str, dict]], kind: str) -> list[dict]:
                 "setup": json.loads(setup),
                 "policy": policy,
                 "concurrency": conc,
-                "requests": runs[0][1]["real"].get("num_requests"),
+                "requests": requests,
                 "runs": [name for name, _ in runs],
                 "figures": per_figure,
                 "joint_coverage_at_most": min(f["coverage"] for f in per_figure.values()),

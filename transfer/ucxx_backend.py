@@ -244,24 +244,6 @@ class UcxxAgent(RegionTableAgent):
         except BaseException:
             self._end_seq(seq)  # nothing posted under it yet
             raise
-        return self._send_as(ep, seq, op, pairs, header)
-
-    def _take_seq(self) -> int:
-        with self._lock:
-            for _ in range(SEQS):
-                seq = next(self._seq) % SEQS
-                if seq not in self._live_seqs:
-                    self._live_seqs.add(seq)
-                    return seq
-        raise TransferFailed(
-            f"ucxx agent {self.name}: {SEQS} transfers still running; retry once some have ended"
-        )
-
-    def _end_seq(self, seq: int) -> None:
-        with self._lock:
-            self._live_seqs.discard(seq)
-
-    def _send_as(self, ep, seq: int, op: str, pairs: list[tuple[int, int, int]], header):
         Array, Tag, full = self._Array, self._ucx.UCXXTag, self._ucx.UCXXTagMaskFull
         ack = np.ones(1, dtype=np.int64)
         views = [_view(src, n) for src, _, n in pairs]
@@ -284,6 +266,21 @@ class UcxxAgent(RegionTableAgent):
             self._orphans.append(pending)
             raise
         return UcxxTransfer(pending, self._orphans)
+
+    def _take_seq(self) -> int:
+        with self._lock:
+            for _ in range(SEQS):
+                seq = next(self._seq) % SEQS
+                if seq not in self._live_seqs:
+                    self._live_seqs.add(seq)
+                    return seq
+        raise TransferFailed(
+            f"ucxx agent {self.name}: {SEQS} transfers still running; retry once some have ended"
+        )
+
+    def _end_seq(self, seq: int) -> None:
+        with self._lock:
+            self._live_seqs.discard(seq)
 
     def write(self, peer: str, local: list[Desc], remote: list[Desc], notif: bytes) -> Transfer:
         return self._post("W", peer, local, remote, notif)

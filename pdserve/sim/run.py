@@ -220,6 +220,7 @@ def simulate(
             )
         else:
             replicas = []
+            ranks = topo.engines // topo.dp  # attention ranks simulated per replica
             for k in range(topo.engines):
                 eng = sim_engine(
                     setup.config,
@@ -230,7 +231,6 @@ def simulate(
                     tp=topo.tp,
                     dp_attention=topo.dp_attention,
                 )
-                ranks = topo.engines // topo.dp
                 name = f"replica-{k // ranks}.{k % ranks}" if topo.dp_attention else f"replica-{k}"
                 replicas.append((Replica(name, eng.core, make_admission(admission, eng.core)), eng))
             records, steps = run_sim(

@@ -142,10 +142,7 @@ class ModelShape:
     @property
     def weight_bytes(self) -> int:
         """One GPU's shard of every weight (dp_attention: the attention layers whole)."""
-        if not self.dp_attention:
-            return int(self.params * self.weight_dtype_bytes / self.tp)
-        split = (self.params - self._whole) / self.tp
-        return int((self._whole + split) * self.weight_dtype_bytes)
+        return int((self._whole + (self.params - self._whole) / self.tp) * self.weight_dtype_bytes)
 
     @property
     def group_factor(self) -> int:
@@ -159,10 +156,7 @@ class ModelShape:
         top-k of E; the expected share of experts touched is 1 - (1 - k/E)^tokens, over the
         group's tokens under dp_attention)."""
         b = self.weight_dtype_bytes
-        if self.dp_attention:
-            dense = (self._whole + (self.params - self._whole - self.expert_params) / self.tp) * b
-        else:
-            dense = (self.params - self.expert_params) * b / self.tp
+        dense = (self._whole + (self.params - self._whole - self.expert_params) / self.tp) * b
         if not self.experts:
             return dense
         group = max(tokens, 1) * self.group_factor

@@ -46,7 +46,7 @@ BOUNDS = MappingProxyType({"p50": 0.15, "p99": 0.30, "throughput": 0.15, "counts
 DRIFT = 0.10  # a probe's steps further than this from the profile's: calibrate again
 
 
-def _bound(figure: str) -> float:
+def bound_of(figure: str) -> float:
     if figure in COUNTS:
         return BOUNDS["counts"]
     return BOUNDS["p99"] if "p99" in figure else BOUNDS["p50"]
@@ -63,7 +63,7 @@ def compare(sim: dict, real: dict, counts: bool) -> dict:
         ratio = s / r if r else math.inf
         ratios[figure] = ratio
         checked = figure in TIMING or counts
-        if checked and not abs(ratio - 1) <= _bound(figure):
+        if checked and not abs(ratio - 1) <= bound_of(figure):
             misses.append(f"{figure}: sim {s:.4g} vs real {r:.4g} ({ratio:.2f}x)")
     return {"ratio": ratios, "misses": misses}
 
