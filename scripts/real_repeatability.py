@@ -22,7 +22,7 @@ import json
 import math
 import sys
 
-from pdserve.sim.vs_real import COUNTS, TIMING, bound_of, compare
+from pdserve.sim.vs_real import COUNTS, TIMING, bound_of, compare, within
 
 
 def setup_key(report: dict, kind: str) -> str:
@@ -33,12 +33,6 @@ def setup_key(report: dict, kind: str) -> str:
 
 
 EPS = 1e-9  # an interval's own ends count as inside it, whatever the rounding
-
-
-def within(pred: float, real: float, bound: float, eps: float = 0.0) -> bool:
-    if pred == 0 and real == 0:
-        return True
-    return real != 0 and abs(pred / real - 1) <= bound + eps
 
 
 def best_coverage(values: list[float], bound: float) -> tuple[float, float]:

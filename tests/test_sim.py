@@ -367,3 +367,68 @@ def test_sim_vs_real_names_every_figure_outside_its_bound():
         "tpot_p50_s",
         "ttft_p99_s",
     ]
+
+
+def test_sim_vs_real_says_where_a_miss_lies_among_repeated_real_runs():
+    """--repeat: the first real run is the comparison; each miss is said to lie inside the
+    real runs' range (they disagree by more than the bound) or outside it (the model's)."""
+    from pdserve.sim.vs_real import TIMING, compare, with_spread
+
+    base = dict(throughput_tok_s=100.0, ttft_p50_s=1.0, tpot_p50_s=0.1, ttft_p99_s=2.0)
+    base.update(tpot_p99_s=0.2, preemptions=10, recomputed_tokens=100, spilled_bytes=0)
+    reals = [base, dict(base, tpot_p99_s=0.5, preemptions=4), dict(base, tpot_p99_s=0.35)]
+    # TPOT p99 0.4: 2x the first run's, inside 0.2-0.5, within 30% of 0.5 and 0.35 (2 of 3);
+    # preemptions 20: outside 4-10, within 20% of none; TTFT p50 0.8: outside 1.0-1.0
+    sim = dict(base, tpot_p99_s=0.4, preemptions=20, ttft_p50_s=0.8)
+    got = with_spread(compare(sim, base, counts=True), sim, reals)
+    assert [m.split(":")[0] for m in got["misses"]] == ["ttft_p50_s", "tpot_p99_s", "preemptions"]
+    assert got["misses_inside_spread"] == 1
+    s = got["spread"]
+    assert set(s) == set(TIMING) | {"preemptions", "recomputed_tokens", "spilled_bytes"}
+    assert s["tpot_p99_s"] == {"min": 0.2, "max": 0.5, "runs": 3, "within": 2, "inside": True}
+    assert s["preemptions"] == {"min": 4.0, "max": 10.0, "runs": 3, "within": 0, "inside": False}
+    assert s["spilled_bytes"]["within"] == 3  # 0 predicts 0
+    ttft, tpot, preempt = got["misses"]
+    assert "inside the real runs' own range" in tpot and "3 runs 0.2-0.5, 2.50x apart" in tpot
+    assert "within the bound of 2 of 3" in tpot
+    assert "outside the real runs' range" in preempt and "within the bound of 0 of 3" in preempt
+    assert "outside" in ttft and "1.00x apart" in ttft
+    # one run: compare's result as it was, nothing added
+    one = compare(sim, base, counts=True)
+    assert with_spread(one, sim, [base]) == one
+
+
+def test_sim_vs_real_repeats_each_real_point_and_reports_its_spread(tmp_path):
+    """A real engine half with repeat=2: both runs of each point kept (the first the
+    comparison), their spread in the point, and the table says how many misses lie inside."""
+    from pdserve.sim.vs_real import bench_sim_vs_real, format_table
+
+    profile = load_profile("docs/results/cpu-profile-smollm2-2026-12-07.json")
+    with pytest.raises(ValueError, match="repeat: at least 1, got 0"):
+        bench_sim_vs_real("tiny-llama", profile, repeat=0)
+    report = bench_sim_vs_real(
+        "tiny-llama",
+        profile,
+        concurrencies=(1, 3),
+        policies=("greedy+recompute",),
+        num_kv_blocks=16,
+        requests=4,
+        mean_output=12,
+        repeat=2,
+    )
+    assert report["repeat"] == 2
+    assert [p["concurrency"] for p in report["points"]] == [1, 3]
+    for p in report["points"]:
+        [again] = p["repeats"]
+        assert again["requests"] == p["real"]["requests"] == max(4, p["concurrency"])
+        # the same lengths both rounds: as many tokens generated
+        assert again["generated_tokens"] == p["real"]["generated_tokens"]
+        for figure, s in p["spread"].items():
+            values = (p["real"].get(figure, 0.0), again.get(figure, 0.0))
+            assert (s["min"], s["max"]) == (min(values), max(values)) and s["runs"] == 2
+        assert p["misses_inside_spread"] == sum(
+            p["spread"][m.split(":")[0]]["inside"] for m in p["misses"]
+        )
+    inside = sum(p["misses_inside_spread"] for p in report["points"])
+    assert report["misses_inside_spread"] == inside
+    assert f"{inside} of the {report['misses']} figures outside" in format_table(report)

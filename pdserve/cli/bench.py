@@ -338,6 +338,7 @@ def cmd_bench_sim_vs_real(args: argparse.Namespace) -> int:
         decode_workers=args.decode_workers,
         engine=not args.no_engine,
         rescale=args.rescale,
+        repeat=args.repeat,
     )
     return print_report(report, format_table, args.json)
 
@@ -680,6 +681,14 @@ def add_bench_parser(sub) -> None:
         "between and after the policies' points; each point's factor interpolated at its "
         "time), and each launched cluster's decode and prefill costs by that cluster's own "
         "probe (the figures with the profile as given are reported too)",
+    )
+    svr.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run each point's real half this many times (rounds of the loads in turn); the "
+        "first is the comparison, and each miss says whether the simulated figure lies "
+        "inside the real runs' range (they disagree by more than the bound) or outside it",
     )
     svr.add_argument("--seed", type=int, default=0)
     svr.add_argument("--json", default=None)

@@ -145,17 +145,22 @@ def cluster_points(cmp: Comparison) -> tuple[list[dict], list[dict]]:
                 if "factors" not in drift:
                     raise RuntimeError(f"rescale: the cluster's probe: {drift['skipped']}")
                 profile = given.cluster_scaled(cmp.decode_workers, **drift["factors"])
-            for c in cmp.concurrencies:
+            runs: dict[int, list[dict]] = {c: [] for c in cmp.concurrencies}
+            for round_ in range(cmp.repeat):  # --repeat: rounds of the loads in turn
+                for c in cmp.concurrencies:
+                    specs = cmp.specs(c)
+                    prompts = prompts_for(specs, config.vocab_size, cmp.prompt_seed(round_))
+                    work = Workload(prompts, [s.output_tokens for s in specs])
+                    before = scrape(metrics)
+                    real = run_point(cluster.address, work, c, cmp.seed)
+                    after = scrape(metrics)
+                    wait_drained(cluster, metrics)
+                    real.update({k: after[k] - before[k] for k in COUNTERS})
+                    runs[c].append(real)
+            for c, reals in runs.items():
                 specs = cmp.specs(c)
-                prompts = prompts_for(specs, config.vocab_size, cmp.seed)
-                work = Workload(prompts, [s.output_tokens for s in specs])
-                before = scrape(metrics)
-                real = run_point(cluster.address, work, c, cmp.seed)
-                after = scrape(metrics)
-                wait_drained(cluster, metrics)
-                real.update({k: after[k] - before[k] for k in COUNTERS})
                 topology = Topology(prefill=1, decode=cmp.decode_workers)
                 setup = Setup(config, profile, topology, args, seed=cmp.seed)
                 sims = cmp.simulate(setup, policy, specs, c, f"sim cluster {policy} c={c}")
-                points.append(cmp.point("cluster", policy, c, real, sims))
+                points.append(cmp.point("cluster", policy, c, reals, sims))
     return points, drifts

@@ -14,6 +14,14 @@ Per point: the simulated figure over the real one (throughput, TTFT and TPOT p50
 preemptions, recomputed tokens, spilled bytes), and whether it is inside the targets
 (throughput and p50s within 15%, p99s within 30%; for clusters, preemptions and recomputed
 tokens within 20%). A miss says which figure and by how much.
+
+With `--repeat N` each point's real half runs N times (the loads in turn, N rounds, on the
+same engine or cluster; each round's prompts drawn afresh, the lengths the same, so that no
+round hits a cached prefix of another): the first round is the comparison (the issue's "one
+run"), and every point also reports the real runs' range per figure (`spread`) and each miss
+says whether the simulated figure lies inside that range (the real runs disagree with each
+other by more than the bound there, so no single prediction meets them all) or outside it
+(the model's own error).
 """
 
 from __future__ import annotations
@@ -52,6 +60,13 @@ def bound_of(figure: str) -> float:
     return BOUNDS["p99"] if "p99" in figure else BOUNDS["p50"]
 
 
+def within(pred: float, real: float, bound: float, eps: float = 0.0) -> bool:
+    """Whether `pred` is inside `bound` (+ `eps`) of `real` (0 predicts 0 exactly)."""
+    if pred == 0 and real == 0:
+        return True
+    return real != 0 and abs(pred / real - 1) <= bound + eps
+
+
 def compare(sim: dict, real: dict, counts: bool) -> dict:
     """sim / real per figure, and the figures outside their bounds."""
     ratios, misses = {}, []
@@ -66,6 +81,59 @@ def compare(sim: dict, real: dict, counts: bool) -> dict:
         if checked and not abs(ratio - 1) <= bound_of(figure):
             misses.append(f"{figure}: sim {s:.4g} vs real {r:.4g} ({ratio:.2f}x)")
     return {"ratio": ratios, "misses": misses}
+
+
+def spread_of(sim: dict, reals: list[dict]) -> dict:
+    """Per figure, over the real runs of one point: their range, how many of them the
+    simulated figure is within its bound of, and whether it lies inside their range."""
+    out = {}
+    for figure in TIMING + COUNTS:
+        values = [float(r.get(figure, 0.0)) for r in reals]
+        s = float(sim.get(figure, 0.0))
+        lo, hi = min(values), max(values)
+        out[figure] = {
+            "min": lo,
+            "max": hi,
+            "runs": len(values),
+            "within": sum(within(s, v, bound_of(figure)) for v in values),
+            "inside": lo <= s <= hi,
+        }
+    return out
+
+
+def explained(misses: list[str], spread: dict) -> list[str]:
+    """Each miss (against the first real run) with why: inside or outside the real runs'
+    range at its point."""
+    out = []
+    for miss in misses:
+        s = spread[miss.split(":", 1)[0]]
+        lo, hi, n = s["min"], s["max"], s["runs"]
+        apart = f", {hi / lo:.2f}x apart" if lo > 0 else ""
+        where = (
+            "inside the real runs' own range: they disagree by more than the bound"
+            if s["inside"]
+            else "outside the real runs' range: the model's error"
+        )
+        out.append(
+            f"{miss}; {where} ({n} runs {lo:.4g}-{hi:.4g}{apart}; within the bound of "
+            f"{s['within']} of {n})"
+        )
+    return out
+
+
+def with_spread(result: dict, sim: dict, reals: list[dict]) -> dict:
+    """compare()'s result for the first run, with the spread of all `reals` when there are
+    several, and its misses explained by it."""
+    if len(reals) < 2:
+        return result
+    spread = spread_of(sim, reals)
+    inside = sum(spread[m.split(":", 1)[0]]["inside"] for m in result["misses"])
+    return {
+        **result,
+        "spread": spread,
+        "misses": explained(result["misses"], spread),
+        "misses_inside_spread": inside,
+    }
 
 
 @dataclass(frozen=True)
@@ -88,6 +156,7 @@ class Comparison:
     # a cluster point's from its policy's launched cluster's probe), and with the profile as
     # given too
     rescale: bool = False
+    repeat: int = 1  # real runs per point (--repeat); the first is the comparison
 
     def simulate(self, setup: Setup, policy: str, specs, concurrency: int, label: str):
         """A point -> (simulated with `setup`'s profile, and under --rescale with the
@@ -102,20 +171,32 @@ class Comparison:
         n = max(self.requests, concurrency)
         return specs_of("reasoning", n, self.seed + concurrency, self.mean_output, self.max_output)
 
-    def point(self, kind: str, policy: str, concurrency: int, real: dict, sims: tuple) -> dict:
+    def prompt_seed(self, round_: int) -> int:
+        """The prompts' seed in `round_` of --repeat: the first round's is the seed; each
+        later one draws other tokens (of the same lengths), so that no round finds a prefix
+        an earlier one left cached."""
+        return self.seed + 104_729 * round_
+
+    def point(self, kind: str, policy: str, concurrency: int, reals: list, sims: tuple) -> dict:
+        """`reals`: the point's real runs, the comparison's first (more with --repeat)."""
         sim, raw = sims
         sim.pop("series", None)
         point = {
             "kind": kind,
             "policy": policy,
             "concurrency": concurrency,
-            "real": real,
+            "real": reals[0],
             "sim": sim,
-            **compare(sim, real, counts=True),
+            **with_spread(compare(sim, reals[0], counts=True), sim, reals),
         }
+        if len(reals) > 1:
+            point["repeats"] = reals[1:]
         if raw is not None:  # --rescale: the profile as given, too
             raw.pop("series", None)
-            point["unscaled"] = {"sim": raw, **compare(raw, real, counts=True)}
+            point["unscaled"] = {
+                "sim": raw,
+                **with_spread(compare(raw, reals[0], counts=True), raw, reals),
+            }
         return point
 
 
@@ -177,27 +258,31 @@ def engine_points(cmp: Comparison) -> tuple[list[dict], list[dict]]:
         )
         # on CUDA: the decode graphs captured before the timed runs (not in their first steps)
         warm_up_graphs(core, max(cmp.concurrencies), cmp.num_kv_blocks)
-        runs = []
-        for c in cmp.concurrencies:
-            specs = cmp.specs(c)
-            prompts = prompts_for(specs, config.vocab_size, cmp.seed)
-            before_stats, t0 = core.stats(), time.monotonic()
-            replica = Replica("engine", core, make_admission(admission, core))
-            records = run_real(replica, specs, prompts, c, label=f"real {policy} c={c}")
-            at = (t0 + time.monotonic()) / 2 - started
-            after_stats = core.stats()
-            real = summarize(records, SLO())
-            real.update(
-                preemptions=after_stats.preemptions - before_stats.preemptions,
-                recomputed_tokens=after_stats.recomputed_tokens - before_stats.recomputed_tokens,
-                spilled_bytes=after_stats.spilled_bytes - before_stats.spilled_bytes,
-            )
-            core.check_integrity()
-            runs.append((c, specs, real, at))
+        runs: dict[int, list[tuple[dict, float]]] = {c: [] for c in cmp.concurrencies}
+        for round_ in range(cmp.repeat):
+            for c in cmp.concurrencies:
+                specs = cmp.specs(c)
+                prompts = prompts_for(specs, config.vocab_size, cmp.prompt_seed(round_))
+                before_stats, t0 = core.stats(), time.monotonic()
+                replica = Replica("engine", core, make_admission(admission, core))
+                label = f"real {policy} c={c}" + (f" ({round_ + 1})" if cmp.repeat > 1 else "")
+                records = run_real(replica, specs, prompts, c, label=label)
+                at = (t0 + time.monotonic()) / 2 - started
+                after_stats = core.stats()
+                real = summarize(records, SLO())
+                real.update(
+                    preemptions=after_stats.preemptions - before_stats.preemptions,
+                    recomputed_tokens=after_stats.recomputed_tokens
+                    - before_stats.recomputed_tokens,
+                    spilled_bytes=after_stats.spilled_bytes - before_stats.spilled_bytes,
+                )
+                core.check_integrity()
+                runs[c].append((real, at))
         core.close()
         nxt = cmp.policies[i + 1] if i + 1 < len(cmp.policies) else None
         after = probe(nxt)
-        for c, specs, real, at in runs:
+        for c, done in runs.items():
+            specs, reals, at = cmp.specs(c), [real for real, _ in done], done[0][1]
             profile, factor = cmp.profile, None
             if before is not None and after is not None:
                 factor = between(before, after, at)
@@ -205,7 +290,7 @@ def engine_points(cmp: Comparison) -> tuple[list[dict], list[dict]]:
                     profile = cmp.profile.engine_scaled(factor)
             setup = Setup(config, profile, Topology(), args, seed=cmp.seed)
             sims = cmp.simulate(setup, policy, specs, c, f"sim {policy} c={c}")
-            point = cmp.point("engine", policy, c, real, sims)
+            point = cmp.point("engine", policy, c, reals, sims)
             point["at_s"] = at
             if factor is not None:
                 point["engine_factor"] = factor
@@ -237,6 +322,7 @@ def bench_sim_vs_real(
     decode_workers: int = 1,
     engine: bool = True,
     rescale: bool = False,
+    repeat: int = 1,
 ) -> dict:
     """Both halves (the engine's unless `engine` is False; the cluster's, 1P`decode_workers`D,
     with `cluster`) -> the report. `rescale`: each engine point simulated with the profile's
@@ -244,9 +330,13 @@ def bench_sim_vs_real(
     before, between and after the policies' points: engine_points), and each launched
     cluster's decode and prefill costs by that cluster's probe (all measured in this run),
     the figures with the profile as given
-    reported beside them (`unscaled` in each point)."""
+    reported beside them (`unscaled` in each point). `repeat`: each point's real half run
+    that many times (rounds of the loads in turn); the first is the comparison, and each
+    point reports the runs' spread and where its simulated figures lie in it."""
     if decode_workers < 1:
         raise ValueError(f"decode_workers: at least 1, got {decode_workers}")
+    if repeat < 1:
+        raise ValueError(f"repeat: at least 1, got {repeat}")
     if decode_workers > 1 and not cluster:
         raise ValueError("decode_workers: the cluster's, with --cluster")
     if not (engine or cluster):
@@ -270,6 +360,7 @@ def bench_sim_vs_real(
             spill_dir,
             decode_workers,
             rescale=rescale,
+            repeat=repeat,
         )
         if cluster:
             from pdserve.sim.vs_cluster import check_cluster_costs, check_cluster_probe
@@ -300,6 +391,10 @@ def bench_sim_vs_real(
         "machine": machine_info(),
         "points": points,
         "misses": sum(len(p["misses"]) for p in points),
+        "repeat": repeat,
+        "misses_inside_spread": (
+            sum(p["misses_inside_spread"] for p in points) if repeat > 1 else None
+        ),
         "rescaled": rescale,
         "misses_unscaled": (
             sum(len(p.get("unscaled", p)["misses"]) for p in points) if rescale else None
@@ -327,6 +422,13 @@ def format_table(report: dict) -> str:
             f"{r['recomputed_tokens']:>7.2f}  {len(p['misses'])}"
         )
     lines.append(f"{report['misses']} figures outside their bounds")
+    if (report.get("repeat") or 1) > 1:
+        lines.append(
+            f"each point's real half ran {report['repeat']} times; the first is the comparison: "
+            f"{report['misses_inside_spread']} of the {report['misses']} figures outside their "
+            "bounds lie inside the range of their point's real runs (the runs disagree with "
+            "each other by more than the bound there), the others outside it"
+        )
     drift = report.get("drift")
     for probe in [drift] if isinstance(drift, dict) else drift or ():  # a dict: one, before all
         x = probe["measured_over_profile"]
