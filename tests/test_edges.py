@@ -432,6 +432,28 @@ def test_text_parts_are_joined_by_newlines():
     assert proto.messages_of(body) == [{"role": "user", "content": "first\nsecond"}]
 
 
+def test_tool_calls_in_the_history_are_refused_not_erased():
+    """This server has no tools: an assistant turn's tool or function calls are refused
+    (as `tools` is) instead of the turn rendered as if it had said nothing; empty ones and
+    a tool's own message (text the template renders) pass."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for name, value in (("tool_calls", [call]), ("function_call", {"name": "f"})):
+        turn = {"role": "assistant", "content": None, name: value}
+        body = {"messages": [{"role": "user", "content": "hi"}, turn]}
+        with pytest.raises(proto.BadRequest, match=rf"messages\[1\]\.{name}: not supported"):
+            proto.messages_of(body)
+    body = {
+        "messages": [
+            {"role": "assistant", "content": "ok", "tool_calls": []},
+            {"role": "tool", "content": "42", "tool_call_id": "c1"},
+        ]
+    }
+    assert proto.messages_of(body) == [
+        {"role": "assistant", "content": "ok"},
+        {"role": "tool", "content": "42"},
+    ]
+
+
 def test_a_messages_name_is_kept_for_the_template_and_must_be_a_string():
     body = {"messages": [{"role": "user", "content": "hi", "name": "ada"}]}
     assert proto.messages_of(body) == [{"role": "user", "content": "hi", "name": "ada"}]

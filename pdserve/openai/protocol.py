@@ -4,8 +4,9 @@ Validation raises `BadRequest(param, message)` for anything wrong; the server an
 with the field named. Fields this server does not know are ignored (load tools send extras
 such as `user`); known fields are checked for type and range, and options it cannot honour
 (`n` > 1, `echo`, `logprobs`, `best_of` > 1, non-zero penalties, `min_p`, `logit_bias`,
-tools and functions, a `response_format` other than text, `suffix`, `top_logprobs`) are
-refused rather than silently dropped (empty or default values of them are accepted).
+tools and functions (and tool calls in a history), a `response_format` other than text,
+`suffix`, `top_logprobs`) are refused rather than silently dropped (empty or default values
+of them are accepted).
 `ignore_eos` and `top_k` are accepted as the vLLM extensions that `vllm bench serve` uses.
 
 The body itself is read by `pdserve.openai.strict_json.loads` (re-exported here).
@@ -219,6 +220,13 @@ def messages_of(body: dict) -> list[dict[str, str]]:
         role, content = m.get("role"), m.get("content")
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise BadRequest("messages", f"messages[{i}].role: unknown role {show(role)}")
+        # an assistant turn's tool or function calls: refused as `tools` is (this server has
+        # none), rather than the turn rendered as if it had said nothing (empty values pass)
+        for name in ("tool_calls", "function_call"):
+            if m.get(name) not in (None, [], {}):
+                raise BadRequest(
+                    "messages", f"messages[{i}].{name}: not supported (no tools or functions)"
+                )
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
