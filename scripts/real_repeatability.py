@@ -1,6 +1,7 @@
 """How well the real runs of `pdserve bench sim-vs-real` agree with themselves: the real
 half of several reports made with the same command (same cluster, pool, workload, policies
-and loads), compared with each other under the same bounds the simulator is held to.
+and loads), or of one made with `--repeat N` (each point's N real runs), compared with each
+other under the same bounds the simulator is held to.
 
 A simulator is deterministic: for a point it predicts one figure. When the real runs of
 that point spread wider than a bound, no predicted figure can be inside the bound of every
@@ -10,7 +11,7 @@ per point, the share of the runs that the best prediction of each figure could m
 every figure at once is at most the smallest of those. It also prints how often one real
 run, taken as the prediction, is inside the bounds of another (every ordered pair).
 
-    python scripts/real_repeatability.py docs/results/sim-vs-real-*.json [--kind cluster]
+    python scripts/real_repeatability.py REPORT.json [REPORT.json ...] [--kind cluster]
         [--json OUT]
 """
 
@@ -22,7 +23,7 @@ import json
 import math
 import sys
 
-from pdserve.sim.vs_real import COUNTS, TIMING, bound_of, compare, within
+from pdserve.sim.vs_real import COUNTS, TIMING, best_coverage, bound_of, compare
 
 
 def setup_key(report: dict, kind: str) -> str:
@@ -32,32 +33,27 @@ def setup_key(report: dict, kind: str) -> str:
     return json.dumps({k: report.get(k) for k in keys}, sort_keys=True)
 
 
-EPS = 1e-9  # an interval's own ends count as inside it, whatever the rounding
-
-
-def best_coverage(values: list[float], bound: float) -> tuple[float, float]:
-    """(the value a prediction covering the most runs could take, the share it covers).
-    A run v is covered by p when |p/v - 1| <= bound, i.e. p in [v(1-b), v(1+b)]; the most
-    intervals overlap at one of their left ends (or at 0 when the runs are 0), which are
-    the candidates, counted with a hair of tolerance so that an end covers its own run."""
-    candidates = {0.0} | {v * (1 - bound) for v in values}
-
-    def covered(p: float) -> int:
-        return sum(within(p, v, bound, EPS) for v in values)
-
-    best = max(sorted(candidates), key=covered)
-    return best, covered(best) / len(values)
+def runs_of(name: str, point: dict) -> list[tuple[str, dict]]:
+    """A point's real runs as points of their own: the first, and with `bench sim-vs-real
+    --repeat` the others (`repeats`), each with the misses of the point's simulated figures
+    against it."""
+    runs = [(name, point)]
+    for k, real in enumerate(point.get("repeats") or (), start=2):
+        misses = compare(point["sim"], real, counts=True)["misses"]
+        runs.append((f"{name} (run {k})", {**point, "real": real, "misses": misses}))
+    return runs
 
 
 def analyse(reports: list[tuple[str, dict]], kind: str) -> list[dict]:
     by_point: dict[tuple, list[tuple[str, dict]]] = {}
     for name, report in reports:
-        for p in report["points"]:
-            if p["kind"] != kind:
+        for point in report["points"]:
+            if point["kind"] != kind:
                 continue
-            n = p["real"].get("num_requests")
-            key = (setup_key(report, kind), p["policy"], p["concurrency"], n)
-            by_point.setdefault(key, []).append((name, p))
+            for run, p in runs_of(name, point):
+                n = p["real"].get("num_requests")
+                key = (setup_key(report, kind), p["policy"], p["concurrency"], n)
+                by_point.setdefault(key, []).append((run, p))
     figures = TIMING + COUNTS  # as compare() checks every point
     rows = []
     for (setup, policy, conc, requests), runs in by_point.items():

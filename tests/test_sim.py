@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import subprocess
 import sys
 
@@ -369,66 +370,111 @@ def test_sim_vs_real_names_every_figure_outside_its_bound():
     ]
 
 
-def test_sim_vs_real_says_where_a_miss_lies_among_repeated_real_runs():
-    """--repeat: the first real run is the comparison; each miss is said to lie inside the
-    real runs' range (they disagree by more than the bound) or outside it (the model's)."""
-    from pdserve.sim.vs_real import TIMING, compare, with_spread
+def test_sim_vs_real_says_why_a_miss_is_the_real_runs_disagreement_or_the_models():
+    """--repeat: the first real run is the comparison; a miss is the real runs' disagreement
+    only when no single figure is within the bound of every run and the simulated one is
+    within it of as many runs as any figure could be; otherwise the model's error."""
+    from pdserve.sim.vs_real import TIMING, best_coverage, compare, with_spread
 
-    base = dict(throughput_tok_s=100.0, ttft_p50_s=1.0, tpot_p50_s=0.1, ttft_p99_s=2.0)
+    assert best_coverage([1.0, 1.3], 0.15) == (pytest.approx(1.105), 1.0)  # 1.3 * 0.85
+    assert best_coverage([1.0, 1.36], 0.15)[1] == 0.5  # 1.36 * 0.85 > 1.15
+    assert best_coverage([0.0, 0.0], 0.2) == (0.0, 1.0)
+    assert best_coverage([0.0, 2.0], 0.2)[1] == 0.5  # only 0 predicts 0
+    base = dict(throughput_tok_s=100.0, ttft_p50_s=1.0, tpot_p50_s=0.1, ttft_p99_s=4.0)
     base.update(tpot_p99_s=0.2, preemptions=10, recomputed_tokens=100, spilled_bytes=0)
-    reals = [base, dict(base, tpot_p99_s=0.5, preemptions=4), dict(base, tpot_p99_s=0.35)]
-    # TPOT p99 0.4: 2x the first run's, inside 0.2-0.5, within 30% of 0.5 and 0.35 (2 of 3);
-    # preemptions 20: outside 4-10, within 20% of none; TTFT p50 0.8: outside 1.0-1.0
-    sim = dict(base, tpot_p99_s=0.4, preemptions=20, ttft_p50_s=0.8)
+    reals = [
+        base,
+        dict(base, tpot_p99_s=0.5, preemptions=4, throughput_tok_s=130.0, ttft_p99_s=2.0),
+        # a run whose TPOT is a percentile of nothing: left out of that figure's range
+        dict(base, tpot_p99_s=0.35, tpot_p50_s=math.nan, ttft_p99_s=2.2),
+    ]
+    # TPOT p99 0.4 (runs 0.2 / 0.5 / 0.35, 30%): no figure is within it of all three, 0.4 is
+    # of two (0.5, 0.35), as many as any: the runs' disagreement. TTFT p99 1.8 (runs 4.0 /
+    # 2.0 / 2.2): below them all, yet within 30% of two, as many as any: the same.
+    # Throughput 120 (runs 100 / 130 / 100): 110.5 is within 15% of all three, 120 of one:
+    # the model's error. Preemptions 20 (runs 10 / 4 / 10): 8 is within 20% of two, 20 of
+    # none. TTFT p50 0.8 (runs all 1.0): 0.85 fits them all.
+    sim = dict(base, tpot_p99_s=0.4, preemptions=20, ttft_p50_s=0.8, throughput_tok_s=120.0)
+    sim.update(ttft_p99_s=1.8)
     got = with_spread(compare(sim, base, counts=True), sim, reals)
-    assert [m.split(":")[0] for m in got["misses"]] == ["ttft_p50_s", "tpot_p99_s", "preemptions"]
-    assert got["misses_inside_spread"] == 1
+    figures = [m.split(":")[0] for m in got["misses"]]
+    assert figures == ["throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "preemptions"]
+    assert got["misses_from_real_spread"] == 2
     s = got["spread"]
     assert set(s) == set(TIMING) | {"preemptions", "recomputed_tokens", "spilled_bytes"}
-    assert s["tpot_p99_s"] == {"min": 0.2, "max": 0.5, "runs": 3, "within": 2, "inside": True}
-    assert s["preemptions"] == {"min": 4.0, "max": 10.0, "runs": 3, "within": 0, "inside": False}
+    assert s["tpot_p99_s"] == {
+        "min": 0.2, "max": 0.5, "runs": 3, "within": 2, "best": pytest.approx(0.245),
+        "best_within": 2, "real_spread": True,
+    }  # fmt: skip
+    assert s["ttft_p99_s"]["real_spread"] and s["ttft_p99_s"]["within"] == 2
+    assert (s["throughput_tok_s"]["best_within"], s["throughput_tok_s"]["within"]) == (3, 1)
+    assert (s["preemptions"]["best_within"], s["preemptions"]["within"]) == (2, 0)
+    assert not any(s[f]["real_spread"] for f in ("throughput_tok_s", "preemptions"))
+    assert s["tpot_p50_s"]["runs"] == 2 and s["tpot_p50_s"]["min"] == 0.1  # NaN left out
     assert s["spilled_bytes"]["within"] == 3  # 0 predicts 0
-    ttft, tpot, preempt = got["misses"]
-    assert "inside the real runs' own range" in tpot and "3 runs 0.2-0.5, 2.50x apart" in tpot
-    assert "within the bound of 2 of 3" in tpot
-    assert "outside the real runs' range" in preempt and "within the bound of 0 of 3" in preempt
-    assert "outside" in ttft and "1.00x apart" in ttft
+    throughput, ttft, ttft99, tpot, preempt = got["misses"]
+    assert "the real runs' disagreement: no figure is within the bound of all 3" in tpot
+    assert "this one is within it of 2, as many as any could be" in tpot
+    assert "(runs 0.2-0.5, 2.50x apart)" in tpot
+    assert "the real runs' disagreement" in ttft99
+    assert "the model's error: 110.5 would be within the bound of 3 of the 3 runs" in throughput
+    assert "this one is within it of 1" in throughput
+    assert "the model's error: 8 would be within the bound of 2 of the 3 runs" in preempt
+    assert "the model's error" in ttft and "1.00x apart" in ttft
     # one run: compare's result as it was, nothing added
     one = compare(sim, base, counts=True)
     assert with_spread(one, sim, [base]) == one
 
 
-def test_sim_vs_real_repeats_each_real_point_and_reports_its_spread(tmp_path):
-    """A real engine half with repeat=2: both runs of each point kept (the first the
-    comparison), their spread in the point, and the table says how many misses lie inside."""
+def test_sim_vs_real_repeats_each_real_point_and_reports_its_spread(monkeypatch):
+    """A real engine half with repeat=2 and --rescale: each load and round ran with prompts
+    of its own tokens, the first round is the comparison, both runs' spread is in the point
+    (and in its unscaled half), and the table counts the misses that are the runs'
+    disagreement."""
+    from pdserve.sim import vs_real
     from pdserve.sim.vs_real import bench_sim_vs_real, format_table
 
+    seeds, real_prompts_for = [], vs_real.prompts_for
+
+    def prompts_for(specs, vocab, seed):
+        seeds.append((len(specs), seed))
+        return real_prompts_for(specs, vocab, seed)
+
+    monkeypatch.setattr(vs_real, "prompts_for", prompts_for)
     profile = load_profile("docs/results/cpu-profile-smollm2-2026-12-07.json")
     with pytest.raises(ValueError, match="repeat: at least 1, got 0"):
         bench_sim_vs_real("tiny-llama", profile, repeat=0)
     report = bench_sim_vs_real(
         "tiny-llama",
         profile,
-        concurrencies=(1, 3),
+        concurrencies=(1, 5, 1),  # a load named twice is one point
         policies=("greedy+recompute",),
         num_kv_blocks=16,
         requests=4,
         mean_output=12,
         repeat=2,
+        rescale=True,
     )
     assert report["repeat"] == 2
-    assert [p["concurrency"] for p in report["points"]] == [1, 3]
+    assert [p["concurrency"] for p in report["points"]] == [1, 5]
+    # the warm-up's prompts, then rounds of the loads in turn, every one its own seed
+    timed = seeds[1:]
+    assert [n for n, _ in timed] == [4, 5, 4, 5]
+    assert len({seed for _, seed in timed}) == 4
     for p in report["points"]:
         [again] = p["repeats"]
+        assert p["real"]["at_s"] < again["at_s"]  # the comparison is the first round
         assert again["requests"] == p["real"]["requests"] == max(4, p["concurrency"])
-        # the same lengths both rounds: as many tokens generated
-        assert again["generated_tokens"] == p["real"]["generated_tokens"]
-        for figure, s in p["spread"].items():
-            values = (p["real"].get(figure, 0.0), again.get(figure, 0.0))
-            assert (s["min"], s["max"]) == (min(values), max(values)) and s["runs"] == 2
-        assert p["misses_inside_spread"] == sum(
-            p["spread"][m.split(":")[0]]["inside"] for m in p["misses"]
-        )
-    inside = sum(p["misses_inside_spread"] for p in report["points"])
-    assert report["misses_inside_spread"] == inside
-    assert f"{inside} of the {report['misses']} figures outside" in format_table(report)
+        assert again["generated_tokens"] == p["real"]["generated_tokens"]  # same lengths
+        for half in (p, p["unscaled"]):
+            for figure, s in half["spread"].items():
+                values = (p["real"].get(figure, 0.0), again.get(figure, 0.0))
+                assert (s["min"], s["max"]) == (min(values), max(values)) and s["runs"] == 2
+            for m in half["misses"]:
+                assert "the real runs' disagreement" in m or "the model's error" in m
+    noise = sum(p["misses_from_real_spread"] for p in report["points"])
+    assert report["misses_from_real_spread"] == noise
+    assert report["misses_unscaled_from_real_spread"] == sum(
+        p["unscaled"]["misses_from_real_spread"] for p in report["points"]
+    )
+    assert f"{noise} of the {report['misses']} figures outside" in format_table(report)

@@ -149,7 +149,7 @@ def cluster_points(cmp: Comparison) -> tuple[list[dict], list[dict]]:
             for round_ in range(cmp.repeat):  # --repeat: rounds of the loads in turn
                 for c in cmp.concurrencies:
                     specs = cmp.specs(c)
-                    prompts = prompts_for(specs, config.vocab_size, cmp.prompt_seed(round_))
+                    prompts = prompts_for(specs, config.vocab_size, cmp.prompt_seed(c, round_))
                     work = Workload(prompts, [s.output_tokens for s in specs])
                     before = scrape(metrics)
                     real = run_point(cluster.address, work, c, cmp.seed)
