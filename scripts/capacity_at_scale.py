@@ -276,6 +276,16 @@ PARTS = {
         out,
         node_conc=NODE_CONCURRENCY[:3],
     ),
+    # one TP=8 replica simulates all eight GPUs' work: to 1,600 node clients (~3x the
+    # two-request run's 16 minutes here)
+    "qwen-tp8-reasoning-steady": lambda out: sweep(
+        "qwen-tp8-reasoning-steady",
+        "qwen2.5-32b",
+        "tp8",
+        REASONING_STEADY,
+        out,
+        node_conc=NODE_CONCURRENCY[:3],
+    ),
     "stranded": stranded,
     "deepseek-reasoning": lambda out: sweep(
         "deepseek-reasoning",
