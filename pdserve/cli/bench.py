@@ -687,8 +687,9 @@ def add_bench_parser(sub) -> None:
         type=int,
         default=1,
         help="run each point's real half this many times (rounds of the loads in turn); the "
-        "first is the comparison, and each miss says whether the simulated figure lies "
-        "inside the real runs' range (they disagree by more than the bound) or outside it",
+        "first is the comparison, and each miss says whether it is the real runs' "
+        "disagreement (no single figure is within the bound of every run, and the simulated "
+        "one is within it of as many as any could be) or the model's error",
     )
     svr.add_argument("--seed", type=int, default=0)
     svr.add_argument("--json", default=None)
