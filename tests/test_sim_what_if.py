@@ -1,0 +1,67 @@
+"""scripts/sim_what_if.py: a sim-vs-real report's engine points simulated again with a
+profile term changed; as given it reproduces the report's own simulated figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.sim.profile import load_profile
+
+ROOT = Path(__file__).parent.parent
+PROFILE = ROOT / "docs/results/cpu-profile-smollm2-2026-12-07.json"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("sim_what_if", ROOT / "scripts/sim_what_if.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_change_names_its_term_and_refuses_bad_ones():
+    what_if = _script()
+    given = load_profile(str(PROFILE))
+    got = what_if.changed(given, ["engine.prefill_step=0", "engine.intercept=0.5"])
+    assert got.engine == {**given.engine, "prefill_step": 0.0, "intercept": 0.5}
+    assert given.engine["prefill_step"] > 0  # the profile itself untouched
+    for bad, match in (
+        ("prefill_step=0", "expected engine.TERM=VALUE"),
+        ("cluster.intercept=0", "expected engine.TERM=VALUE"),
+        ("engine.intercept", "expected engine.TERM=VALUE"),
+        ("engine.intercept=fast", "'fast' is not a number"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            what_if.changed(given, [bad])
+
+
+def test_as_given_it_reproduces_the_reports_simulated_figures(tmp_path, capsys, monkeypatch):
+    from pdserve.sim.vs_real import bench_sim_vs_real
+
+    profile = load_profile(str(PROFILE))
+    report = bench_sim_vs_real(
+        "tiny-llama",
+        profile,
+        concurrencies=(2,),
+        policies=("greedy+recompute",),
+        num_kv_blocks=16,
+        requests=4,
+        mean_output=12,
+        rescale=True,
+    )
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    argv = ["sim_what_if.py", str(path), "--profile", str(PROFILE)]
+    monkeypatch.setattr("sys.argv", argv + ["--set", "engine.intercept=1.0"])
+    assert _script().main() == 0
+    out = capsys.readouterr().out
+    [point] = report["points"]
+    ratios = " ".join(f"{point['ratio'][f]:.2f}" for f in ("throughput_tok_s", "ttft_p50_s"))
+    assert f"as given {ratios}" in out
+    assert f"({len(point['misses'])} misses) | changed" in out
+    # a second per step makes every simulated step far slower: throughput falls
+    changed = out.split("| changed ")[1].split()
+    assert float(changed[0]) < point["ratio"]["throughput_tok_s"] / 5
