@@ -227,3 +227,34 @@ def test_calibration_measures_every_tier_at_a_finite_rate(tmp_path):
     for costs in tiers.values():
         assert 0 < costs["spill_bytes_s"] < 1e13 and 0 < costs["reload_bytes_s"] < 1e13
         assert costs["latency_s"] >= 0
+
+
+def test_a_feature_left_out_gets_no_coefficient_and_the_rest_take_its_share():
+    """fit_steps(without=...): the prefill_step term of steps generated with one comes back
+    spread over the others (no coefficient of its own); steps generated without it come back
+    exactly; an unknown feature is refused."""
+    true = {"intercept": 0.028, "prefill_tokens": 1.2e-5, "prefill_step": 0.02, "seqs": 3e-4}
+    model = FittedCost(true)
+    samples = [(w, model.step_seconds(w)) for w in steps()]
+    coef, _ = fit_steps(samples, without=("prefill_step",))
+    assert "prefill_step" not in coef
+    assert coef["intercept"] > true["intercept"] or coef["prefill_tokens"] > 1.2e-5
+    plain = FittedCost({k: v for k, v in true.items() if k != "prefill_step"})
+    coef, report = fit_steps([(w, plain.step_seconds(w)) for w in steps()], ("prefill_step",))
+    assert "prefill_step" not in coef and report["max_abs_rel_error"] < 1e-6
+    with pytest.raises(ValueError, match="unknown feature 'warp'"):
+        fit_steps(samples, without=("warp",))
+
+
+def test_calibration_on_a_cpu_leaves_prefill_step_out_and_says_so(monkeypatch):
+    """The engine's steps measured on a CPU are fitted without prefill_step (a GPU's fixed
+    cost, pdserve/sim/calibrate.py CPU_WITHOUT); the profile names what it left out."""
+    from pdserve.sim import calibrate
+
+    model = FittedCost({"intercept": 0.03, "prefill_tokens": 1e-3, "prefill_step": 0.03})
+    measured = [(w, model.step_seconds(w)) for w in steps()]
+    monkeypatch.setattr(calibrate, "measure_engine", lambda core, **kw: measured)
+    profile = calibrate.calibrate("tiny-llama", num_kv_blocks=256)
+    assert "prefill_step" not in profile["engine"]
+    assert profile["fit"]["engine"]["left_out"] == ["prefill_step"]
+    assert "not fitted on cpu: prefill_step" in profile["sources"]["engine"]

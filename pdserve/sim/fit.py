@@ -49,11 +49,20 @@ def _nnls(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
     return coef
 
 
-def fit_steps(samples: list[tuple[StepWork, float]]) -> tuple[dict[str, float], dict]:
+def fit_steps(
+    samples: list[tuple[StepWork, float]], without: tuple[str, ...] = ()
+) -> tuple[dict[str, float], dict]:
+    """-> (coefficients, the fit's errors). `without`: features left out of the model (their
+    columns zero, so they get no coefficient and the others take their share)."""
+    unknown = sorted(set(without) - set(FEATURES))
+    if unknown:
+        raise ValueError(f"fit: unknown feature {unknown[0]!r} to leave out")
     if len(samples) < len(FEATURES) + 1:
         raise ValueError(f"fit: {len(samples)} steps are too few for {len(FEATURES) + 1} terms")
     x, y = _matrix(samples)
     names = ["intercept", *FEATURES]
+    for feature in without:
+        x[:, names.index(feature)] = 0.0  # _nnls leaves an all-zero column out
     coef = _nnls(x, y, 1.0 / np.maximum(y, 1e-9))
     for _ in range(REWEIGHTS):
         pred = x @ coef
