@@ -7,9 +7,10 @@ running anything real again.
         --set engine.prefill_step=0 [--set engine.intercept=0.03 ...]
 
 Each engine point is simulated with the report's own factor (`engine_factor`, from its
-probes under --rescale) and its own requests (the workload, seed and load of the report),
-first as given (which reproduces the report's figures when the profile is the one it used),
-then with the changes. Prints sim / real per figure and the misses of each.
+probes, when the report was made with --rescale) and its own requests (the workload, seed
+and load of the report), first as given (which reproduces the report's figures when the
+profile is the one it used), then with the changes. Prints sim / real per figure and the
+misses of each.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json  # noqa: E402
 import tempfile  # noqa: E402
 
 from pdserve.engine.args import EngineArgs  # noqa: E402
+from pdserve.sim.cost import FEATURES  # noqa: E402
 from pdserve.sim.profile import Profile, load_profile  # noqa: E402
 from pdserve.sim.run import Setup, Topology, policy_args, simulate  # noqa: E402
 from pdserve.sim.vs_real import TIMING, Comparison, compare  # noqa: E402
@@ -41,10 +43,14 @@ def changed(profile: Profile, sets: list[str]) -> Profile:
         section, dot, term = key.partition(".")
         if not (eq and dot) or section not in SECTIONS:
             raise ValueError(f"--set {item!r}: expected {'|'.join(SECTIONS)}.TERM=VALUE")
+        if term not in ("intercept", *FEATURES):
+            raise ValueError(f"--set {item!r}: unknown term {term!r}")
         try:
             number = float(value)
         except ValueError:
             raise ValueError(f"--set {item!r}: {value!r} is not a number") from None
+        if number < 0:
+            raise ValueError(f"--set {item!r}: a cost term is at least 0")
         coefficients = dict(getattr(profile, section))
         coefficients[term] = number
         profile = dataclasses.replace(profile, **{section: coefficients})
@@ -82,7 +88,8 @@ def main() -> int:
             _, engine_args = policy_args(base, p["policy"])
             cells = []
             for name, profile in (("as given", given), ("changed", what_if)):
-                if p.get("engine_factor") is not None:
+                # --rescale: simulated at the probes' factor (recorded without it too)
+                if report.get("rescaled") and p.get("engine_factor") is not None:
                     profile = profile.engine_scaled(p["engine_factor"])
                 setup = Setup(config, profile, Topology(), engine_args, seed=cmp.seed)
                 sim = simulate(setup, p["policy"], specs, p["concurrency"], label="")

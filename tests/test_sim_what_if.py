@@ -33,12 +33,17 @@ def test_a_change_names_its_term_and_refuses_bad_ones():
         ("cluster.intercept=0", "expected engine.TERM=VALUE"),
         ("engine.intercept", "expected engine.TERM=VALUE"),
         ("engine.intercept=fast", "'fast' is not a number"),
+        ("engine.prefil_step=0", "unknown term 'prefil_step'"),
+        ("engine.intercept=-1", "at least 0"),
     ):
         with pytest.raises(ValueError, match=match):
             what_if.changed(given, [bad])
 
 
-def test_as_given_it_reproduces_the_reports_simulated_figures(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("rescale", [True, False])
+def test_as_given_it_reproduces_the_reports_simulated_figures(
+    rescale, tmp_path, capsys, monkeypatch
+):
     from pdserve.sim.vs_real import bench_sim_vs_real
 
     profile = load_profile(str(PROFILE))
@@ -50,7 +55,7 @@ def test_as_given_it_reproduces_the_reports_simulated_figures(tmp_path, capsys, 
         num_kv_blocks=16,
         requests=4,
         mean_output=12,
-        rescale=True,
+        rescale=rescale,
     )
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))

@@ -21,7 +21,8 @@ What a step computes, as features:
                          CUDA graphs the gap widens (decode-only steps replay a graph,
                          steps with a prefill run eagerly): the next H200 calibration
                          fitted 34.5 ms per such step on a 7.2 ms intercept, median error
-                         3.5% (docs/results/gpu/profile.json)
+                         3.5% (docs/results/gpu/profile.json). Not fitted for a CPU's engine
+                         (pdserve/sim/calibrate.py CPU_WITHOUT says why)
     sampled              sequences that sample a token (logits + sampling)
 
 FittedCost:   t = intercept + sum of coefficient x feature, fitted on a real machine by

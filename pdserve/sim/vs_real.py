@@ -144,7 +144,7 @@ def explained(misses: list[str], spread: dict) -> list[str]:
         s = spread[miss.split(":", 1)[0]]
         n = s["runs"]
         if not n:
-            out.append(f"{miss}; no other real run has this figure")
+            out.append(f"{miss}; no real run has this figure")
             continue
         lo, hi, k, best = s["min"], s["max"], s["within"], s["best_within"]
         if s["real_spread"]:
