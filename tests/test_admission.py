@@ -291,43 +291,53 @@ def test_cost_aware_is_kv_aware_where_nothing_can_be_parked():
         assert adm.headroom(three[:2]) == kv_aware(alloc, sixteen(), 0.1).headroom(three[:2])
 
 
-def test_cost_aware_overcommits_by_what_parking_costs():
+def test_cost_aware_admits_no_further_than_the_expected_peak_however_cheap_parking_is():
     alloc = BlockAllocator(20, 4, enable_prefix_caching=False)
     # 10 blocks moved out in 0.01 s and back in 0.01 s: 2 ms per block both ways; a step
-    # takes 50 ms; requests live 16 steps: R = 0.05 * 16 * 0.05 / 0.002 = 20 blocks
+    # takes 50 ms; requests live 16 steps: the tier's 100 blocks fit the parking budget
+    # (0.05 * 16 * 0.05 / 0.002 = 20 blocks), but with no spread there is nothing to park:
+    # the limit is the pool's budget, 18 (until 2026-12-07 it was 18 + 20)
     tiers = {"host": tier(100, moved_blocks=10, spill_s=0.01, reload_s=0.01)}
     adm = cost_aware(alloc, sixteen(), tiers, step_s=0.05)
-    held = [Held(8, 0, 64)] * 6  # 36 projected blocks; limit 18 + 20 = 38
-    assert adm.check([1] * 4, 64, held[:5]) is None  # 30 + 5 <= 38
-    assert adm.check([1] * 8, 64, held) == (
-        "projected KV demand 42 blocks exceeds 38 (cost-aware admission)"
+    held = [Held(8, 0, 64)] * 6  # 6 projected blocks each
+    assert adm.check([1] * 8, 64, held[:2]) is None  # 18 <= 18
+    assert adm.check([1] * 4, 64, held[:2]) is None  # 12 + 5 <= 18
+    assert adm.check([1] * 8, 64, held[:3]) == (
+        "projected KV demand 24 blocks exceeds 18 (cost-aware admission)"
     )
-    assert adm.inputs.overcommit_blocks == 20 and adm.inputs.park_s_per_block == {
+    assert adm.inputs.overcommit_blocks == 0 and adm.inputs.park_s_per_block == {
         "host": pytest.approx(0.002)
     }
-    assert adm.headroom(held) == 38 - 36
-    # the tier's room bounds it too: 12 free blocks
-    tiers["host"]["used_blocks"] = 88
-    assert adm.headroom(held) == 18 + 12 - 36
-    # before a tier has moved anything, only its room bounds the overcommit
-    fresh = cost_aware(alloc, sixteen(), {"host": tier(7)}, step_s=0.05)
-    assert fresh.headroom(held) == 18 + 7 - 36
+    assert adm.headroom(held) == 18 - 36
+    # an empty tier, one not measured yet, or a full one: the same limit
+    for tiers in ({"host": tier(7)}, {"host": tier(100, used=100)}):
+        assert cost_aware(alloc, sixteen(), tiers, step_s=0.05).headroom(held) == 18 - 36
+
+
+def spread():
+    est = OutputLengthEstimator()
+    for n in (8, 40):
+        est.observe(n)  # half the requests end after 8 tokens, half after 40
+    return est
 
 
 def test_cost_aware_stops_at_a_tier_slower_than_recomputing():
     alloc = BlockAllocator(20, 4, enable_prefix_caching=False)
-    held = [Held(8, 0, 64)] * 3
+    held = [Held(8, 0, 64)] * 4  # expected peak 24 blocks, sd 12 (the test below)
     tiers = {
         "host": tier(5, moved_blocks=10, spill_s=0.001, reload_s=0.001),  # 0.2 ms per block
         "disk": tier(100, moved_blocks=10, spill_s=0.5, reload_s=0.5),  # 100 ms per block
     }
-    # recomputing a 4-token block costs 4 * 5 ms = 20 ms: the disk tier does not count
-    adm = cost_aware(alloc, sixteen(), tiers, step_s=1.0, recompute_s=0.005)
-    assert adm.headroom(held) == 18 + 5 - 18
-    # recompute dearer than the disk: the host's 5 blocks (1 ms of the 0.8 s parking budget,
-    # 0.05 * 16 steps * 1 s), then the disk's blocks while the rest lasts: 7.99 blocks
-    adm = cost_aware(alloc, sixteen(), tiers, step_s=1.0, recompute_s=1.0)
-    assert adm.headroom(held) == 18 + 12 - 18
+    # recomputing a 4-token block costs 4 * 5 ms = 20 ms: the disk tier does not count; the
+    # host holds 5 of the 12 blocks of spread, the pool keeps 7
+    adm = cost_aware(alloc, spread(), tiers, step_s=1.0, recompute_s=0.005)
+    assert adm.headroom(held) == 18 - 7 - 24
+    # recompute dearer than the disk: the host's 5 blocks (1 ms of the 1.2 s parking budget,
+    # 0.05 * 24 steps * 1 s), then the disk's blocks while the rest lasts: 11.99 blocks, so
+    # the tiers hold the whole spread and the pool keeps none of it
+    adm = cost_aware(alloc, spread(), tiers, step_s=1.0, recompute_s=1.0)
+    assert adm.headroom(held) == 18 - 24
+    assert adm.inputs.overcommit_blocks == 0
 
 
 def test_a_worker_holding_nothing_admits_whatever_fits():
@@ -355,11 +365,8 @@ def test_a_worker_holding_nothing_admits_whatever_fits():
 
 def test_cost_aware_keeps_the_tail_of_the_demand_in_the_tiers():
     alloc = BlockAllocator(20, 4, enable_prefix_caching=False)
-    est = OutputLengthEstimator()
-    for n in (8, 40):
-        est.observe(n)  # half the requests end after 8 tokens, half after 40
     held = [Held(8, 0, 64)] * 4
-    adm = cost_aware(alloc, est, {"host": tier(10)}, step_s=0.05)
+    adm = cost_aware(alloc, spread(), {"host": tier(10)}, step_s=0.05)
     adm.headroom(held)
     # the demand peaks 38 steps on: each request alive with probability 1/2, holding 12
     # blocks (46 tokens): 4 * 6 = 24 blocks, variance 4 * 144 / 4 = 144, sd 12 blocks
@@ -368,6 +375,11 @@ def test_cost_aware_keeps_the_tail_of_the_demand_in_the_tiers():
     # the tail (1 sd) is more than the tier holds: 2 blocks of the pool are kept for it
     assert adm.inputs.overcommit_blocks == 10 - 12
     assert adm.headroom(held) == 18 - 2 - 24
+    # a tier that holds more than the tail keeps none of it in the pool, and lets nothing
+    # in past the expected peak either
+    adm = cost_aware(alloc, spread(), {"host": tier(30)}, step_s=0.05)
+    assert adm.headroom(held) == 18 - 24
+    assert adm.inputs.overcommit_blocks == 0
 
 
 def test_cost_aware_rotates_parked_requests_by_what_a_round_trip_costs():

@@ -16,15 +16,15 @@ request's term leaves out the blocks already counted for an earlier one, and the
 request's leaves out the held blocks its prompt would share.
 A request refused here waits (its TTFT grows) instead of being preempted later.
 
-`cost-aware` (the default) admits by the peak of the expected demand instead of its sum,
-and overcommits the pool by what parking costs on this deployment (pdserve/engine/costs.py
-measures it):
+`cost-aware` (the default) admits by the peak of the expected demand instead of its sum, and
+keeps room for the demand's spread above that peak in the pool or, where parking is cheap on
+this deployment (pdserve/engine/costs.py measures it), in the tiers:
 
     admit when  the prompt's blocks are free now,
                 no preempted request waits for room (first come, first served), and
                 D_peak  <=  (1 - margin) * pool blocks + R
 
-    R = ROOM - min(Z * D_sd, D_worst - D_peak),
+    R = min(0, ROOM - min(Z * D_sd, D_worst - D_peak)),
                           ROOM = the tier blocks that fit the parking-time budget
                           PARK_OVERHEAD * L * step_s, tiers filled in order, each block of
                           tier t costing park_s(t); D_worst = every request at its cap
@@ -33,19 +33,25 @@ D_peak is the most blocks the held requests (the new one included) are expected 
 once over the coming steps, each alive with the probability the observed lengths give for
 its age (pdserve/engine/peak_demand.py): kv-aware's sum has every request at its expected
 end at the same time, which in a steady state is about twice what the pool ever holds
-(simulated H200 reasoning runs: kv-aware kept the pool 66% full). D_sd is the standard
+(simulated H200 reasoning runs: kv-aware kept the pool 66% full), so admitting by the peak
+commits the pool past every held request's expected final size. D_sd is the standard
 deviation of the demand at that peak, in blocks. L is the mean observed output length (the
 steps a request lives), step_s a decode step's time and park_s(t) a block's spill + reload
-time in tier t. The reasoning: with R blocks of expected demand above the pool, about R
-blocks' worth of requests sit in the tiers at any time and each moves out and back about
-once a request lifetime, so parking takes about sum_t R_t * park_s(t) / L seconds per step;
-ROOM is the most blocks the tiers have free that keeps this under PARK_OVERHEAD of a step,
-and R keeps room for the demand to run Z standard deviations above its expected peak (R < 0,
-inside the pool, when the tiers cannot hold that much). When parking is impossible
-(recompute preemption, no tiers, tiers full) or slower than computing the block again,
-ROOM = 0 and the policy admits only while the expected peak plus Z sd fits the pool. A
-worker holding nothing admits whatever fits (else a request alone, whose cap fits, could be
-refused for its spread forever).
+time in tier t. The reasoning: when the demand runs Z standard deviations above its
+expected peak, about that many blocks' worth of requests sit in the tiers and each moves
+out and back about once a request lifetime, so parking takes about sum_t ROOM_t *
+park_s(t) / L seconds per step; ROOM is the most blocks the tiers have free that keeps this
+under PARK_OVERHEAD of a step. Where the tiers cannot hold the spread, the rest of it is
+kept inside the pool (R < 0); when parking is impossible (recompute preemption, no tiers,
+tiers full) or slower than computing the block again, ROOM = 0 and the policy admits only
+while the expected peak plus Z sd fits the pool. Nothing is admitted past the expected peak
+itself (R is never above 0): a request admitted there is expected to wait in a tier, and
+its wait is its TPOT. Until 2026-12-07 R was ROOM less the spread, often hundreds of
+blocks past the peak; simulated on this CPU's profile (seven layouts and loads, 8 seeds
+each: scripts/sim_past_peak.py) that changed throughput by -2% to +4% for a TPOT p99 of 0.32-0.83
+greedy+recompute's where this rule gives 0.21-0.80 (medians; docs/capacity-trap.md, "No
+admission past the expected peak"). A worker holding nothing admits whatever fits (else a
+request alone, whose cap fits, could be refused for its spread forever).
 The tail is kept short by rotation, which this policy installs in the scheduler when it
 parks victims (pdserve/engine/scheduler.py, Scheduler._rotate): a parked request whose
 slowdown (steps per generated token, its stalls counted) reaches twice a running one's
@@ -230,10 +236,14 @@ class KVAwareAdmission(GreedyAdmission):
 
 
 class CostAwareAdmission(KVAwareAdmission):
-    """kv-aware, overcommitted by what parking costs here (the formula above)."""
+    """Admission by the expected peak of the demand, its spread kept in the tiers where
+    parking is cheap here, else in the pool (the formula above)."""
 
     PARK_OVERHEAD = 0.05  # parking may take this fraction of decode time
     Z = 1.0  # the tail the tiers must hold: demand this many standard deviations up
+    # the rule until 2026-12-07: R = ROOM - the tail, admitting past the expected peak by what
+    # the tiers hold; kept for scripts/sim_past_peak.py, which compares the two
+    PAST_PEAK = False
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -293,7 +303,9 @@ class CostAwareAdmission(KVAwareAdmission):
         lifetime = self._lifetime(max_tokens)
         demand, tail, peak = self._demand(held)
         room, park_s, free = self._room(lifetime)
-        r = int(room - tail)  # below 0: the tiers cannot hold the tail, keep it in the pool
+        # below 0: the tiers cannot hold the tail, keep it in the pool; never above 0: a request
+        # admitted past the expected peak is expected to wait parked (its TPOT)
+        r = int(room - tail) if self.PAST_PEAK else min(0, int(room - tail))
         self.inputs = PolicyInputs(
             step_s=self.costs.step_s,
             recompute_s_per_token=self.costs.recompute_s_per_token,
