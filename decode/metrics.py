@@ -171,7 +171,12 @@ class DecodeMetrics:
                     "recompute_seconds_per_token",
                     "what a recomputed token adds to a step (EWMA)",
                 ),
-                ("overcommit_blocks", "overcommit_blocks", "R: demand allowed above the pool"),
+                (
+                    "overcommit_blocks",
+                    "overcommit_blocks",
+                    "R: demand allowed above the pool's budget (at most 0: below 0, the "
+                    "spread of the demand the tiers cannot hold, kept in the pool)",
+                ),
                 ("demand_blocks", "demand_blocks", "projected demand of the held requests"),
                 ("demand_sd_blocks", "demand_sd_blocks", "its standard deviation"),
                 ("tier_free_blocks", "tier_free_blocks", "free blocks in the spill tiers"),
