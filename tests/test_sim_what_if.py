@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -29,14 +30,14 @@ def test_a_change_names_its_term_and_refuses_bad_ones():
     assert got.engine == {**given.engine, "prefill_step": 0.0, "intercept": 0.5}
     assert given.engine["prefill_step"] > 0  # the profile itself untouched
     for bad, match in (
-        ("prefill_step=0", "expected engine.TERM=VALUE"),
-        ("cluster.intercept=0", "expected engine.TERM=VALUE"),
-        ("engine.intercept", "expected engine.TERM=VALUE"),
+        ("prefill_step=0", "expected engine|cluster|cluster_prefill|handoff|link.TERM=VALUE"),
+        ("fitted.intercept=0", "expected engine|cluster|cluster_prefill|handoff|link.TERM"),
+        ("engine.intercept", "expected engine|cluster|cluster_prefill|handoff|link.TERM"),
         ("engine.intercept=fast", "'fast' is not a number"),
         ("engine.prefil_step=0", "unknown term 'prefil_step'"),
         ("engine.intercept=-1", "at least 0"),
     ):
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match=re.escape(match)):
             what_if.changed(given, [bad])
 
 
@@ -70,3 +71,42 @@ def test_as_given_it_reproduces_the_reports_simulated_figures(
     # a second per step makes every simulated step far slower: throughput falls
     changed = out.split("| changed ")[1].split()
     assert float(changed[0]) < point["ratio"]["throughput_tok_s"] / 5
+
+
+def test_the_cluster_terms_are_named_by_their_fields():
+    what_if = _script()
+    given = load_profile(str(PROFILE))
+    got = what_if.changed(given, ["handoff.reserve_s=0.003", "link.latency_s=0.02"])
+    assert got.handoff.reserve_s == 0.003 and got.link.latency_s == 0.02
+    assert got.handoff.prefill_rpc_s == given.handoff.prefill_rpc_s  # the others as given
+    assert got.link.bytes_s == given.link.bytes_s
+    got = what_if.changed(given, ["cluster.intercept=0.1", "cluster_prefill.intercept=0"])
+    assert got.cluster == {**given.cluster, "intercept": 0.1}
+    assert got.cluster_prefill["intercept"] == 0.0
+    for bad, match in (
+        ("handoff.reserve=0", "unknown term 'reserve'"),
+        ("link.intercept=0", "unknown term 'intercept'"),
+        ("cluster.reserve_s=0", "unknown term 'reserve_s'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            what_if.changed(given, [bad])
+
+
+def test_a_clusters_points_as_given_reproduce_its_report(capsys, monkeypatch):
+    """The 2026-12-07 1P1D report (made with --rescale): each cluster point simulated at
+    its launched cluster's probe factors gives the report's own ratios; a dearer Start (the
+    call after the prefill) makes the 2-client first token later."""
+    report = ROOT / "docs/results/sim-vs-real-smollm2-2026-12-07-noprefillstep.json"
+    profile = ROOT / "docs/results/cpu-profile-smollm2-2026-12-07-noprefillstep.json"
+    argv = ["sim_what_if.py", str(report), "--profile", str(profile), "--kind", "cluster"]
+    monkeypatch.setattr("sys.argv", argv + ["--set", "handoff.start_s=0.05"])
+    assert _script().main() == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("cluster")]
+    points = [p for p in json.loads(report.read_text())["points"] if p["kind"] == "cluster"]
+    assert len(lines) == len(points) == 9
+    for line, point in zip(lines, points):
+        as_given, changed = line.split(" as given ")[1].split(" | changed ")
+        fields = ("throughput_tok_s", "ttft_p50_s", "tpot_p50_s", "ttft_p99_s", "tpot_p99_s")
+        assert as_given.split()[:5] == [f"{point['ratio'][f]:.2f}" for f in fields]
+        if point["concurrency"] == 2:
+            assert float(changed.split()[1]) > float(as_given.split()[1]) + 0.1
