@@ -83,7 +83,12 @@ def _point_profile(report: dict, point: dict, profile: Profile, decodes: int) ->
     if point["kind"] == "engine":
         factor = point.get("engine_factor")
         return profile if factor is None else profile.engine_scaled(factor)
-    drift = next(d for d in report["cluster_drift"] if d["policy"] == point["policy"])
+    drift = next((d for d in report.get("cluster_drift", ()) if d["policy"] == point["policy"]), {})
+    if "factors" not in drift:
+        raise ValueError(
+            f"report: {point['policy']}'s cluster has no probe factors (cluster_drift), so its "
+            "points cannot be simulated as the report did under --rescale"
+        )
     return profile.cluster_scaled(decodes, **drift["factors"])
 
 
@@ -106,6 +111,13 @@ def main() -> int:
     blocks = report["pool"]["num_kv_blocks"]
     totals = {"as given": 0, "changed": 0}
     decodes = _decode_workers(report)
+    # a 1PnD's decode steps are its cluster_decodes coefficients where measured, not `cluster`
+    measured_apart = given.cluster_decode(decodes) is not given.cluster
+    if measured_apart and any(item.startswith("cluster.") for item in args.set):
+        ap.error(
+            f"--set cluster.*: this 1P{decodes}D report's decode steps are the profile's "
+            "cluster_decodes, not its 1P1D `cluster` coefficients"
+        )
     with tempfile.TemporaryDirectory(prefix="pdserve-whatif-") as spill:
         # as bench sim-vs-real runs them: the engine without prefix caching, clusters with
         bases = {

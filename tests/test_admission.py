@@ -309,9 +309,9 @@ def test_cost_aware_admits_no_further_than_the_expected_peak_however_cheap_parki
         "host": pytest.approx(0.002)
     }
     assert adm.headroom(held) == 18 - 36
-    # an empty tier, one not measured yet, or a full one: the same limit
-    for tiers in ({"host": tier(7)}, {"host": tier(100, used=100)}):
-        assert cost_aware(alloc, sixteen(), tiers, step_s=0.05).headroom(held) == 18 - 36
+    # a small tier not measured yet (the old rule: 18 + 7), or a full one: the same limit
+    for small in ({"host": tier(7)}, {"host": tier(100, used=100)}):
+        assert cost_aware(alloc, sixteen(), small, step_s=0.05).headroom(held) == 18 - 36
 
 
 def spread():

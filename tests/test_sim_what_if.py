@@ -110,3 +110,24 @@ def test_a_clusters_points_as_given_reproduce_its_report(capsys, monkeypatch):
         assert as_given.split()[:5] == [f"{point['ratio'][f]:.2f}" for f in fields]
         if point["concurrency"] == 2:
             assert float(changed.split()[1]) > float(as_given.split()[1]) + 0.1
+
+
+def test_a_1p2d_reports_decode_steps_are_not_the_1p1d_coefficients(tmp_path, monkeypatch, capsys):
+    """cluster.* changes a 1P1D's decode steps; a 1P2D's are the profile's cluster_decodes:
+    refused rather than reported as changed. A rescaled cluster point without its probe's
+    factors is a clear error."""
+    report = json.loads(
+        (ROOT / "docs/results/sim-vs-real-smollm2-2026-12-07-noprefillstep.json").read_text()
+    )
+    profile = ROOT / "docs/results/cpu-profile-smollm2-2026-12-07-noprefillstep.json"
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({**report, "cluster": "1P2D"}))
+    argv = ["sim_what_if.py", str(path), "--profile", str(profile), "--kind", "cluster"]
+    monkeypatch.setattr("sys.argv", argv + ["--set", "cluster.intercept=0"])
+    with pytest.raises(SystemExit):
+        _script().main()
+    assert "decode steps are the profile's cluster_decodes" in capsys.readouterr().err
+    path.write_text(json.dumps({**report, "cluster_drift": []}))
+    monkeypatch.setattr("sys.argv", argv + ["--set", "handoff.start_s=0"])
+    with pytest.raises(ValueError, match="no probe factors"):
+        _script().main()

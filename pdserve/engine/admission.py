@@ -48,7 +48,7 @@ while the expected peak plus Z sd fits the pool. Nothing is admitted past the ex
 itself (R is never above 0): a request admitted there is expected to wait in a tier, and
 its wait is its TPOT. Until 2026-12-07 R was ROOM less the spread, often hundreds of
 blocks past the peak; simulated on this CPU's profile (seven layouts and loads, 8 seeds
-each: scripts/sim_past_peak.py) that changed throughput by -2% to +4% for a TPOT p99 of 0.32-0.83
+each: scripts/sim_past_peak.py) that changed throughput by -2% to +4% for a TPOT p99 of 0.31-0.83
 greedy+recompute's where this rule gives 0.21-0.80 (medians; docs/capacity-trap.md, "No
 admission past the expected peak"). A worker holding nothing admits whatever fits (else a
 request alone, whose cap fits, could be refused for its spread forever).
@@ -305,7 +305,7 @@ class CostAwareAdmission(KVAwareAdmission):
         room, park_s, free = self._room(lifetime)
         # below 0: the tiers cannot hold the tail, keep it in the pool; never above 0: a request
         # admitted past the expected peak is expected to wait parked (its TPOT)
-        r = int(room - tail) if self.PAST_PEAK else min(0, int(room - tail))
+        r = int(room - tail) if self.PAST_PEAK else min(0, math.floor(room - tail))
         self.inputs = PolicyInputs(
             step_s=self.costs.step_s,
             recompute_s_per_token=self.costs.recompute_s_per_token,
