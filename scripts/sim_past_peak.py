@@ -34,8 +34,9 @@ from pdserve.sim.profile import load_profile  # noqa: E402
 from pdserve.sim.run import Setup, Topology, simulate  # noqa: E402
 from pdserve.weights import model_config  # noqa: E402
 
-CPU_PROFILE = "docs/results/cpu-profile-smollm2-2026-12-07-noprefillstep.json"
-QWEN = "pdserve/sim/configs/qwen2.5-32b.json"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_PROFILE = os.path.join(ROOT, "docs/results/cpu-profile-smollm2-2026-12-07-noprefillstep.json")
+QWEN = os.path.join(ROOT, "pdserve/sim/configs/qwen2.5-32b.json")
 FIGURES = ("throughput_tok_s", "warm_tok_s", "tpot_p50_s", "tpot_p99_s", "e2e_p50_s")
 BASELINE, DEFAULT = "greedy+recompute", "cost-aware+tiered"
 
@@ -135,7 +136,7 @@ def main() -> int:
         ap.error(f"--only: unknown {', '.join(sorted(only - names))}; choose from {names}")
     chosen = [s for s in SCENARIOS if s.name in only]
     jobs = [(s, seed) for s in chosen for seed in range(args.h200_seeds if s.gpu else args.seeds)]
-    report = {"cpu_profile": CPU_PROFILE, "gpu_profile": "h200", "scenarios": {}}
+    report = {"cpu_profile": os.path.relpath(CPU_PROFILE, ROOT), "gpu_profile": "h200", "scenarios": {}}
     with tempfile.TemporaryDirectory(prefix="pdserve-pastpeak-") as spill:
         runs: dict[str, list] = {}
         for s, seed in progress(jobs, desc="sim past-peak", unit="run"):

@@ -292,7 +292,7 @@ class CostAwareAdmission(KVAwareAdmission):
         room = 0.0
         for name, c in park_s.items():
             if c is not None and recompute_block is not None and c >= recompute_block:
-                break  # slower than computing the block again: no overcommit into it
+                break  # slower than computing the block again: it holds none of the spread
             take = free[name] if not c else min(free[name], budget_s / c)
             room += take
             budget_s -= take * (c or 0.0)
