@@ -136,7 +136,11 @@ def main() -> int:
         ap.error(f"--only: unknown {', '.join(sorted(only - names))}; choose from {names}")
     chosen = [s for s in SCENARIOS if s.name in only]
     jobs = [(s, seed) for s in chosen for seed in range(args.h200_seeds if s.gpu else args.seeds)]
-    report = {"cpu_profile": os.path.relpath(CPU_PROFILE, ROOT), "gpu_profile": "h200", "scenarios": {}}
+    report = {
+        "cpu_profile": os.path.relpath(CPU_PROFILE, ROOT),
+        "gpu_profile": "h200",
+        "scenarios": {},
+    }
     with tempfile.TemporaryDirectory(prefix="pdserve-pastpeak-") as spill:
         runs: dict[str, list] = {}
         for s, seed in progress(jobs, desc="sim past-peak", unit="run"):
