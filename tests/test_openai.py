@@ -28,7 +28,9 @@ def cluster():
         "tiny-llama",
         1,
         1,
-        worker_args=["--num-kv-blocks", "512"],
+        # room for test_overload's three holders at their expected peak (3 x 251 blocks of
+        # 16): the decode worker admits none past it, so a third would wait at the router
+        worker_args=["--num-kv-blocks", "1024"],
         router_args=["--max-queue", "3"],
         http_port=0,
     ) as c:
@@ -268,8 +270,11 @@ def test_overload_is_429_with_retry_after(cluster, sdk):
         sdk.stream([6] * 8, max_tokens=4000, temperature=0, ignore_eos=True) for _ in range(3)
     ]
     try:
+        started = time.monotonic()
         for h in holders:
             next(h)  # all three admitted: the router's queue (3) is full
+        # all three decoding at once (none waited for another to end and free the queue)
+        assert time.monotonic() - started < 3.0
         status, headers, reply = http(cluster, "POST", "/v1/completions", b'{"prompt": "x"}')
         assert status == 429, reply
         assert headers["Retry-After"] == "1"
