@@ -35,6 +35,14 @@ STREAM_FAILPOINT_AT = 4  # decode.stream strikes once a stream handed this many 
 FEED_POLL_S = 1.0  # a Feed call with nothing to send looks whether its caller is still there
 
 
+def waiting_of(request: pb.ReserveRequest) -> float | None:
+    """Requests waiting for decode room per decode worker, as the router saw its line when
+    it asked (None when it did not say: a migration's Reserve, an older router)."""
+    if request.line <= 0 or request.decode_workers <= 0:
+        return None
+    return request.line / request.decode_workers
+
+
 class DecodeService(rpc.DecodeServicer):
     def __init__(
         self, worker: DecodeWorker, on_shutdown: Callable[[], None] = stop_this_process
@@ -52,6 +60,7 @@ class DecodeService(rpc.DecodeServicer):
                 request.lease_s,
                 request.push_window_s,
                 request.extra_tokens,
+                waiting_of(request),
             )
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

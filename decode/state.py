@@ -89,11 +89,14 @@ class DecodeState:
         lease_s: float = 0.0,
         push_window_s: float = 0.0,
         extra_tokens: int = 0,
+        waiting: float | None = None,
     ) -> Reserved:
         """Raises ValueError (bad input: never servable) or ReservationError (no room now).
         `lease_s` and `push_window_s` of 0 mean the configured lease (and a push window as
         long as the lease: a caller that names none never renews either). `extra_tokens`:
-        blocks for that many tokens more than the prompt (a migration's, decode/migrate.py)."""
+        blocks for that many tokens more than the prompt (a migration's, decode/migrate.py).
+        `waiting`: requests waiting for decode room per decode worker at the router, this
+        one included (None: not known), which cost-aware admission reads."""
         check_window("lease_s", lease_s)
         check_window("push_window_s", push_window_s)
         if not 0 <= extra_tokens <= params.max_tokens:
@@ -107,7 +110,7 @@ class DecodeState:
                 f"requests: this worker holds {len(held)}, its most (max_requests "
                 f"{self.max_requests}: each streams on a server thread)"
             )
-        refused = self.admission.check(req.token_ids, params.max_tokens, held)
+        refused = self.admission.check(req.token_ids, params.max_tokens, held, waiting)
         if refused is not None:
             raise ReservationError(refused)
         cost = self.admission.cost(req.token_ids, params.max_tokens)

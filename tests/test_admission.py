@@ -314,6 +314,34 @@ def test_cost_aware_admits_no_further_than_the_expected_peak_however_cheap_parki
         assert cost_aware(alloc, sixteen(), small, step_s=0.05).headroom(held) == 18 - 36
 
 
+def test_cost_aware_admits_past_the_peak_by_what_the_tiers_hold_only_with_no_line():
+    alloc = BlockAllocator(20, 4, enable_prefix_caching=False)
+    tiers = {"host": tier(100, moved_blocks=10, spill_s=0.01, reload_s=0.01)}
+    adm = cost_aware(alloc, sixteen(), tiers, step_s=0.05)
+    held = [Held(8, 0, 64)] * 3  # 6 projected blocks each, 18 with the newcomer's: 24
+    refused = "projected KV demand 24 blocks exceeds 18 (cost-aware admission)"
+    # a line waits (more than one request per decode worker), or it is not known: the peak
+    for waiting in (None, 1.5, 4.0):
+        assert adm.check([1] * 8, 64, held, waiting) == refused
+        assert adm.inputs.overcommit_blocks == 0
+    # at most one waiting per worker: past the peak by the 20 blocks the parking budget
+    # holds in the tier (no spread to keep), as the rule before 2026-12-07
+    for waiting in (1.0, 0.5):
+        assert adm.check([1] * 8, 64, held, waiting) is None
+        assert adm.inputs.overcommit_blocks == 20
+    assert adm.check([1] * 8, 64, [Held(8, 0, 64)] * 6, 1.0) == (
+        "projected KV demand 42 blocks exceeds 38 (cost-aware admission)"
+    )
+    # never where nothing can be parked (recompute preemption): the peak rule, line or not
+    recompute = cost_aware(alloc, sixteen(), tiers, step_s=0.05, parks=False)
+    assert recompute.check([1] * 8, 64, held, 1.0) == refused
+    # greedy and kv-aware take the same argument and do not read it
+    assert kv_aware(alloc, sixteen(), 0.1).check([1] * 8, 64, held, 1.0) == (
+        "projected KV demand 24 blocks exceeds 18 (kv-aware admission)"
+    )
+    assert greedy(alloc).check([1] * 8, 64, held, 1.0) is None
+
+
 def spread():
     est = OutputLengthEstimator()
     for n in (8, 40):

@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 
+from decode.service import waiting_of
 from pdserve.client import Client, InvalidRequest, Unavailable, build_request
 from pdserve.router.config import RouterConfig
 from pdserve.router.service import RouterService
@@ -189,3 +190,16 @@ def test_a_continuation_goes_on_after_the_tokens_the_client_has(cluster):
                 list(stub.Generate(_continued(bad, 8), timeout=10))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert re.search(field, e.value.details())
+
+
+def test_each_reserve_says_how_long_the_routers_line_is(cluster):
+    """Cost-aware admission reads it: past the expected peak only with no line."""
+    first, second = Decode(), Decode()
+    with Client(cluster([first, second], Prefill())) as client:
+        client.generate(PROMPT, max_tokens=2, ignore_eos=True)
+    (reserve,) = first.reserves  # the most headroom: asked first, and it said yes
+    assert (reserve.line, reserve.decode_workers) == (1, 2)  # this request alone, 2 workers
+    assert waiting_of(reserve) == 0.5
+    # a Reserve that does not say (a migration's, an older router's): not known
+    assert waiting_of(pb.ReserveRequest(request_id="x")) is None
+    assert waiting_of(pb.ReserveRequest(request_id="x", line=3)) is None

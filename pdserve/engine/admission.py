@@ -24,7 +24,8 @@ this deployment (pdserve/engine/costs.py measures it), in the tiers:
                 no preempted request waits for room (first come, first served), and
                 D_peak  <=  (1 - margin) * pool blocks + R
 
-    R = min(0, ROOM - min(Z * D_sd, D_worst - D_peak)),
+    R = min(0, ROOM - min(Z * D_sd, D_worst - D_peak))       (a line of requests waits)
+    R = ROOM - min(Z * D_sd, D_worst - D_peak)               (at most one per worker waits)
                           ROOM = the tier blocks that fit the parking-time budget
                           PARK_OVERHEAD * L * step_s, tiers filled in order, each block of
                           tier t costing park_s(t); D_worst = every request at its cap
@@ -50,8 +51,18 @@ its wait is its TPOT. Until 2026-12-07 R was ROOM less the spread, often hundred
 blocks past the peak; simulated on this CPU's profile (seven layouts and loads, 8 seeds
 each: scripts/sim_past_peak.py) that changed throughput by -2% to +4% for a TPOT p99 of 0.31-0.83
 greedy+recompute's where this rule gives 0.21-0.80 (medians; docs/capacity-trap.md, "No
-admission past the expected peak"). A worker holding nothing admits whatever fits (else a
-request alone, whose cap fits, could be refused for its spread forever).
+admission past the expected peak"). That holds while a line of requests waits for room:
+each block the pool has free below its peak is soon taken by one of them, so admitting past
+the peak only moves a request's wait from the router into a tier. With no line (at most one
+request waiting per decode worker, this one included: `waiting`, which the router sends
+with each Reserve and the colocated engine counts in its own queue) a request refused is a
+request whose wait leaves the pool short of its peak for a whole request lifetime: there the
+policy admits past the peak by what the tiers hold (R = ROOM less the spread, as before
+2026-12-07; measured on this VM at 4 clients of the demo's cluster, the peak rule ran at
+0.92x greedy+tiered's throughput with a 1.15x e2e p50, docs/capacity-trap.md). Where the
+line is not known (a migration's Reserve, an older router), the peak rule holds. A worker
+holding nothing admits whatever fits (else a request alone, whose cap fits, could be
+refused for its spread forever).
 The tail is kept short by rotation, which this policy installs in the scheduler when it
 parks victims (pdserve/engine/scheduler.py, Scheduler._rotate): a parked request whose
 slowdown (steps per generated token, its stalls counted) reaches twice a running one's
@@ -187,8 +198,16 @@ class GreedyAdmission:
         preempted request waits for room, the victim the most recently admitted."""
         return None
 
-    def check(self, prompt: list[int], max_tokens: int, held: Sequence[HeldRequest]) -> str | None:
-        """None when the request may be admitted, else why not. First come, first served,
+    def check(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        held: Sequence[HeldRequest],
+        waiting: float | None = None,
+    ) -> str | None:
+        """None when the request may be admitted, else why not; `waiting`: requests waiting
+        for room per decode worker, this one included (None: not known; only cost-aware
+        reads it). First come, first served,
         as vLLM's and SGLang's schedulers do: while a preempted request waits for room, a
         new one waits behind it (a decode worker's Reserve takes blocks directly, so
         without this a new request took the blocks a preempted one was waiting for)."""
@@ -225,7 +244,13 @@ class KVAwareAdmission(GreedyAdmission):
         new = self._new(prompt, max_tokens)
         return self.projected_blocks([new]) - len(new.block_ids)
 
-    def check(self, prompt: list[int], max_tokens: int, held: Sequence[HeldRequest]) -> str | None:
+    def check(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        held: Sequence[HeldRequest],
+        waiting: float | None = None,
+    ) -> str | None:
         refused = super().check(prompt, max_tokens, held)
         if refused is not None or not held:  # a worker holding nothing takes what fits
             return refused
@@ -244,6 +269,9 @@ class CostAwareAdmission(KVAwareAdmission):
     # the rule until 2026-12-07: R = ROOM - the tail, admitting past the expected peak by what
     # the tiers hold; kept for scripts/sim_past_peak.py, which compares the two
     PAST_PEAK = False
+    # requests waiting per decode worker (the candidate included) up to which the policy
+    # admits past the expected peak: no line, so room refused would stay unused
+    NO_LINE = 1.0
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -298,14 +326,18 @@ class CostAwareAdmission(KVAwareAdmission):
             budget_s -= take * (c or 0.0)
         return room, park_s, free
 
-    def _limit(self, held: Sequence[HeldRequest], max_tokens: int) -> tuple[int, int]:
-        """(D_peak of `held`, the most it may reach: budget + R); records the inputs."""
+    def _limit(
+        self, held: Sequence[HeldRequest], max_tokens: int, past_peak: bool = False
+    ) -> tuple[int, int]:
+        """(D_peak of `held`, the most it may reach: budget + R, R past the peak by what
+        the tiers hold when `past_peak`); records the inputs."""
         lifetime = self._lifetime(max_tokens)
         demand, tail, peak = self._demand(held)
         room, park_s, free = self._room(lifetime)
         # below 0: the tiers cannot hold the tail, keep it in the pool; never above 0: a request
         # admitted past the expected peak is expected to wait parked (its TPOT)
-        r = int(room - tail) if self.PAST_PEAK else min(0, math.floor(room - tail))
+        past = past_peak or self.PAST_PEAK
+        r = math.floor(room - tail) if past else min(0, math.floor(room - tail))
         self.inputs = PolicyInputs(
             step_s=self.costs.step_s,
             recompute_s_per_token=self.costs.recompute_s_per_token,
@@ -343,14 +375,21 @@ class CostAwareAdmission(KVAwareAdmission):
             return 0.0
         return park_s[tier] / (self.PARK_OVERHEAD * step_s)
 
-    def check(self, prompt: list[int], max_tokens: int, held: Sequence[HeldRequest]) -> str | None:
+    def check(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        held: Sequence[HeldRequest],
+        waiting: float | None = None,
+    ) -> str | None:
         refused = GreedyAdmission.check(self, prompt, max_tokens, held)  # first come, first served
         if refused is not None:
             return refused
         if not held:  # a worker holding nothing takes what fits (else it could wait forever)
             return None
         # one pass over everyone held, the new request included (its spread counts too)
-        demand, limit = self._limit([*held, self._new(prompt, max_tokens)], max_tokens)
+        no_line = waiting is not None and waiting <= self.NO_LINE
+        demand, limit = self._limit([*held, self._new(prompt, max_tokens)], max_tokens, no_line)
         if demand > limit:
             return f"projected KV demand {demand} blocks exceeds {limit} (cost-aware admission)"
         return None

@@ -61,7 +61,10 @@ class AdmissionGate:
                 held = self.core.held() if held is None else held
                 if len(held) >= self.core.max_num_seqs:
                     return
-                if self.admission.check(req.token_ids, req.params.max_tokens, held) is not None:
+                # the line: this request and those queued behind it (one engine serves them)
+                line = len(self.pending)
+                refused = self.admission.check(req.token_ids, req.params.max_tokens, held, line)
+                if refused is not None:
                     return
             self.core.add(self.pending.popleft())
             if held is not None:

@@ -536,6 +536,9 @@ class Handoff:
         """One Reserve per live decode worker, the most headroom first -> the first
         (worker, answer, sent) that reserved, None when every one refused."""
         tried: set[str] = set()
+        # the line as it stands (this request in it): cost-aware admission admits past its
+        # expected peak only while no more than one request waits per decode worker
+        line, decode_workers = len(self.line), len(self.registry.alive("decode"))
         while (worker := self.registry.pick_decode(tried)) is not None:
             tried.add(worker.worker_id)
             asked, asked_wall = time.monotonic(), now()
@@ -554,6 +557,8 @@ class Handoff:
                             if self._prefill_here(prompt)
                             else self.config.push_window_s
                         ),
+                        line=line,
+                        decode_workers=decode_workers,
                     ),
                     timeout=self.config.reserve_rpc_timeout_s,
                 )

@@ -334,6 +334,7 @@ class ClusterSim:
             return  # its turn comes when the ones ahead have reserved
         hs = self.profile.handoff
         tried: set[str] = set()
+        waiting = len(self._line) / max(1, len(self.registry.alive("decode")))  # as the router
         while (worker := self.registry.pick_decode(tried)) is not None:
             tried.add(worker.worker_id)
             d = next(x for x in self.decodes if x.name == worker.worker_id)
@@ -341,7 +342,7 @@ class ClusterSim:
             try:
                 # the simulated router renews the lease until the push is done
                 reserved = d.state.reserve(
-                    rid, flight.prompt, flight.params, self.router.push_window_s
+                    rid, flight.prompt, flight.params, self.router.push_window_s, waiting=waiting
                 )
             except ReservationError:
                 self.registry.not_reserved(worker)
