@@ -174,10 +174,11 @@ class DecodeMetrics:
                 (
                     "overcommit_blocks",
                     "overcommit_blocks",
-                    "R: demand allowed above the pool's budget at the last check (at most "
-                    "0 while a line waits at the router: below 0, the spread of the demand "
-                    "the tiers cannot hold, kept in the pool; with no line, what the tiers "
-                    "hold past the expected peak)",
+                    "R: demand allowed above the pool's budget, as the headroom reported "
+                    "to the router counts it (at most 0: below 0, the spread of the demand "
+                    "the tiers cannot hold, kept in the pool); a Reserve that finds no line "
+                    "at the router may be admitted past the expected peak by what the tiers "
+                    "hold",
                 ),
                 ("demand_blocks", "demand_blocks", "projected demand of the held requests"),
                 ("demand_sd_blocks", "demand_sd_blocks", "its standard deviation"),

@@ -41,7 +41,8 @@ def test_the_colocated_default_is_the_decode_workers_default(expected):
     stats = llm.stats()
     assert stats.recomputed_tokens == 0
     # every output is 30 tokens: no spread, the expected peak is exact, and nothing is
-    # admitted past it (until 2026-12-07 the default overcommitted into the tiers and parked)
+    # admitted past it while others wait in the queue (until 2026-12-07 the default
+    # overcommitted into the tiers whatever waited, and parked)
     assert stats.preemptions == 0
     costs = llm.gate.admission.costs
     assert costs.step_s is not None and costs.step_s > 0  # learned from the steps it ran
@@ -97,3 +98,24 @@ def test_the_gate_holds_no_more_than_a_steps_worth(expected):
         done.update({f.request_id: f.output_token_ids for f in out.finished})
     assert [done[r.request_id] for r in reqs] == expected  # all of them, in the end
     _empty(llm)
+
+
+def test_the_gate_tells_its_policy_how_many_requests_wait(expected):
+    """Cost-aware admission admits past the expected peak only with no line: the gate's
+    line is its own queue, the request asked about included."""
+    llm = _tight()
+    seen: list[float | None] = []
+    check = llm.gate.admission.check
+
+    def spy(prompt, max_tokens, held, waiting=None):
+        seen.append(waiting)
+        return check(prompt, max_tokens, held, waiting)
+
+    llm.gate.admission.check = spy
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+    # the idle engine takes the first unasked; the second is asked with itself and the four
+    # behind it waiting, the queue only shortens from there, and the last is asked alone
+    assert seen[0] == len(PROMPTS) - 1
+    assert seen == sorted(seen, reverse=True) and seen[-1] == 1
+    _empty(llm)
+    llm.close()

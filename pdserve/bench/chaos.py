@@ -230,7 +230,8 @@ def chaos_cluster(
 ):
     """2 prefill + 2 decode workers; the decode pools spill straight to disk (no host or
     CXL tier) under `spill_root`, so that spill files exist to leak or corrupt, and admit
-    greedily: the default policy admits no further than the expected peak of the demand and,
+    greedily: the default policy admits no further than the expected peak of the demand
+    while requests wait in line (past it only by what the tiers hold, with no line) and,
     when spills fail (spill-full), keeps its spread inside the pool, which would leave the
     spill and reload states mostly unreached."""
     from pdserve.launch import Cluster

@@ -45,9 +45,9 @@ park_s(t) / L seconds per step; ROOM is the most blocks the tiers have free that
 under PARK_OVERHEAD of a step. Where the tiers cannot hold the spread, the rest of it is
 kept inside the pool (R < 0); when parking is impossible (recompute preemption, no tiers,
 tiers full) or slower than computing the block again, ROOM = 0 and the policy admits only
-while the expected peak plus Z sd fits the pool. Nothing is admitted past the expected peak
-itself (R is never above 0): a request admitted there is expected to wait in a tier, and
-its wait is its TPOT. Until 2026-12-07 R was ROOM less the spread, often hundreds of
+while the expected peak plus Z sd fits the pool. While a line waits, nothing is admitted
+past the expected peak itself (R is at most 0): a request admitted there is expected to wait
+in a tier, and its wait is its TPOT. Until 2026-12-07 R was ROOM less the spread, often hundreds of
 blocks past the peak; simulated on this CPU's profile (seven layouts and loads, 8 seeds
 each: scripts/sim_past_peak.py) that changed throughput by -2% to +4% for a TPOT p99 of 0.31-0.83
 greedy+recompute's where this rule gives 0.21-0.80 (medians; docs/capacity-trap.md, "No
@@ -58,8 +58,10 @@ request waiting per decode worker, this one included: `waiting`, which the route
 with each Reserve and the colocated engine counts in its own queue) a request refused is a
 request whose wait leaves the pool short of its peak for a whole request lifetime: there the
 policy admits past the peak by what the tiers hold (R = ROOM less the spread, as before
-2026-12-07; measured on this VM at 4 clients of the demo's cluster, the peak rule ran at
-0.92x greedy+tiered's throughput with a 1.15x e2e p50, docs/capacity-trap.md). Where the
+2026-12-07, but floored where that truncated toward 0: at most a block). Simulated on the
+same profile, the demo's 4 clients' worst seed went from 0.86x to 0.95x the better greedy's
+throughput and from 1.40x to 1.27x its e2e p50, the knee unchanged (docs/capacity-trap.md,
+"past the peak again, where no line waits"; real runs there). Where the
 line is not known (a migration's Reserve, an older router), the peak rule holds. A worker
 holding nothing admits whatever fits (else a request alone, whose cap fits, could be
 refused for its spread forever).
@@ -334,8 +336,9 @@ class CostAwareAdmission(KVAwareAdmission):
         lifetime = self._lifetime(max_tokens)
         demand, tail, peak = self._demand(held)
         room, park_s, free = self._room(lifetime)
-        # below 0: the tiers cannot hold the tail, keep it in the pool; never above 0: a request
-        # admitted past the expected peak is expected to wait parked (its TPOT)
+        # below 0: the tiers cannot hold the tail, keep it in the pool; above 0 only with no
+        # line (`past_peak`): while a line waits, a request admitted past the expected peak
+        # is expected to wait parked (its TPOT) for room someone in the line would have used
         past = past_peak or self.PAST_PEAK
         r = math.floor(room - tail) if past else min(0, math.floor(room - tail))
         self.inputs = PolicyInputs(

@@ -538,7 +538,7 @@ class Handoff:
         tried: set[str] = set()
         # the line as it stands (this request in it): cost-aware admission admits past its
         # expected peak only while no more than one request waits per decode worker
-        line, decode_workers = len(self.line), len(self.registry.alive("decode"))
+        line, decode_workers = len(self.line), len(self.registry.routable("decode"))
         while (worker := self.registry.pick_decode(tried)) is not None:
             tried.add(worker.worker_id)
             asked, asked_wall = time.monotonic(), now()

@@ -334,7 +334,10 @@ class ClusterSim:
             return  # its turn comes when the ones ahead have reserved
         hs = self.profile.handoff
         tried: set[str] = set()
-        waiting = len(self._line) / max(1, len(self.registry.alive("decode")))  # as the router
+        # the line per decode worker new requests may go to, as the router sends it (none:
+        # not known, as waiting_of reads a Reserve that says 0 workers)
+        routable = len(self.registry.routable("decode"))
+        waiting = len(self._line) / routable if routable else None
         while (worker := self.registry.pick_decode(tried)) is not None:
             tried.add(worker.worker_id)
             d = next(x for x in self.decodes if x.name == worker.worker_id)
