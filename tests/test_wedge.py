@@ -50,7 +50,13 @@ def test_prefill_keeps_serving_the_survivor_after_a_decode_worker_dies_under_loa
                 decode_0 = c.procs[2]  # router, prefill, decode, decode: launch order
                 os.kill(decode_0.pid, signal.SIGKILL)
                 killed = time.monotonic()
-                while time.monotonic() < killed + 15:
+
+                def served_after() -> list[float]:
+                    return [t for t in done if killed + 3 <= t <= killed + 15]
+
+                # until the survivor has served a round of every client (from 3 s after the
+                # kill on), or 15 s have passed (the wedge: then nothing more completes)
+                while len(served_after()) < CLIENTS and time.monotonic() < killed + 15:
                     time.sleep(0.1)
                 stop.set()
                 for f in futures:
@@ -58,7 +64,7 @@ def test_prefill_keeps_serving_the_survivor_after_a_decode_worker_dies_under_loa
         finally:
             stop.set()
             client.close()
-        after = [t for t in done if killed + 3 <= t <= killed + 15]
+        after = served_after()
         # the wedge: nothing completed for minutes, every request ended DEADLINE_EXCEEDED
         assert len(after) >= CLIENTS, f"{len(after)} completed in the 12 s after the kill"
         assert not failed, f"{len(failed)} failed, e.g. {failed[:3]}"
