@@ -21,6 +21,7 @@ from decode.worker import (
     ReservationError,
     UnknownRequest,
 )
+from pdserve.engine.admission import waiting_per_worker
 from pdserve.rpc import pdserve_pb2 as pb
 from pdserve.rpc import pdserve_pb2_grpc as rpc
 from pdserve.serving.convert import sampling_from_proto, spans_to_proto
@@ -33,14 +34,6 @@ log = logging.getLogger(__name__)
 
 STREAM_FAILPOINT_AT = 4  # decode.stream strikes once a stream handed this many tokens over
 FEED_POLL_S = 1.0  # a Feed call with nothing to send looks whether its caller is still there
-
-
-def waiting_of(request: pb.ReserveRequest) -> float | None:
-    """Requests waiting for decode room per decode worker, as the router saw its line when
-    it asked (None when it did not say: a migration's Reserve, an older router)."""
-    if request.line <= 0 or request.decode_workers <= 0:
-        return None
-    return request.line / request.decode_workers
 
 
 class DecodeService(rpc.DecodeServicer):
@@ -60,7 +53,7 @@ class DecodeService(rpc.DecodeServicer):
                 request.lease_s,
                 request.push_window_s,
                 request.extra_tokens,
-                waiting_of(request),
+                waiting_per_worker(request.line, request.decode_workers),
             )
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

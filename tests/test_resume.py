@@ -11,8 +11,8 @@ import time
 import grpc
 import pytest
 
-from decode.service import waiting_of
 from pdserve.client import Client, InvalidRequest, Unavailable, build_request
+from pdserve.engine.admission import waiting_per_worker
 from pdserve.router.config import RouterConfig
 from pdserve.router.service import RouterService
 from pdserve.rpc import PROTOCOL_VERSION
@@ -199,7 +199,7 @@ def test_each_reserve_says_how_long_the_routers_line_is(cluster):
         client.generate(PROMPT, max_tokens=2, ignore_eos=True)
     (reserve,) = first.reserves  # the most headroom: asked first, and it said yes
     assert (reserve.line, reserve.decode_workers) == (1, 2)  # this request alone, 2 workers
-    assert waiting_of(reserve) == 0.5
+    assert waiting_per_worker(reserve.line, reserve.decode_workers) == 0.5
     # a Reserve that does not say (a migration's, an older router's): not known
-    assert waiting_of(pb.ReserveRequest(request_id="x")) is None
-    assert waiting_of(pb.ReserveRequest(request_id="x", line=3)) is None
+    for unsaid in (pb.ReserveRequest(request_id="x"), pb.ReserveRequest(line=3)):
+        assert waiting_per_worker(unsaid.line, unsaid.decode_workers) is None

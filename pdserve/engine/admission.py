@@ -139,6 +139,13 @@ class PolicyInputs:
     longest_stall_steps: int = 0
 
 
+def waiting_per_worker(line: int, workers: int) -> float | None:
+    """What check()'s `waiting` is: the requests in a line for decode room (the one asked
+    about included) per decode worker that may take them; None when either is not known (0:
+    a migration's Reserve, an older router)."""
+    return line / workers if line > 0 and workers > 0 else None
+
+
 def may_share(pool: PoolView, held: Sequence[HeldRequest]) -> bool:
     """Whether two of `held` can list a block in common. Only a block with two owners is in
     two owners' tables, so while the pool has none, only a request not admitted yet (its

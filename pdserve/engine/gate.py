@@ -19,6 +19,7 @@ from pdserve.engine.admission import (
     GreedyAdmission,
     KVAwareAdmission,
     check_admission,
+    waiting_per_worker,
 )
 from pdserve.engine.core import EngineCore, EngineStalled, StepPlan
 from pdserve.engine.costs import PreemptionCosts
@@ -62,7 +63,7 @@ class AdmissionGate:
                 if len(held) >= self.core.max_num_seqs:
                     return
                 # the line: this request and those queued behind it (one engine serves them)
-                line = len(self.pending)
+                line = waiting_per_worker(len(self.pending), 1)
                 refused = self.admission.check(req.token_ids, req.params.max_tokens, held, line)
                 if refused is not None:
                     return

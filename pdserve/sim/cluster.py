@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from decode.config import DecodeConfig
 from decode.state import DecodeState, ReservationError
 from pdserve.bench.workload import RequestSpec
+from pdserve.engine.admission import waiting_per_worker
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.batch import RunResult
 from pdserve.engine.core import StepPlan
@@ -334,10 +335,8 @@ class ClusterSim:
             return  # its turn comes when the ones ahead have reserved
         hs = self.profile.handoff
         tried: set[str] = set()
-        # the line per decode worker new requests may go to, as the router sends it (none:
-        # not known, as waiting_of reads a Reserve that says 0 workers)
-        routable = len(self.registry.routable("decode"))
-        waiting = len(self._line) / routable if routable else None
+        # the line per decode worker new requests may go to, as the router sends it
+        waiting = waiting_per_worker(len(self._line), len(self.registry.routable("decode")))
         while (worker := self.registry.pick_decode(tried)) is not None:
             tried.add(worker.worker_id)
             d = next(x for x in self.decodes if x.name == worker.worker_id)
