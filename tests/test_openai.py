@@ -29,7 +29,8 @@ def cluster():
         1,
         1,
         # room for test_overload's three holders at their expected peak (3 x 251 blocks of
-        # 16): the decode worker admits none past it, so a third would wait at the router
+        # 16): past it the decode worker admits only where no line waits, and a third
+        # waiting at the router would free the queue slot the test fills
         worker_args=["--num-kv-blocks", "1024"],
         router_args=["--max-queue", "3"],
         http_port=0,
