@@ -6,6 +6,7 @@ import contextlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -127,6 +128,10 @@ def test_cluster_matches_the_colocated_engine(model, prefill, decode, transfer, 
             used = {r.timings[f"{role}_worker"] for r in results}
             assert used == registered[role], (role, used, registered[role])
         wait_all_blocks_free(client)
+        # the router never loads torch, not even after serving: it starts in a fraction of
+        # a second and holds tens of MB, where torch alone is seconds and hundreds of MB
+        assert "libtorch" not in Path(f"/proc/{pids[0]}/maps").read_text()
+        assert "libtorch" in Path(f"/proc/{pids[1]}/maps").read_text()  # the check can fail
         client.close()
     assert_gone(pids)
 

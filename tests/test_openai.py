@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from http.client import HTTPConnection
+from pathlib import Path
 
 import openai
 import pytest
@@ -264,6 +265,8 @@ def test_models_health_and_metrics(cluster, oai):
     assert ttft["pdserve_router_ttft_seconds_count"] >= 1
     usage = families["pdserve_router_kv_usage_ratio"].samples
     assert usage and all(0 <= s.value <= 1 for s in usage)
+    # the front door too never loads torch into the router (test_cluster checks gRPC)
+    assert "libtorch" not in Path(f"/proc/{cluster.procs[0].pid}/maps").read_text()
 
 
 def test_overload_is_429_with_retry_after(cluster, sdk):

@@ -14,11 +14,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from pdserve.registry import Registry
+
+if TYPE_CHECKING:  # tensors come from the pools; a router imports this module without torch
+    import torch
 
 
 class XferState(Enum):

@@ -18,11 +18,14 @@ import argparse
 import os
 import sys
 import uuid
+from typing import TYPE_CHECKING
 
 from pdserve.cli.common import add_memory_flags
-from pdserve.engine.args import EngineArgs
 from pdserve.failpoints import Failpoints
 from pdserve.lifetime import StopSignal
+
+if TYPE_CHECKING:
+    from pdserve.engine.args import EngineArgs
 
 
 def _ready(role: str, host: str, port: int, metrics_port: int, http_port: int | None = None):
@@ -63,6 +66,8 @@ def _http_ssl(args: argparse.Namespace):
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
+    from pdserve.engine.args import EngineArgs  # torch: workers only, not the router
+
     return EngineArgs(
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,

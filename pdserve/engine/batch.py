@@ -4,11 +4,12 @@ objects. A runner (the real model, or a cost model on a virtual clock) sees only
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # an annotation only: the router's admission imports this without torch
+    import torch
 
 
 class ScheduledChunk(NamedTuple):

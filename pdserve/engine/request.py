@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.outputs import RequestMetrics
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # an annotation only: the router's admission imports this without torch
+    import torch
 
 
 class RequestStatus(Enum):

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from pdserve.config import ModelConfig, RopeConfig
 from pdserve.tokenizer import tokenizer_from_gguf_vocab
 from pdserve.weights.source import ModelSource, Weights
+
+if TYPE_CHECKING:
+    import torch
 
 _LAYER_NAMES = MappingProxyType(
     {
@@ -87,6 +89,7 @@ def _config(reader: Any, arch: str) -> ModelConfig:
 
 def _weights(reader: Any, config: ModelConfig, permuted: bool) -> Weights:
     import gguf
+    import torch  # here, not at import: a router resolves the model for its tokenizer
 
     for t in reader.tensors:
         array = gguf.quants.dequantize(t.data, t.tensor_type)

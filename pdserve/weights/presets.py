@@ -10,12 +10,14 @@ import importlib.util
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
 from pdserve.tokenizer import ByteTokenizer
 from pdserve.weights.source import ModelSource, Weights
+
+if TYPE_CHECKING:
+    import torch
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RANDOM_STD = 0.1
@@ -72,6 +74,8 @@ def _random_weights(config: ModelConfig, seed: int, device: torch.device | None 
     """Seeded normal weights, drawn on `device` when it is a GPU (an 8B model's 8e9 samples
     take tens of seconds on a host's cores, milliseconds there), on the host otherwise: a CPU
     engine gets the same weights on any machine, and a cluster's workers agree."""
+    import torch  # here, not at import: a router resolves a preset without it
+
     from pdserve.models import MODEL_CLASSES
 
     with torch.device("meta"):  # names and shapes only: nothing allocated

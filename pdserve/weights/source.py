@@ -5,13 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.config import ModelConfig
 from pdserve.tokenizer import Tokenizer
 
-Weights = Iterator[tuple[str, torch.Tensor]]
+if TYPE_CHECKING:  # torch only where weights are made: a router resolves a model without it
+    import torch
+
+Weights = Iterator[tuple[str, "torch.Tensor"]]
 
 
 @dataclass(frozen=True)
