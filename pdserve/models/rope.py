@@ -88,12 +88,18 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rope: RopeConfig, dim: int, max_position: int) -> None:
         super().__init__()
-        inv_freq, attention_factor = inverse_frequencies(rope, dim)
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, dim // 2]
+        # the table is computed on the CPU, then moved where the model is built: on the meta
+        # device (a random model's names and shapes) these ops would go through torch's
+        # Python references, whose first use imports torch._dynamo (over a second per process)
+        device = torch.get_default_device()
+        with torch.device("cpu"):
+            inv_freq, attention_factor = inverse_frequencies(rope, dim)
+            positions = torch.arange(max_position, dtype=torch.float32)
+            freqs = positions[:, None] * inv_freq[None, :]  # [max_position, dim // 2]
+            cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
         self.interleaved = rope.interleaved
-        self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTable:
         """cos and sin of a step's positions [T], looked up once and shared by all layers."""
