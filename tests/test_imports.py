@@ -4,6 +4,7 @@ use only the engine core's public API, and no module keeps mutable state at its 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -46,3 +47,20 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path):
     assert "a role reaches into the engine core (.scheduler)" in problems
     assert "`global` statement" in problems
     assert "component 'pdserve.newpart' is not in ALLOWED" in problems
+
+
+def test_an_engine_is_built_and_steps_without_torch_dynamo():
+    """torch._dynamo costs over a second to import; nothing an engine does needs it (a meta-
+    device op on the build path imported it once: pdserve/models/rope.py)."""
+    code = (
+        "import sys\n"
+        "from pdserve import LLM, SamplingParams\n"
+        "for model in ('tiny-llama', 'tiny-deepseek'):\n"
+        "    LLM(model).generate('hi', SamplingParams(max_tokens=2))\n"
+        "print('torch._dynamo' in sys.modules, 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "True"]
