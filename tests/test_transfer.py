@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -303,6 +306,27 @@ def test_a_notification_alone_reaches_the_peer(backend):
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.skipif(not available("ucxx"), reason="ucxx not importable")
+def test_a_ucxx_agent_leaves_the_processs_ucx_settings_as_it_found_them():
+    """ucxx's import writes UCX_* defaults for CUDA into os.environ; left there, every NIXL
+    agent made later in the process and every process started from it took them (with
+    UCX_RNDV_THRESH=8192 a NIXL handoff ran 10x slower here). A fresh interpreter: ucxx's
+    import side effects happen once per process, and this one's happened at collection."""
+    code = (
+        "import os\n"
+        "from transfer import make_agent\n"
+        "make_agent('ucxx', 'env-probe').close()\n"
+        "print(sorted((k, v) for k, v in os.environ.items() if k.startswith('UCX_')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    env["UCX_RNDV_THRESH"] = "65536"  # the user's own setting stays
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[('UCX_RNDV_THRESH', '65536')]"
 
 
 @pytest.mark.skipif(not available("ucxx"), reason="ucxx not importable")
