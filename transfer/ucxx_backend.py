@@ -39,6 +39,30 @@ from transfer.agent import (
 )
 from transfer.region_agent import RegionTableAgent
 
+# ucxx's import writes UCX_* defaults for its CUDA users into os.environ (UCX_RNDV_THRESH=8192,
+# UCX_RNDV_FRAG_MEM_TYPE=cuda, UCX_MEMTYPE_CACHE=n, UCX_MAX_RNDV_RAILS=1 and, where it finds
+# GPUs, more). This backend moves DRAM only, and left there they would reach every UCX
+# context made later in this process (a NIXL agent's) and every process started from it:
+# with UCX_RNDV_THRESH=8192 `bench transfer --quick` over NIXL took 40 s instead of 4 s here.
+# So the import leaves os.environ as it found it (a variable the user set is kept). It runs
+# here, at this module's import, which Python's import lock serializes: two threads making
+# their first ucxx agents at once cannot see each other's half-restored environment.
+
+
+def _import_ucxx():
+    saved = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+    try:
+        import ucxx._lib.libucxx as ucx
+        from ucxx._lib.arr import Array
+    finally:
+        for key in [k for k in os.environ if k.startswith("UCX_") and k not in saved]:
+            del os.environ[key]
+        os.environ.update(saved)
+    return ucx, Array
+
+
+ucx, Array = _import_ucxx()
+
 HDR, DATA, ACK = 1, 2, 3
 MAX_MESSAGES = 1 << 16  # message index field
 SEQS = 1 << 16  # transfer sequence field: a number is reused only once its transfer ended
@@ -127,29 +151,10 @@ class UcxxTransfer(Transfer):
             self._orphans.append(pending)  # into memory that is gone
 
 
-def _import_ucxx():
-    """ucxx's bindings, imported without the UCX_* defaults ucxx's import writes into
-    os.environ for its CUDA users (UCX_RNDV_THRESH=8192, UCX_RNDV_FRAG_MEM_TYPE=cuda,
-    UCX_MEMTYPE_CACHE=n, UCX_MAX_RNDV_RAILS=1): this backend moves DRAM only, and left there
-    they reach every UCX context made later in this process (a NIXL agent's) and every
-    process started from it. With UCX_RNDV_THRESH=8192, `bench transfer --quick` over NIXL
-    took 40 s instead of 4 s here. A variable the user set is kept as it was."""
-    saved = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
-    try:
-        import ucxx._lib.libucxx as ucx
-        from ucxx._lib.arr import Array
-    finally:
-        for key in [k for k in os.environ if k.startswith("UCX_") and k not in saved]:
-            del os.environ[key]
-        os.environ.update(saved)
-    return ucx, Array
-
-
 class UcxxAgent(RegionTableAgent):
     backend = "ucxx"
 
     def __init__(self, name: str) -> None:
-        ucx, Array = _import_ucxx()
         super().__init__(name)
         self._ucx, self._Array = ucx, Array
         self._ctx = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))

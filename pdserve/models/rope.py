@@ -91,7 +91,7 @@ class RotaryEmbedding(nn.Module):
         # the table is computed on the CPU, then moved where the model is built: on the meta
         # device (a random model's names and shapes) these ops would go through torch's
         # Python references, whose first use imports torch._dynamo (over a second per process)
-        device = torch.get_default_device()
+        device = torch.empty(()).device  # the device context's (get_default_device: torch 2.8+)
         with torch.device("cpu"):
             inv_freq, attention_factor = inverse_frequencies(rope, dim)
             positions = torch.arange(max_position, dtype=torch.float32)
