@@ -62,9 +62,9 @@ class AdmissionGate:
                 held = self.core.held() if held is None else held
                 if len(held) >= self.core.max_num_seqs:
                     return
-                # the line: this request and those queued behind it (one engine serves them)
-                line = waiting_per_worker(len(self.pending), 1)
-                refused = self.admission.check(req.token_ids, req.params.max_tokens, held, line)
+                # the line is this request and those queued behind it, all for this engine
+                waiting = waiting_per_worker(len(self.pending), 1)
+                refused = self.admission.check(req.token_ids, req.params.max_tokens, held, waiting)
                 if refused is not None:
                     return
             self.core.add(self.pending.popleft())
