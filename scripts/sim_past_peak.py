@@ -141,10 +141,14 @@ def summary(runs: list[dict]) -> dict:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def scenario_args(description: str, h200_seeds: int):
+    """(args, the scenarios chosen, (scenario, seed) jobs) from the command line shared by
+    this script and scripts/sim_hidden_lengths.py."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--seeds", type=int, default=8, help="seeds of each CPU scenario")
-    ap.add_argument("--h200-seeds", type=int, default=1, help="seeds of each H200 scenario")
+    ap.add_argument(
+        "--h200-seeds", type=int, default=h200_seeds, help="seeds of each H200 scenario"
+    )
     ap.add_argument("--only", default=None, help="comma-separated scenario names")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -154,6 +158,11 @@ def main() -> int:
         ap.error(f"--only: unknown {', '.join(sorted(only - names))}; choose from {names}")
     chosen = [s for s in SCENARIOS if s.name in only]
     jobs = [(s, seed) for s in chosen for seed in range(args.h200_seeds if s.gpu else args.seeds)]
+    return args, chosen, jobs
+
+
+def main() -> int:
+    args, chosen, jobs = scenario_args(__doc__.split("\n\n")[0], h200_seeds=1)
     report = {
         "cpu_profile": os.path.relpath(CPU_PROFILE, ROOT),
         "gpu_profile": "h200",

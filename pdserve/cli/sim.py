@@ -73,6 +73,7 @@ def setup_from_args(args: argparse.Namespace):
         args.seed,
         skew=args.skew,
         turn_s=args.turn_s,
+        max_tokens=args.max_tokens,
     )
     setup.num_blocks()  # weights that leave no room for KV: say so before anything runs
     return setup, load
@@ -212,6 +213,15 @@ def add_sim_parser(sub) -> None:
         "`serve prefill --turn-s` (0: batches by tokens alone)",
     )
     sim.add_argument("--max-model-len", type=int, default=None)
+    sim.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="every request's max_tokens, as a client's cap; each still generates its "
+        "workload length, ended by a stop token the scheduler does not see coming (as EOS). "
+        "Default: max_tokens = the request's length, as the benchmarks send it, which tells a "
+        "policy that reads max_tokens every request's exact length",
+    )
     sim.add_argument("--weight-dtype", default="bf16", choices=["bf16", "fp8"])
     sim.add_argument("--slo", type=slo_arg, default=None, help="ttft=SECONDS,tpot=SECONDS")
     sim.add_argument("--seed", type=int, default=0)

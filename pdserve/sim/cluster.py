@@ -71,6 +71,7 @@ from pdserve.sim.clock import VirtualClock
 from pdserve.sim.engine import SimEngine, sim_engine
 from pdserve.sim.load import Arrivals, Record, Series
 from pdserve.sim.migrate import SimMigrations
+from pdserve.sim.runner import request_params
 from prefill.batcher import Batcher, PrefillJob, reserve_batch
 from prefill.turns import TurnBudget
 
@@ -244,6 +245,7 @@ class ClusterSim:
         if self.skew == "scale-out":
             self._join, self._wave_left = join, concurrency
         sent = 0
+        cap, vocab = self.setup.max_tokens, self.setup.config.vocab_size
         self._at(self.router.heartbeat_s, "heartbeat")
         if self.migrations is not None:
             self._at(self.router.rebalance_period_s, "rebalance")
@@ -269,9 +271,7 @@ class ClusterSim:
                     rid = f"r{i}"
                     spec = specs[i]
                     records[rid] = Record(rid, at, spec.output_tokens)
-                    params = SamplingParams(
-                        max_tokens=spec.output_tokens, temperature=0, ignore_eos=True
-                    )
+                    params = request_params(len(prompts[i]), spec.output_tokens, cap, vocab)
                     flights[rid] = _Flight(i, prompts[i], params, self.router.reserve_retry_s[0])
                     self._at(at, "reserve", rid, 0)
 

@@ -22,6 +22,7 @@ round, and a parked request's read from its tier is not charged (the link is).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -32,7 +33,6 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.handoff import Inflight
 from pdserve.router.migrate import Moved
 from pdserve.router.rebalance import Rebalancer
-from pdserve.sampling_params import SamplingParams
 
 
 @dataclass
@@ -108,7 +108,9 @@ class SimMigrations:
         # every token but its last (whose KV is not computed), to the same total length
         context = req.token_ids[:-1]
         left = req.max_total_tokens - len(context)
-        params = SamplingParams(max_tokens=left, temperature=0, ignore_eos=True)
+        # the same request (a hidden length keeps its position in the sequence) with the
+        # tokens it has left
+        params = dataclasses.replace(req.params, max_tokens=left)
         dest_rid = f"{req.request_id}~m"
         dest.engine.clock.now = max(dest.engine.clock.now, now)
         try:

@@ -28,10 +28,10 @@ from pdserve.engine.gate import AdmissionGate
 from pdserve.engine.output import StepOutput
 from pdserve.engine.request import Request
 from pdserve.progress import progress
-from pdserve.sampling_params import SamplingParams
 from pdserve.sim.cost import StepWork
 from pdserve.sim.engine import SimEngine
 from pdserve.sim.load import Arrivals, Record, Series
+from pdserve.sim.runner import request_params
 
 ROUTES = ("headroom", "round-robin")
 
@@ -85,8 +85,17 @@ class Replica:
             ended(at)
 
 
-def _request(core: EngineCore, index: int, spec: RequestSpec, prompt: list[int]) -> Request:
-    params = SamplingParams(max_tokens=spec.output_tokens, temperature=0, ignore_eos=True)
+def _request(
+    core: EngineCore,
+    index: int,
+    spec: RequestSpec,
+    prompt: list[int],
+    cap: int | None = None,
+    vocab_size: int = 0,
+) -> Request:
+    """The spec as a request: its length as max_tokens, or hidden under the cap (a simulated
+    engine only, whose runner samples the stop token: pdserve/sim/runner.py)."""
+    params = request_params(len(prompt), spec.output_tokens, cap, vocab_size)
     return core.make_request(prompt, params, request_id=f"r{index}")
 
 
@@ -151,8 +160,10 @@ def run_sim(
     bandwidth_bytes_s: float = 0.0,
     step_log: list[StepOutput] | None = None,
     label: str = "sim",
+    max_tokens: int | None = None,
 ) -> tuple[list[Record], int]:
-    """Simulated replicas on virtual clocks -> (records, steps simulated)."""
+    """Simulated replicas on virtual clocks -> (records, steps simulated); `max_tokens`: every
+    request's cap, its length hidden (None: its length is its max_tokens)."""
     if route not in ROUTES:
         raise ValueError(f"route: {route!r}; choose one of {', '.join(ROUTES)}")
     arrivals = Arrivals(specs, concurrency)
@@ -175,7 +186,8 @@ def run_sim(
                 else:
                     k = max(range(len(replicas)), key=lambda j: replicas[j][0].headroom())
                 rep, eng = replicas[k]
-                rep.offer(_request(eng.core, i, specs[i], prompts[i]), Record(f"r{i}", at, 0))
+                request = _request(eng.core, i, specs[i], prompts[i], max_tokens, eng.runner.vocab)
+                rep.offer(request, Record(f"r{i}", at, 0))
 
         def start_steps(now: float) -> None:
             for k in sorted(idle):

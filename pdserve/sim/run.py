@@ -117,6 +117,9 @@ class Setup:
     # with a profile whose workers share the CPUs: a prefill batch's turn (prefill/turns.py;
     # `serve prefill --turn-s`, 0: batches by tokens alone)
     turn_s: float = PrefillConfig.turn_s
+    # every request's max_tokens, its length hidden until it samples its stop token
+    # (pdserve/sim/runner.py); None: its length is its max_tokens, as the benchmarks send it
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.topology.dp_attention and self.profile.kind != "roofline":
@@ -124,6 +127,8 @@ class Setup:
                 f"dp_attention: profile {self.profile.name} is {self.profile.kind}; "
                 "DP attention is costed from a roofline profile (h100, h200)"
             )
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
         if not (math.isfinite(self.turn_s) and self.turn_s >= 0):
             raise ValueError(
                 f"turn_s: must be a finite number >= 0 (0: no bound), got {self.turn_s}"
@@ -241,6 +246,7 @@ def simulate(
                 route=topo.route,
                 bandwidth_bytes_s=setup.profile.memory_bytes_s,
                 label=label,
+                max_tokens=setup.max_tokens,
             )
             engines = [eng for _, eng in replicas]
             moves = 0

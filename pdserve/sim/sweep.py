@@ -66,10 +66,15 @@ def sim_sweep(
         specs = load.for_point(c, setup.seed)
         points.append(simulate(setup, policy, specs, c, label=f"{policy} c={c}"))
     topo = setup.topology
+    lengths = (
+        "max_tokens = each request's length"
+        if setup.max_tokens is None
+        else f"max_tokens {setup.max_tokens}, lengths hidden"
+    )
     title = (
         f"SIMULATED: {label} ({setup.config.architecture}) on {setup.profile.name} "
         f"({topo.describe()}), {points[0]['num_kv_blocks']} KV blocks of "
-        f"{setup.args.block_size} tokens per engine"
+        f"{setup.args.block_size} tokens per engine, {lengths}"
     )
     return {
         "benchmark": "sim",
@@ -91,6 +96,8 @@ def sim_sweep(
             "max_num_batched_tokens": setup.args.max_num_batched_tokens,
         },
         "workload": load.describe(),
+        # None: each request's max_tokens was its length (a policy reading the cap knew it)
+        "max_tokens": setup.max_tokens,
         "slo": dataclasses.asdict(setup.slo),
         "points": points,
         "analysis": analyze([p for p in points if p["concurrency"] is not None]),
