@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pdserve.bench.workload import specs_of
+from pdserve.bench.workload import RequestSpec, specs_of
 from pdserve.engine.args import EngineArgs
 from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.output import HeldRequest
@@ -110,6 +110,19 @@ def test_a_migrated_request_keeps_its_hidden_length():
     given = simulate(dataclasses.replace(setup, max_tokens=None), "greedy+recompute+migrate",
                      specs, concurrency=10, label="")  # fmt: skip
     assert given["generated_tokens"] == moved["generated_tokens"]
+
+
+@pytest.mark.parametrize("topology", [Topology(), Topology(prefill=1, decode=2)])
+def test_a_request_whose_first_token_is_its_last_ends_there(topology):
+    """A one-token request samples its stop where its prompt is computed (on a prefill
+    worker, in a cluster): it ends there, as a model's EOS would end it."""
+    specs = [RequestSpec(0.0, 20 + i, (1, 2, 3, 1, 5, 1, 2)[i % 7]) for i in range(14)]
+    args = EngineArgs(block_size=4, num_kv_blocks=60)
+    setup = Setup(model_config("tiny-llama"), load_profile("h200"), topology, args,
+                  max_tokens=50)  # fmt: skip
+    for policy in ("greedy+recompute", "cost-aware+tiered"):
+        p = simulate(setup, policy, specs, 4, label="")
+        assert p["errors"] == 0 and p["generated_tokens"] == 30
 
 
 def test_the_command_line_takes_a_cap_and_says_so(tmp_path):
