@@ -169,7 +169,8 @@ class DecodeMetrics:
                 (
                     "recompute_s_per_token",
                     "recompute_seconds_per_token",
-                    "what a recomputed token adds to a step (EWMA)",
+                    "what a recomputed token adds to a step (mixed steps' added time over "
+                    "their prompt tokens, a 16,384-token half-life)",
                 ),
                 (
                     "overcommit_blocks",

@@ -447,3 +447,26 @@ def test_preemption_costs_learn_from_steps():
     assert PreemptionCosts.park_s_per_block(
         tier(1, moved_blocks=4, spill_s=0.004, reload_s=0.002)
     ) == pytest.approx(0.0015)
+
+
+def test_recompute_cost_weighs_each_prompt_token_the_same():
+    """A memory-bound step carries a short prompt for nothing; a long context computed again
+    costs its tokens. Twenty free 50-token chunks beside one 2,048-token chunk that added
+    0.2 s: the cost per token is their time over their tokens (a mean over steps would read
+    it ~5x lower), a chunk seen 16,384 prompt tokens ago weighing half."""
+    costs = PreemptionCosts()
+    costs.observe_step(0.1, decode_seqs=40, prefill_tokens=0)
+    costs.observe_step(0.3, decode_seqs=40, prefill_tokens=2048)
+    for _ in range(20):
+        costs.observe_step(0.1, decode_seqs=40, prefill_tokens=50)
+    f = 0.5 ** (50 / 16384)  # each 50-token chunk fades what came before by this
+    tokens = 2048 * f**20 + 50 * sum(f**k for k in range(20))
+    assert costs.recompute_s_per_token == pytest.approx(0.2 * f**20 / tokens)
+    # 2048 tokens cost 0.2 s (9.8e-5 each), diluted by the free ones' 1,000 tokens: 6.5e-5;
+    # an exponential mean over steps (alpha 0.1) would have read 9.8e-5 * 0.9**20 = 1.2e-5
+    assert 6e-5 < costs.recompute_s_per_token < 7e-5
+    old = PreemptionCosts()  # 16,384 tokens later the 2,048-token chunk weighs half
+    old.observe_step(0.1, decode_seqs=40, prefill_tokens=0)
+    old.observe_step(0.3, decode_seqs=40, prefill_tokens=2048)
+    old.observe_step(0.1, decode_seqs=40, prefill_tokens=16384)
+    assert old.recompute_s_per_token == pytest.approx(0.1 / (1024 + 16384))

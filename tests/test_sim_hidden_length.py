@@ -40,20 +40,38 @@ def test_the_runner_samples_the_stop_token_exactly_at_the_hidden_length():
     for position in (5, 6):
         sampled.append(runner.execute([chunk([sampled[-1]], position, params)]).tokens[0])
     assert sampled[-1] == VOCAB - 1 and VOCAB - 1 not in sampled[:-1]
-    # a recompute of the whole context samples the same stop at the same place
+    # a recompute of the whole context samples the same stop at the same place, and so
+    # does one whose first 4 tokens were a cached prefix
     context = [*range(5), *sampled[:2]]
     assert runner.execute([chunk(context, 0, params)]).tokens == [VOCAB - 1]
+    assert runner.execute([chunk(context[4:], 4, params)]).tokens == [VOCAB - 1]
+    # a part of a prompt that samples nothing, then the rest: the first output is no stop
+    part = ScheduledChunk(list(range(3)), 0, [0], False, params, None)
+    assert runner.execute([part, chunk([3, 4], 3, params)]).tokens != [VOCAB - 1]
+    # one request ends while another in the same step goes on
+    longer = request_params(5, 9, 100, VOCAB)
+    both = runner.execute([chunk(context, 0, params), chunk(context, 0, longer)]).tokens
+    assert both[0] == VOCAB - 1 and both[1] != VOCAB - 1
     # lengths as max_tokens: the benchmarks' way, the stop token never forced
     given = request_params(5, 3, None, VOCAB)
     assert type(given) is SamplingParams and given.max_tokens == 3 and given.ignore_eos
 
 
-def test_a_cap_below_a_requests_length_is_refused_by_name():
+def test_a_cap_the_workload_does_not_fit_is_refused_by_name_before_anything_runs():
     with pytest.raises(ValueError, match="max_tokens: a request of the workload generates 9"):
         request_params(4, 9, 8, VOCAB)
     config = model_config("tiny-llama")
     with pytest.raises(ValueError, match="max_tokens: must be >= 1"):
         Setup(config, load_profile("h200"), Topology(), EngineArgs(), max_tokens=0)
+    args = EngineArgs(block_size=4, num_kv_blocks=60, max_model_len=100)
+    specs = [RequestSpec(0.0, 10, 5)] * 3 + [RequestSpec(0.0, 10, 40)]
+    with pytest.raises(ValueError, match="generates 40 tokens, past the cap 30"):
+        simulate(Setup(config, load_profile("h200"), Topology(), args, max_tokens=30),
+                 "greedy+recompute", specs, 2, label="")  # fmt: skip
+    specs = [RequestSpec(0.0, 70, 5)]
+    with pytest.raises(ValueError, match=r"prompt \(70 tokens\) plus the cap 40 exceeds"):
+        simulate(Setup(config, load_profile("h200"), Topology(), args, max_tokens=40),
+                 "greedy+recompute", specs, 2, label="")  # fmt: skip
 
 
 def colocated(max_tokens: int | None) -> Setup:

@@ -29,6 +29,7 @@ from pdserve.sim.engine import kv_blocks, sim_engine
 from pdserve.sim.load import summarize
 from pdserve.sim.profile import Profile
 from pdserve.sim.replica import ROUTES, Replica, run_sim
+from pdserve.sim.runner import over_cap
 from pdserve.sim.shape import ModelShape
 from prefill.config import PrefillConfig
 
@@ -201,6 +202,25 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+def check_lengths(setup: Setup, specs: list[RequestSpec]) -> None:
+    """With a cap (Setup.max_tokens): every request must fit under it and its prompt plus the
+    cap within max_model_len, as a server would refuse it. ValueError naming the field,
+    before anything runs."""
+    cap = setup.max_tokens
+    if cap is None or not specs:
+        return
+    longest = max(s.output_tokens for s in specs)
+    if longest > cap:
+        raise over_cap(longest, cap)
+    limit = setup.args.scheduler_config(setup.config).max_model_len
+    prompt = max(s.prompt_tokens for s in specs)
+    if prompt + cap > limit:
+        raise ValueError(
+            f"max_tokens: the longest prompt ({prompt} tokens) plus the cap {cap} exceeds "
+            f"max_model_len {limit}"
+        )
+
+
 def simulate(
     setup: Setup,
     policy: str,
@@ -209,6 +229,7 @@ def simulate(
     label: str = "sim",
 ) -> dict:
     """One point: the policy under this load on the setup's topology -> its figures."""
+    check_lengths(setup, specs)
     admission, args = policy_args(setup.args, policy)
     migrate = migration_of(setup, policy)
     blocks = setup.num_blocks()

@@ -34,6 +34,13 @@ class HiddenLength(SamplingParams):
     ends_at: int = 0
 
 
+def over_cap(longest: int, cap: int) -> ValueError:
+    return ValueError(
+        f"max_tokens: a request of the workload generates {longest} tokens, past the cap "
+        f"{cap}; give a cap of at least the workload's longest output"
+    )
+
+
 def request_params(
     prompt_tokens: int, output_tokens: int, cap: int | None, vocab_size: int
 ) -> SamplingParams:
@@ -42,10 +49,7 @@ def request_params(
     if cap is None:
         return SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True)
     if output_tokens > cap:
-        raise ValueError(
-            f"max_tokens: a request of the workload generates {output_tokens} tokens, past the "
-            f"cap {cap}; give a cap of at least the workload's longest output"
-        )
+        raise over_cap(output_tokens, cap)
     return HiddenLength(
         max_tokens=cap,
         temperature=0,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pdserve.bench.sweep import analyze
 from pdserve.bench.workload import WORKLOADS, RequestSpec, specs_of
 from pdserve.progress import progress
-from pdserve.sim.run import Setup, simulate
+from pdserve.sim.run import Setup, check_lengths, simulate
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,8 @@ def sim_sweep(
     label: str = "sim",
 ) -> dict:
     points = []
+    for c in concurrencies:  # a cap the workload does not fit: said before anything runs
+        check_lengths(setup, load.for_point(c, setup.seed))
     grid = [(p, c) for p in policies for c in concurrencies]
     for policy, c in progress(grid, desc="pdserve sim", unit="point"):
         specs = load.for_point(c, setup.seed)
