@@ -54,6 +54,7 @@ class DecodeService(rpc.DecodeServicer):
                 request.push_window_s,
                 request.extra_tokens,
                 waiting_per_worker(request.line, request.decode_workers),
+                request.generated_tokens,
             )
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

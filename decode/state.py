@@ -90,18 +90,24 @@ class DecodeState:
         push_window_s: float = 0.0,
         extra_tokens: int = 0,
         waiting: float | None = None,
+        generated: int = 0,
     ) -> Reserved:
         """Raises ValueError (bad input: never servable) or ReservationError (no room now).
         `lease_s` and `push_window_s` of 0 mean the configured lease (and a push window as
         long as the lease: a caller that names none never renews either). `extra_tokens`:
         blocks for that many tokens more than the prompt (a migration's, decode/migrate.py).
         `waiting`: requests waiting for decode room per decode worker at the router, this
-        one included (None: not known), which cost-aware admission reads."""
+        one included (None: not known), which cost-aware admission reads. `generated`: the
+        tokens it generated before (a migration's: the prompt ends with them), from which
+        admission and the length estimator count its output."""
         check_window("lease_s", lease_s)
         check_window("push_window_s", push_window_s)
         if not 0 <= extra_tokens <= params.max_tokens:
             raise ValueError(f"extra_tokens: must be in [0, max_tokens], got {extra_tokens}")
+        if not 0 <= generated < len(prompt):
+            raise ValueError(f"generated_tokens: must be in [0, prompt length), got {generated}")
         req = self.core.make_request(prompt, params, request_id=request_id)
+        req.prior_output_tokens = generated
         if request_id in self.reservations or self.core.holds(request_id):
             raise ValueError(f"request_id: {request_id!r} is already known here")
         held = self.held()
@@ -110,10 +116,11 @@ class DecodeState:
                 f"requests: this worker holds {len(held)}, its most (max_requests "
                 f"{self.max_requests}: each streams on a server thread)"
             )
-        refused = self.admission.check(req.token_ids, params.max_tokens, held, waiting)
+        cap = generated + params.max_tokens  # its whole output's, counted from its start
+        refused = self.admission.check(req.token_ids, cap, held, waiting, generated)
         if refused is not None:
             raise ReservationError(refused)
-        cost = self.admission.cost(req.token_ids, params.max_tokens)
+        cost = self.admission.cost(req.token_ids, cap, generated)
         try:
             cached_blocks = self.core.reserve(req, extra_tokens) // self.core.block_size
         except MemoryError as e:
@@ -150,9 +157,10 @@ class DecodeState:
         if res is None:
             raise UnknownRequest(f"no reservation for {request_id!r} (expired or released)")
         req = res.request
-        if more:
+        if more:  # generated where it was while its KV moved: its output, counted so
             req.token_ids.extend(more)
             req.num_prompt_tokens += len(more)
+            req.prior_output_tokens += len(more)
             if self.core.blocks_needed(req.num_tokens) > len(req.block_ids):
                 self.core.release(req)
                 raise ValueError(
@@ -200,7 +208,7 @@ class DecodeState:
         """A finished request teaches the estimator its output length (its driver calls
         this for every request that ends, from start(), release() or a step)."""
         if done.completed:
-            self.estimator.observe(len(done.output_token_ids))
+            self.estimator.observe(done.output_length)
 
     def observe_step(self, plan: StepPlan, seconds: float) -> None:
         """A step's run took `seconds`: the costs the admission policy reads learn from it."""

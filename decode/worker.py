@@ -113,15 +113,24 @@ class DecodeWorker:
         push_window_s: float = 0.0,
         extra_tokens: int = 0,
         waiting: float | None = None,
+        generated: int = 0,
     ) -> Reserved:
         """-> blocks for the prompt's KV (and `extra_tokens` more: a migration's). Raises
-        ValueError (bad input) or ReservationError. `waiting`: DecodeState.reserve's."""
+        ValueError (bad input) or ReservationError. `waiting`, `generated`:
+        DecodeState.reserve's."""
         with self.lock:
             if request_id in self.streams:
                 raise ValueError(f"request_id: {request_id!r} is already known here")
             try:
                 reserved = self.state.reserve(
-                    request_id, prompt, params, lease_s, push_window_s, extra_tokens, waiting
+                    request_id,
+                    prompt,
+                    params,
+                    lease_s,
+                    push_window_s,
+                    extra_tokens,
+                    waiting,
+                    generated,
                 )
             except ReservationError:
                 self.metrics.refused.inc()

@@ -470,3 +470,21 @@ def test_recompute_cost_weighs_each_prompt_token_the_same():
     old.observe_step(0.3, decode_seqs=40, prefill_tokens=2048)
     old.observe_step(0.1, decode_seqs=40, prefill_tokens=16384)
     assert old.recompute_s_per_token == pytest.approx(0.1 / (1024 + 16384))
+
+
+def test_a_moved_request_is_judged_from_its_start():
+    """A migration's Reserve says how much the request generated before (its context ends
+    with it): admission conditions its expected remaining length on that, not on a fresh
+    start under what it has left. Every observed request generated 12 tokens: a new request
+    capped at 16 is expected to add 12 to its 40-token context (52: 4 blocks of 16), one
+    that generated 10 before only 2 more (42: 3 blocks)."""
+    est = OutputLengthEstimator()
+    for _ in range(20):
+        est.observe(12)
+    policy = kv_aware(BlockAllocator(59, 16), est, 0.0)  # a budget of 59 blocks
+    context = list(range(1, 41))
+    assert policy.cost(context, 16) == 4
+    assert policy.cost(context, 16, generated=10) == 3
+    held = [Held(40, 0, 16)] * 14  # 14 x 4 = 56 blocks expected of 59
+    assert policy.check(context, 16, held, generated=10) is None  # 56 + 3 fits
+    assert policy.check(context, 16, held) is not None  # 56 + 4 does not

@@ -86,6 +86,7 @@ class Move:
             params(MAX_NEW - len(sent) + 1),
             lease_s=30,
             extra_tokens=extra,
+            generated=len(sent) - 1,  # as the router says it: its output counts from its start
         )
         self.dest = destination(dst, self.reserved)
 
@@ -139,6 +140,10 @@ def test_a_migrated_request_finishes_on_the_other_worker_with_the_same_tokens(tr
         w.check_integrity()
         assert w.stats().free_blocks == NUM_BLOCKS
     assert a.metrics.migrations.labels("completed")._value.get() == 1
+    # B's length estimator learned the request's whole length; A, which handed it over,
+    # learned nothing from it
+    assert b.state.estimator.sorted_lengths().tolist() == [MAX_NEW]
+    assert a.state.estimator.count == 0
 
 
 def test_a_request_migrated_twice_keeps_its_tokens(trio, expected):
@@ -162,6 +167,8 @@ def test_a_request_migrated_twice_keeps_its_tokens(trio, expected):
     for w in (a, b):
         w.check_integrity()
         assert w.stats().free_blocks == NUM_BLOCKS
+    assert a.state.estimator.sorted_lengths().tolist() == [MAX_NEW]  # moved twice: whole
+    assert b.state.estimator.count == 0
 
 
 def test_a_request_that_outruns_its_pre_copy_waits_at_the_destination_size(trio, expected):

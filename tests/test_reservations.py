@@ -231,3 +231,16 @@ def test_a_worker_holds_at_most_max_requests_whatever_its_free_blocks():
         core.close()
     with pytest.raises(ValueError, match="max_requests: must be >= 1"):
         DecodeConfig("d", max_requests=0)
+
+
+def test_a_reserve_says_what_the_request_generated_before_and_it_counts(books):
+    """A migration's Reserve carries the tokens its request generated elsewhere (its prompt
+    ends with them, max_tokens is what it has left): the books show its output counted from
+    its start, and a count that is not part of the prompt is refused by name."""
+    state, _ = books
+    state.reserve("moved", PROMPT, GREEDY, lease_s=30, generated=10)
+    (held,) = [h for h in state.held() if h.request_id == "moved"]
+    assert (held.tokens, held.generated, held.max_tokens) == (40, 10, 14)
+    with pytest.raises(ValueError, match="generated_tokens"):
+        state.reserve("bad", PROMPT, GREEDY, lease_s=30, generated=40)
+    state.check_integrity()

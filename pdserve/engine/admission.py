@@ -199,7 +199,7 @@ class GreedyAdmission:
         # nothing new gets in while a preempted request waits: no room to route to
         return 0 if self.pool.preempted_waiting() else self.pool.free_blocks
 
-    def cost(self, prompt: list[int], max_tokens: int) -> int:
+    def cost(self, prompt: list[int], max_tokens: int, generated: int = 0) -> int:
         return self.pool.blocks_needed(len(prompt)) - len(self.pool.shared_blocks(prompt))
 
     def rotation(self) -> Callable[[], float] | None:
@@ -213,10 +213,12 @@ class GreedyAdmission:
         max_tokens: int,
         held: Sequence[HeldRequest],
         waiting: float | None = None,
+        generated: int = 0,
     ) -> str | None:
         """None when the request may be admitted, else why not; `waiting`: requests waiting
         for room per decode worker, this one included (None: not known; only cost-aware
-        reads it). First come, first served,
+        reads it); `generated`: tokens it generated elsewhere (a migration's: the prompt
+        ends with them, and max_tokens counts them). First come, first served,
         as vLLM's and SGLang's schedulers do: while a preempted request waits for room, a
         new one waits behind it (a decode worker's Reserve takes blocks directly, so
         without this a new request took the blocks a preempted one was waiting for)."""
@@ -245,12 +247,12 @@ class KVAwareAdmission(GreedyAdmission):
     def headroom(self, held: Sequence[HeldRequest]) -> int:
         return self.budget - self.projected_blocks(held)
 
-    def _new(self, prompt: list[int], max_tokens: int) -> HeldRequest:
+    def _new(self, prompt: list[int], max_tokens: int, generated: int = 0) -> HeldRequest:
         hits = tuple(self.pool.shared_blocks(prompt))
-        return HeldRequest("", len(prompt), 0, max_tokens, hits, owns=False)
+        return HeldRequest("", len(prompt), generated, max_tokens, hits, owns=False)
 
-    def cost(self, prompt: list[int], max_tokens: int) -> int:
-        new = self._new(prompt, max_tokens)
+    def cost(self, prompt: list[int], max_tokens: int, generated: int = 0) -> int:
+        new = self._new(prompt, max_tokens, generated)
         return self.projected_blocks([new]) - len(new.block_ids)
 
     def check(
@@ -259,11 +261,12 @@ class KVAwareAdmission(GreedyAdmission):
         max_tokens: int,
         held: Sequence[HeldRequest],
         waiting: float | None = None,
+        generated: int = 0,
     ) -> str | None:
         refused = super().check(prompt, max_tokens, held)
         if refused is not None or not held:  # a worker holding nothing takes what fits
             return refused
-        demand = self.projected_blocks([*held, self._new(prompt, max_tokens)])
+        demand = self.projected_blocks([*held, self._new(prompt, max_tokens, generated)])
         if demand > self.budget:
             return f"projected KV demand {demand} blocks exceeds {self.budget} (kv-aware admission)"
         return None
@@ -391,6 +394,7 @@ class CostAwareAdmission(KVAwareAdmission):
         max_tokens: int,
         held: Sequence[HeldRequest],
         waiting: float | None = None,
+        generated: int = 0,
     ) -> str | None:
         refused = GreedyAdmission.check(self, prompt, max_tokens, held)  # first come, first served
         if refused is not None:
@@ -399,7 +403,8 @@ class CostAwareAdmission(KVAwareAdmission):
             return None
         # one pass over everyone held, the new request included (its spread counts too)
         no_line = waiting is not None and waiting <= self.NO_LINE
-        demand, limit = self._limit([*held, self._new(prompt, max_tokens)], max_tokens, no_line)
+        new = self._new(prompt, max_tokens, generated)
+        demand, limit = self._limit([*held, new], max_tokens, no_line)
         if demand > limit:
             return f"projected KV demand {demand} blocks exceeds {limit} (cost-aware admission)"
         return None

@@ -85,7 +85,7 @@ class AdmissionGate:
     def finished(self, done: FinishedRequest) -> None:
         """A request left the engine: a completed one's length teaches the estimator."""
         if self.admission is not None and done.completed:
-            self.admission.estimator.observe(len(done.output_token_ids))
+            self.admission.estimator.observe(done.output_length)
 
     def step(self) -> StepOutput:
         """Admit what the policy lets in, then one whole step of the engine, timed for the

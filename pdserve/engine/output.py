@@ -32,6 +32,12 @@ class FinishedRequest:
     output_token_ids: list[int]
     metrics: RequestMetrics
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prior_output_tokens: int = 0  # generated before this engine held it (Request's)
+
+    @property
+    def output_length(self) -> int:
+        """Its whole output: what it generated here and before (a migration's)."""
+        return self.prior_output_tokens + len(self.output_token_ids)
 
     @property
     def completed(self) -> bool:
@@ -47,6 +53,7 @@ class FinishedRequest:
             output_token_ids=list(req.output_token_ids),
             metrics=req.metrics,
             logprobs=list(req.logprobs),
+            prior_output_tokens=req.prior_output_tokens,
         )
 
 
@@ -76,11 +83,12 @@ class HeldRequest:
 
     @staticmethod
     def of(req: Request) -> HeldRequest:
+        prior = req.prior_output_tokens  # a migrated request's output counts from its start
         return HeldRequest(
             req.request_id,
             req.num_tokens,
-            req.num_output_tokens,
-            req.params.max_tokens,
+            prior + req.num_output_tokens,
+            prior + req.params.max_tokens,
             tuple(req.block_ids),
         )
 

@@ -53,6 +53,9 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     committed_blocks: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # tokens it generated before this engine held it (a migration's: its prompt ends with
+    # them): admission and the length estimator count its output from there
+    prior_output_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -559,6 +559,9 @@ class Handoff:
                         ),
                         line=line,
                         decode_workers=decode_workers,
+                        # a resumed request's prompt ends with every token it sent: its
+                        # output counts from its start
+                        generated_tokens=len(run.tokens),
                     ),
                     timeout=self.config.reserve_rpc_timeout_s,
                 )

@@ -86,6 +86,8 @@ class Mover:
                     lease_s=self.config.lease_s,
                     push_window_s=window,
                     extra_tokens=extra,
+                    # the prompt ends with every sent token but the last (it counts again)
+                    generated_tokens=len(sent) - 1,
                 ),
                 timeout=self.config.reserve_rpc_timeout_s,
             )

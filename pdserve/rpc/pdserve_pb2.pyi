@@ -253,7 +253,7 @@ class RankKV(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_s", "push_window_s", "extra_tokens", "line", "decode_workers")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_s", "push_window_s", "extra_tokens", "line", "decode_workers", "generated_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +262,7 @@ class ReserveRequest(_message.Message):
     EXTRA_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LINE_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -270,7 +271,8 @@ class ReserveRequest(_message.Message):
     extra_tokens: int
     line: int
     decode_workers: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., lease_s: _Optional[float] = ..., push_window_s: _Optional[float] = ..., extra_tokens: _Optional[int] = ..., line: _Optional[int] = ..., decode_workers: _Optional[int] = ...) -> None: ...
+    generated_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., lease_s: _Optional[float] = ..., push_window_s: _Optional[float] = ..., extra_tokens: _Optional[int] = ..., line: _Optional[int] = ..., decode_workers: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("block_ids", "layout", "agent_metadata", "worker_id", "cached_blocks", "headroom_cost_blocks", "fence", "ranks")
