@@ -101,6 +101,9 @@ def test_hidden_lengths_end_each_request_at_its_length_and_greedy_does_not_notic
 
 
 def test_the_admission_sees_the_cap_not_the_length(monkeypatch):
+    """Every request admission looks at, colocated or on a cluster's decode workers (moved
+    ones included: their output counts from their start, under the whole cap), is held at
+    the cap."""
     seen: list[int] = []
     real = HeldRequest.__init__
 
@@ -112,6 +115,14 @@ def test_the_admission_sees_the_cap_not_the_length(monkeypatch):
     specs = specs_of("reasoning", 6, seed=1, mean_output=20, max_output=40)
     simulate(colocated(150), "kv-aware+tiered", specs, 3, label="")
     assert seen and set(seen) == {150}
+    seen.clear()
+    config = model_config("pdserve/sim/configs/qwen2.5-32b.json")
+    specs = specs_of("reasoning", 40, seed=2, mean_output=400, max_output=1200)
+    setup = Setup(config, load_profile("h200"), Topology(prefill=1, decode=2),
+                  EngineArgs(block_size=16, num_kv_blocks=300), skew="late-join",
+                  max_tokens=1200)  # fmt: skip
+    moved = simulate(setup, "kv-aware+tiered+migrate", specs, concurrency=10, label="")
+    assert moved["migrations"] > 0 and seen and set(seen) == {1200}
 
 
 def test_a_migrated_request_keeps_its_hidden_length():

@@ -83,12 +83,15 @@ class HeldRequest:
 
     @staticmethod
     def of(req: Request) -> HeldRequest:
-        prior = req.prior_output_tokens  # a migrated request's output counts from its start
+        # a migrated request's output counts from its start: the tokens it generated
+        # elsewhere (its prompt ends with them, and so does what a Start added to it) and
+        # what it may still generate here (max_total_tokens is fixed at its Reserve)
+        prior = req.prior_output_tokens
         return HeldRequest(
             req.request_id,
             req.num_tokens,
             prior + req.num_output_tokens,
-            prior + req.params.max_tokens,
+            prior + req.max_total_tokens - req.num_prompt_tokens,
             tuple(req.block_ids),
         )
 
