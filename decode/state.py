@@ -116,7 +116,7 @@ class DecodeState:
                 f"requests: this worker holds {len(held)}, its most (max_requests "
                 f"{self.max_requests}: each streams on a server thread)"
             )
-        cap = generated + params.max_tokens  # its whole output's, counted from its start
+        cap = req.output_cap  # its whole output's, counted from its start
         refused = self.admission.check(req.token_ids, cap, held, waiting, generated)
         if refused is not None:
             raise ReservationError(refused)

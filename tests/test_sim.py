@@ -114,6 +114,10 @@ def test_a_simulated_run_keeps_the_garbage_collector_out_of_its_steps(monkeypatc
         seen["collected"] = len(collections) - before
         return out
 
+    # a low threshold, so that the unpaused run collects whatever count gc starts from
+    # (at the default 700 it once started close enough to zero to finish without one)
+    threshold = gc.get_threshold()
+    gc.set_threshold(50)
     gc.callbacks.append(counted)
     try:
         eng = sim_engine(config, args, COST, load_profile("h200"), 60)
@@ -126,6 +130,7 @@ def test_a_simulated_run_keeps_the_garbage_collector_out_of_its_steps(monkeypatc
         point = simulate(setup, "greedy+recompute", specs, concurrency=16)
     finally:
         gc.callbacks.remove(counted)
+        gc.set_threshold(*threshold)
     assert unpaused > 0, "the load must be big enough to collect without the pause"
     assert seen == {"enabled": False, "collected": 0}
     assert gc.isenabled()

@@ -83,16 +83,9 @@ class HeldRequest:
 
     @staticmethod
     def of(req: Request) -> HeldRequest:
-        # a migrated request's output counts from its start: the tokens it generated
-        # elsewhere (its prompt ends with them, and so does what a Start added to it) and
-        # what it may still generate here (max_total_tokens is fixed at its Reserve)
-        prior = req.prior_output_tokens
+        # a migrated request's output counts from its start
         return HeldRequest(
-            req.request_id,
-            req.num_tokens,
-            prior + req.num_output_tokens,
-            prior + req.max_total_tokens - req.num_prompt_tokens,
-            tuple(req.block_ids),
+            req.request_id, req.num_tokens, req.output_length, req.output_cap, tuple(req.block_ids)
         )
 
 

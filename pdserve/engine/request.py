@@ -69,6 +69,17 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    @property
+    def output_length(self) -> int:
+        """Its output from its start: here and before this engine held it (a migration's)."""
+        return self.prior_output_tokens + self.num_output_tokens
+
+    @property
+    def output_cap(self) -> int:
+        """The most its output may reach, counted from its start (max_total_tokens is fixed
+        at its arrival here; the tokens a migration's Start adds count in both terms)."""
+        return self.prior_output_tokens + self.max_total_tokens - self.num_prompt_tokens
+
     def append_token(self, token: int) -> bool:
         """Append a sampled token -> whether the request finished with it."""
         tokens = self.token_ids

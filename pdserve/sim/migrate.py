@@ -121,7 +121,7 @@ class SimMigrations:
                 push_window_s=self.config.migrate_timeout_s + self.config.push_margin_s,
                 extra_tokens=min(self.config.migrate_extra_tokens, left),
                 # its output so far, but the last token (the context ends before it)
-                generated=req.prior_output_tokens + req.num_output_tokens - 1,
+                generated=req.output_length - 1,
             )
         except (ReservationError, ValueError) as e:
             return Moved(False, str(e))

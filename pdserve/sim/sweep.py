@@ -61,12 +61,14 @@ def sim_sweep(
     label: str = "sim",
 ) -> dict:
     points = []
-    for c in concurrencies:  # a cap the workload does not fit: said before anything runs
-        check_lengths(setup, load.for_point(c, setup.seed))
+    # each point's requests, the same for every policy; a cap they do not fit is said
+    # before anything runs
+    specs = {c: load.for_point(c, setup.seed) for c in concurrencies}
+    for c in concurrencies:
+        check_lengths(setup, specs[c])
     grid = [(p, c) for p in policies for c in concurrencies]
     for policy, c in progress(grid, desc="pdserve sim", unit="point"):
-        specs = load.for_point(c, setup.seed)
-        points.append(simulate(setup, policy, specs, c, label=f"{policy} c={c}"))
+        points.append(simulate(setup, policy, specs[c], c, label=f"{policy} c={c}"))
     topo = setup.topology
     lengths = (
         "max_tokens = each request's length"
